@@ -1,0 +1,112 @@
+"""Typed configuration of an engine: the model's shape (from config.json) and the cache."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.scheduler import SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The part of a Hugging Face config.json the Llama family needs."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        raw = json.loads(config_file.read_text())
+        architectures = raw.get("architectures") or ["?"]
+        heads = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_scaling = raw.get("rope_scaling")
+        if rope.get("rope_type", "default") != "default":
+            rope_scaling = rope
+        eos = raw.get("eos_token_id")
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+        return cls(
+            path=str(path),
+            architecture=architectures[0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", is_qwen2),
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; built from CLI flags / SPLITSERVE_* env by the services."""
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache (CPU; explicit budget on GPU too)
+    gpu_memory_utilization: float = 0.85  # used on GPU when kv_cache_memory is 0
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests)
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r} (choose auto, cpu or cuda)")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # On CPU float32 measured faster than bfloat16 for decode here (see README);
+            # on GPU bfloat16.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
+        return DTYPES[self.dtype]

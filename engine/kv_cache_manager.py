@@ -1,0 +1,137 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching and freeing.
+
+Imports no torch. Owned by the engine thread (the scheduler calls it).
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
+            parent = hash_block_tokens(parent, tuple(tokens[start : start + bs]))
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in whole blocks. At least one token is left
+        uncomputed, because the forward pass must produce logits for the next token."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        bs = self.block_size
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.get_cached_block(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        needed = cdiv(num_tokens, self.block_size) - len(self._req_blocks.get(request.request_id, ()))
+        return needed <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and after any
+        prefix-hit blocks being adopted now). Returns the ids of newly allocated blocks, or
+        None, changing nothing, when the pool cannot supply them."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self._req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Adopting a free cached block removes it from the free queue too.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+        self.pool.touch(new_computed_blocks)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
+        blocks = self._req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        if new_computed_blocks:
+            self._num_cached_blocks[request.request_id] = len(blocks) - len(new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        bs = self.block_size
+        for i in range(start, num_full):
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(blocks[i], request.block_hashes[i], tokens)
+        self._num_cached_blocks[rid] = num_full
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release blocks past the first `num_tokens` tokens (speculative rollback)."""
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(blocks):
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(extra))
+            cached = self._num_cached_blocks.get(request.request_id, 0)
+            self._num_cached_blocks[request.request_id] = min(cached, keep)
+
+    def free(self, request: Request) -> None:
+        blocks = self._req_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))

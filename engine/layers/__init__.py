@@ -1,0 +1,1 @@
+"""Building blocks of the Llama family, written tensor-parallel-ready."""

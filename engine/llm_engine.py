@@ -1,0 +1,230 @@
+"""The engine: one model runner, one scheduler, and the step API the services drive.
+
+Owned by a single thread (a service's engine loop, or the caller of `generate`); no method
+is thread-safe. Services hand work to that thread instead of calling in from elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner
+from engine.outputs import Logprobs, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free KV blocks right now to reserve room for a prompt (retryable)."""
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Logprobs]
+    text: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.runner = ModelRunner(config, self.model_config)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._held: dict[str, Request] = {}  # prefill role: finished, KV not yet copied out
+        self._rng = random.Random(config.seed)
+        self._tokenizer = None
+        self.num_steps = 0
+
+    # -- admission -----------------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError before any state changes."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        for token in prompt_token_ids:
+            if not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
+                "tokens (prompt plus at least one generated token); shorten the prompt"
+            )
+        if cdiv(n + 1, self.config.block_size) > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt has {n} tokens but this worker's KV cache holds only "
+                f"{self.kv.num_blocks * self.config.block_size}"
+            )
+        params.validate(vocab)
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _make_request(self, request_id, prompt_token_ids, params, priority, hold_kv, arrival_time):
+        self.validate(request_id, prompt_token_ids, params)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
+        return Request(
+            request_id, list(prompt_token_ids), params,
+            eos_token_ids=self.model_config.eos_token_ids, priority=priority,
+            arrival_time=arrival_time, hold_kv=hold_kv, max_model_len=self.max_model_len,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        hold_kv: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. `hold_kv` (prefill role) keeps its KV after the first token and
+        returns it in that token's RequestOutput.kv."""
+        request = self._make_request(request_id, prompt_token_ids, params, priority, hold_kv, arrival_time)
+        if hold_kv:
+            self._held[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        priority: int = 0,
+    ) -> list[int]:
+        """Decode role: reserve blocks for a prompt whose KV a prefill worker will send.
+        Returns the block ids to scatter into; raises KVCacheFull at once if they don't fit."""
+        request = self._make_request(request_id, prompt_token_ids, params, priority, False, None)
+        block_ids = self.scheduler.reserve_for_remote_kv(request)
+        if block_ids is None:
+            raise KVCacheFull(
+                f"{cdiv(len(prompt_token_ids), self.config.block_size)} KV blocks needed, "
+                f"{self.kv.num_free_blocks} free"
+            )
+        return block_ids
+
+    def receive_remote_kv(
+        self, request_id: str, first_token: int, payload: torch.Tensor | None
+    ) -> RequestOutput | None:
+        """Write a prompt's received KV into its reserved blocks and start decoding it.
+        Returns an output only when the first token already finished the request."""
+        request = self.scheduler.waiting_for_kv.get(request_id)
+        if request is None:
+            return None  # aborted meanwhile: the payload is dropped
+        if payload is not None:
+            block_ids = self.kv.block_ids(request_id)
+            self.runner.scatter_kv(block_ids[: payload.shape[2]], payload)
+        self.scheduler.remote_kv_arrived(request_id, first_token)
+        if request.is_finished:
+            return self._final_output(request)
+        return None
+
+    def recompute_locally(self, request_id: str) -> bool:
+        return self.scheduler.recompute_locally(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; a no-op for unknown or finished requests."""
+        held = self._held.pop(request_id, None)
+        request = self.scheduler.abort(request_id)
+        if request is None and held is not None and held.is_finished:
+            self.scheduler.release_held_kv(held)
+            return True
+        return request is not None
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute_model(sched)
+        outputs = self.scheduler.update(sched, result)
+        if not sched.is_empty:
+            self.num_steps += 1
+        for out in outputs:
+            if out.finished and out.request_id in self._held:
+                request = self._held.pop(out.request_id)
+                num_blocks = cdiv(request.num_prompt_tokens, self.config.block_size)
+                out.kv = self.runner.gather_kv(self.kv.block_ids(out.request_id)[:num_blocks])
+                self.scheduler.release_held_kv(request)
+        return outputs
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[], finished=True,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "waiting_for_kv": len(self.scheduler.waiting_for_kv),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
+            "prefix_queries": self.kv.prefix_queries,
+            "prefix_hits": self.kv.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+        }
+
+    # -- offline -------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        return self._tokenizer
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[GenerationResult]:
+        """Run prompts (text or token ids) to completion; results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids: list[str] = []
+        results: dict[str, GenerationResult] = {}
+        start = time.monotonic()
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"gen-{i}-{start}"
+            self.add_request(rid, token_ids, p, arrival_time=start + i * 1e-9)
+            ids.append(rid)
+            results[rid] = GenerationResult(rid, token_ids, [], None, [])
+        while self.has_unfinished():
+            for out in self.step():
+                result = results[out.request_id]
+                result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        if self._tokenizer is not None or any(isinstance(p, str) for p in prompts):
+            for result in results.values():
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return [results[rid] for rid in ids]

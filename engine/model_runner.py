@@ -1,0 +1,210 @@
+"""Owns the model and its paged KV cache; turns one SchedulerOutput into one forward pass.
+
+Owned by the engine thread. Keeps its own view of each scheduled request (tokens, blocks),
+updated from the scheduler's diffs, so the same code runs on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.models.loader import load_model
+from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine.sampler import Sampler, SamplingRow, top_logprobs
+from engine.sampling_params import SamplingParams
+from kernels.attention import AttentionMetadata
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    params: SamplingParams
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
+    return model.num_layers * 2 * block_size * kv_heads * model.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.block_size = config.block_size
+        self.model = load_model(model_config, self.dtype, self.device)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads  # on this rank
+        self.num_blocks = self._num_blocks()
+        # One tensor for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
+        # This is also the layout kv_transfer ships, so a request's KV is one index_select.
+        self.kv_cache = torch.zeros(
+            model_config.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+            model_config.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(
+            self.model_config, self.block_size, self.dtype, self.num_kv_heads
+        )
+        budget = self.config.kv_cache_memory
+        if self.device.type == "cuda" and not budget:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+        num = budget // per_block
+        if num < 1:
+            raise ValueError(
+                f"KV cache budget {budget} bytes holds no block of {per_block} bytes; "
+                "raise --kv-cache-memory"
+            )
+        return int(num)
+
+    # -- KV movement (prefill -> decode) -------------------------------------------------
+
+    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, index)
+
+    def scatter_kv(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, index, payload.to(self.kv_cache.device, self.kv_cache.dtype))
+
+    # -- one step -----------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids | sched.preempted_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                num_prompt_tokens=new.num_prompt_tokens,
+                params=new.sampling_params,
+                prompt_logprobs=[None] if new.sampling_params.prompt_logprobs is not None else None,
+            )
+        for diff in sched.cached_requests:
+            state = self.requests[diff.request_id]
+            state.block_ids.extend(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        bs = self.block_size
+        # Single-token requests first: they take the batched decode path.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_seqs: list[tuple[int, int, int]] = []
+        prefill_tables: list[torch.Tensor] = []
+        sample_rows: list[tuple[str, int]] = []  # (request id, row in hidden)
+        prompt_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
+        for rid, n in order:
+            state = self.requests[rid]
+            start = state.num_computed_tokens
+            end = start + n
+            row0 = len(input_ids)
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                decode_tables.append(blocks)
+                decode_lens.append(end)
+            else:
+                prefill_seqs.append((row0, n, end))
+                prefill_tables.append(torch.tensor(blocks, dtype=torch.long))
+            if state.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+                count = min(end, state.num_prompt_tokens - 1) - start
+                prompt_rows.append((rid, row0, count))
+            if end >= len(state.token_ids):
+                sample_rows.append((rid, row0 + n - 1))
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=_pad_tables(decode_tables, dev) if decode_tables else None,
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            if decode_lens else None,
+            decode_max_seq_len=max(decode_lens, default=0),
+            prefill_seqs=prefill_seqs,
+            prefill_block_tables=[t.to(dev) for t in prefill_tables],
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        for rid, n in order:
+            self.requests[rid].num_computed_tokens += n
+        prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else {}
+        if not sample_rows:
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_lps)
+
+        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        rows = []
+        for rid, _ in sample_rows:
+            state = self.requests[rid]
+            rows.append(
+                SamplingRow(
+                    params=state.params,
+                    seed=state.params.seed,
+                    position=len(state.token_ids),
+                    token_ids=state.token_ids,
+                    num_prompt_tokens=state.num_prompt_tokens,
+                )
+            )
+        tokens, logprobs = self.sampler(logits, rows)
+        sampled: dict[str, list[int]] = {}
+        out_logprobs: dict[str, list[Logprobs]] = {}
+        for (rid, _), token, lp in zip(sample_rows, tokens, logprobs):
+            self.requests[rid].token_ids.append(token)
+            sampled[rid] = [token]
+            if lp is not None:
+                out_logprobs[rid] = [lp]
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=out_logprobs, prompt_logprobs=prompt_lps
+        )
+
+    def _prompt_logprobs(self, hidden, prompt_rows) -> dict[str, list[Logprobs | None]]:
+        """Logprobs of each prompt token given the ones before it (completions' echo)."""
+        done: dict[str, list[Logprobs | None]] = {}
+        for rid, row0, count in prompt_rows:
+            state = self.requests[rid]
+            logprobs = self.model.compute_logits(hidden[row0 : row0 + count]).float().log_softmax(-1)
+            start = len(state.prompt_logprobs)  # next prompt position to score
+            for i in range(count):
+                token = state.token_ids[start + i]
+                state.prompt_logprobs.append(
+                    top_logprobs(logprobs[i], token, state.params.prompt_logprobs)
+                )
+            if len(state.prompt_logprobs) >= state.num_prompt_tokens:
+                done[rid] = state.prompt_logprobs
+        return done
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

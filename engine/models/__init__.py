@@ -1,0 +1,1 @@
+"""Model implementations and the registry that maps `architectures` to them."""

@@ -1,0 +1,117 @@
+"""Turns logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
+logprobs. Randomness belongs to the request: the noise for a token is drawn from a generator
+keyed by (seed, position), so batch composition and the worker that samples do not matter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One position to sample: the request's params and the tokens that precede it."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # index of the token being sampled within the sequence
+    token_ids: list[int]  # prompt + output so far (for penalties)
+    num_prompt_tokens: int
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    p = row.params
+    device = logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=device)
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if p.presence_penalty or p.frequency_penalty:
+        output = row.token_ids[row.num_prompt_tokens :]
+        if output:
+            ids = torch.tensor(output, dtype=torch.long, device=device)
+            counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Top-k then top-p then min-p on temperature-scaled logits; returns probabilities."""
+    device = logits.device
+    top_ks = [r.params.top_k for r in rows]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=device)
+        kmax = int(ks.max())
+        top = logits.topk(kmax, dim=-1).values
+        threshold = top.gather(1, (ks - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_ps):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly ahead of each token
+        ps = torch.tensor(top_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(before >= ps, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    min_ps = [r.params.min_p for r in rows]
+    if any(m > 0 for m in min_ps):
+        ms = torch.tensor(min_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash((seed, position)) & _MASK63)
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[Logprobs | None]]:
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        if any(r.params.needs_penalties for r in rows):
+            logits = logits.clone()
+            for i, row in enumerate(rows):
+                if row.params.needs_penalties:
+                    _apply_penalties(logits[i], row)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            subset = [rows[i] for i in random_rows]
+            index = torch.tensor(random_rows, device=logits.device)
+            temps = torch.tensor([r.params.temperature for r in subset], device=logits.device)
+            probs = _filter(logits[index] / temps.unsqueeze(1), subset)
+            noise = torch.stack(
+                [noise_for(r.seed, r.position, logits.shape[-1], logits.device) for r in subset]
+            )
+            # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
+            tokens[index] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                if want_logprobs[i]:
+                    logprobs[i] = top_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
+        return token_list, logprobs
+
+
+def top_logprobs(row_logprobs: torch.Tensor, token: int, n: int) -> Logprobs:
+    chosen = row_logprobs[token]
+    rank = int((row_logprobs > chosen).sum()) + 1
+    top: dict[int, float] = {}
+    if n:
+        values, ids = row_logprobs.topk(n)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return Logprobs(logprob=float(chosen), rank=rank, top=top)

@@ -1,0 +1,276 @@
+"""Iteration-level scheduling: which requests run this step and how many tokens each.
+
+Running requests first (decode tokens and unfinished prefill chunks), then waiting ones in
+(priority, arrival) order, all under one token budget. When blocks run out, the lowest
+priority, newest running request is preempted by recompute. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+)
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    # Longest prefill chunk one request may take in a step (chunked prefill).
+    long_prefill_token_threshold: int = 512
+    enable_chunked_prefill: bool = True
+
+
+def _order_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    """Owned by the engine thread."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        # Runner-side knowledge: which requests it holds state for.
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- admission -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=_order_key)
+
+    def reserve_for_remote_kv(self, request: Request) -> list[int] | None:
+        """Decode role: allocate blocks for the prompt now; the KV arrives later. Returns the
+        block ids, or None (nothing changed) when the cache cannot hold the prompt."""
+        new_ids = self.kv.allocate_slots(request, request.num_prompt_tokens)
+        if new_ids is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+        return new_ids
+
+    def remote_kv_arrived(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV is in the reserved blocks: the request joins the running batch
+        with its first token (sampled by the prefill worker) already appended."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token(first_token)
+        self.kv.cache_blocks(request)
+        if request.check_stop():
+            self._finish(request)
+            return request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def recompute_locally(self, request_id: str) -> bool:
+        """KV transfer failed: drop the reservation and prefill the prompt here instead."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_order_key)
+        return True
+
+    def abort(self, request_id: str) -> Request | None:
+        """No-op (None) for unknown or finished requests."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request_id]
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finish(request)
+        return request
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+                if new_block_ids is not None:
+                    break
+                # Only requests not yet scheduled this step are candidates, so nothing
+                # already emitted has to be taken back.
+                victim = max(self.running[i:], key=_order_key)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                continue  # this request was the victim; running[i] is now the next one
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, new_block_ids, new_reqs, cached_reqs)
+            i += 1
+
+        # Requests preempted this step must not be rescheduled in the same step.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if preempted:
+                break
+            request = self.waiting[0]
+            hit_blocks: list = []
+            num_hit = 0
+            # Prompt logprobs need every prompt position computed, so no prefix reuse.
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(self._chunk(num_new), budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop(0)
+            if request.num_computed_tokens == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens += num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, new_block_ids, new_reqs, cached_reqs)
+
+        finished, self._finished_ids = self._finished_ids, set()
+        ordered = {r.request_id: num_scheduled[r.request_id] for r in self.running
+                   if r.request_id in num_scheduled}
+        return SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=ordered,
+            total_num_scheduled_tokens=sum(ordered.values()),
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _chunk(self, num_tokens: int) -> int:
+        if self.config.enable_chunked_prefill:
+            return min(num_tokens, self.config.long_prefill_token_threshold)
+        return num_tokens
+
+    def _emit(self, request: Request, new_block_ids: list[int], new_reqs, cached_reqs) -> None:
+        rid = request.request_id
+        if rid in self._known_to_runner:
+            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens))
+            return
+        self._known_to_runner.add(rid)
+        new_reqs.append(
+            NewRequestData(
+                request_id=rid,
+                token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.block_ids(rid),
+                num_computed_tokens=request.num_computed_tokens,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self._known_to_runner.discard(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=_order_key)
+
+    def _finish(self, request: Request, keep_kv: bool = False) -> None:
+        if not keep_kv:
+            self.kv.free(request)
+        self._known_to_runner.discard(request.request_id)
+        self._finished_ids.add(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    def release_held_kv(self, request: Request) -> None:
+        """Prefill role: the KV has been copied out; its blocks may be reused (and stay in
+        the prefix cache until evicted)."""
+        self.kv.free(request)
+
+    # -- after the forward pass ----------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for rid, num_tokens in sched.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            sampled = result.sampled_token_ids.get(rid, ())
+            logprobs = result.logprobs.get(rid, [])
+            new_tokens: list[int] = []
+            for token in sampled:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                if request.check_stop():
+                    break
+            request.output_logprobs.extend(
+                (lp.logprob, lp.top) for lp in logprobs[: len(new_tokens)]
+            )
+            self.kv.cache_blocks(request)
+            prompt_lps = result.prompt_logprobs.get(rid)
+            if not new_tokens and prompt_lps is None:
+                continue
+            if request.is_finished:
+                self.running.remove(request)
+                self._finish(request, keep_kv=request.hold_kv)
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    new_token_ids=new_tokens,
+                    finished=request.is_finished,
+                    finish_reason=request.finish_reason,
+                    new_logprobs=list(logprobs[: len(new_tokens)]),
+                    prompt_logprobs=prompt_lps,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+        return outputs
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)

@@ -1,0 +1,127 @@
+"""Paged attention, torch reference (the CPU path and the oracle for GPU kernels).
+
+KV cache of one layer: k_cache and v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
+A batch is packed flat: first `num_decode_tokens` sequences with one query token each, then
+the other sequences (prefill chunks, speculative verification) back to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner and passed down explicitly to every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context incl. the new token
+    decode_max_seq_len: int
+    # Other sequences: (query start, query length, context length incl. the queries).
+    prefill_seqs: list[tuple[int, int, int]]
+    prefill_block_tables: list[torch.Tensor]  # one [num_blocks] int64 per prefill sequence
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. query: [B, heads, head_dim] -> [B, heads, head_dim].
+
+    Query heads that share a KV head are folded into the query-length axis, so grouped-query
+    attention needs no copy of K/V per query head."""
+    batch, num_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks]
+    # [B, blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+    keys = k_cache[tables].flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
+    q = query.view(batch, kv_heads, group, head_dim)
+    positions = torch.arange(max_seq_len, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_seq_len)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the last `q_len` positions over `ctx_len` keys.
+    query: [q_len, heads, D]; key/value: [ctx_len, kv_heads, D] -> [q_len, heads, D]."""
+    q_len, ctx_len = query.shape[0], key.shape[0]
+    q = query.transpose(0, 1)
+    k = key.transpose(0, 1)
+    v = value.transpose(0, 1)
+    if q_len == ctx_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
+        rows = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+        mask = torch.arange(ctx_len, device=query.device)[None, :] <= rows[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V, then attend every query over its sequence's cached context.
+    query: [tokens, heads, D]; key/value: [tokens, kv_heads, D] -> [tokens, heads, D]."""
+    store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    num_decode = meta.num_decode_tokens
+    if not meta.prefill_seqs:
+        return paged_decode_attention(
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+            meta.decode_max_seq_len, scale,
+        )
+    out = torch.empty_like(query)
+    if num_decode:
+        out[:num_decode] = paged_decode_attention(
+            query[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+            meta.decode_seq_lens, meta.decode_max_seq_len, scale,
+        )
+    for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables):
+        end = start + q_len
+        if ctx_len == q_len:
+            k, v = key[start:end], value[start:end]
+        else:  # cached prefix: read the whole context back from the paged cache
+            k = k_cache[table].flatten(0, 1)[:ctx_len]
+            v = v_cache[table].flatten(0, 1)[:ctx_len]
+        out[start:end] = prefill_attention(query[start:end], k, v, scale)
+    return out
