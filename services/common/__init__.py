@@ -1,0 +1,1 @@
+"""Plumbing shared by the worker services: engine thread, configuration, protobuf edge."""

@@ -1,0 +1,80 @@
+"""The protobuf edge of the workers: splitserve.v1 messages <-> engine types. Protobuf types
+go no further inward than this module."""
+
+from __future__ import annotations
+
+from splitserve.v1 import common_pb2
+
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Defaults for unset fields match the OpenAI API's."""
+    return SamplingParams(
+        max_tokens=pb.max_tokens or 16,
+        temperature=pb.temperature if pb.has_temperature else 1.0,
+        top_p=pb.top_p or 1.0,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        has_temperature=True,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        pb.seed = params.seed
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        pb.prompt_logprobs = params.prompt_logprobs
+    return pb
+
+
+def logprob_to_pb(token_id: int, lp: Logprobs | None) -> common_pb2.TokenLogprob:
+    if lp is None:
+        return common_pb2.TokenLogprob(token_id=token_id)
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+    )
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprobs:
+    return Logprobs(logprob=pb.logprob, rank=pb.rank, top={t.token_id: t.logprob for t in pb.top})
+
+
+def stats_to_pb(stats: dict[str, float]) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(**{k: int(v) for k, v in stats.items()
+                                     if k in common_pb2.WorkerStats.DESCRIPTOR.fields_by_name})

@@ -1,0 +1,37 @@
+"""Worker identity and the Health answer every worker gives (used for routing and tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.v1 import common_pb2
+
+from services.common import convert
+from services.common.engine_loop import EngineLoop
+
+
+@dataclass
+class WorkerState:
+    """Mutable identity of this worker process; `draining` is flipped by SIGTERM."""
+
+    role: str
+    worker_id: str
+    model_name: str
+    draining: bool = False
+
+
+def health_response(loop: EngineLoop, worker: WorkerState, kv_endpoint: str) -> common_pb2.HealthResponse:
+    status = common_pb2.HealthResponse.SERVING
+    if worker.draining or not loop.healthy:
+        status = common_pb2.HealthResponse.DRAINING
+    engine = loop.engine
+    return common_pb2.HealthResponse(
+        status=status,
+        role=worker.role,
+        model=worker.model_name,
+        stats=convert.stats_to_pb(loop.stats),
+        kv_endpoint=kv_endpoint,
+        block_size=engine.config.block_size,
+        max_model_len=engine.max_model_len,
+        worker_id=worker.worker_id,
+    )

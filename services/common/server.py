@@ -1,0 +1,147 @@
+"""Starts a worker process: engine thread, kv_transfer endpoints, gRPC servicers by role,
+and a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+from engine.llm_engine import LLMEngine
+from services.common.engine_loop import EngineLoop
+from services.common.health import WorkerState
+from services.common.worker_config import WorkerConfig
+
+log = logging.getLogger("splitserve.worker")
+
+
+def kv_layout_of(engine: LLMEngine):
+    from kv_transfer.layout import KVLayout
+
+    runner = engine.runner
+    return KVLayout(
+        num_layers=engine.model_config.num_layers,
+        num_kv_heads=runner.num_kv_heads,
+        head_dim=engine.model_config.head_dim,
+        block_size=engine.config.block_size,
+        dtype=str(runner.dtype).removeprefix("torch."),
+    )
+
+
+class Worker:
+    """One worker process. Objects here are created on the main thread; the engine runs on
+    its EngineLoop thread, gRPC on the asyncio loop, KV receives on kv_transfer threads."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.engine_config())
+        self.engine_loop = EngineLoop(self.engine)
+        self.state = WorkerState(config.role, config.resolved_worker_id, config.model_name)
+        self.receiver = None
+        self.senders = None
+        self.server: grpc.aio.Server | None = None
+        self.port = config.port
+
+    async def start(self) -> None:
+        from kv_transfer import KVReceiver, KVSenderPool
+
+        cfg = self.config
+        layout = kv_layout_of(self.engine)
+        device = self.engine.runner.device
+        self.engine_loop.start()
+        kv_endpoint = ""
+        if cfg.role in ("decode", "both"):
+            self.receiver = KVReceiver(
+                host=cfg.host, port=cfg.kv_port, layout=layout, device=device,
+                on_kv=self._on_kv, timeout_s=cfg.kv_transfer_timeout_s,
+                on_channel_error=self._on_channel_error,
+            )
+            kv_endpoint = self.receiver.endpoint
+        if cfg.role in ("prefill", "both"):
+            self.senders = KVSenderPool(layout=layout, device=device, timeout_s=cfg.kv_transfer_timeout_s)
+
+        from services.decode.servicer import DecodeServicer
+        from services.prefill.servicer import PrefillServicer
+
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ])
+        if cfg.role in ("prefill", "both"):
+            prefill_pb2_grpc.add_PrefillServicer_to_server(
+                PrefillServicer(self.engine_loop, self.senders, cfg.model_name, self.state), self.server
+            )
+        if cfg.role in ("decode", "both"):
+            decode_pb2_grpc.add_DecodeServicer_to_server(
+                DecodeServicer(self.engine_loop, kv_endpoint, self.state, cfg.kv_wait_timeout_s),
+                self.server,
+            )
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self.server.start()
+        log.info(
+            "worker ready role=%s id=%s grpc=%s:%d kv_endpoint=%s kv_blocks=%d dtype=%s",
+            cfg.role, self.state.worker_id, cfg.host, self.port, kv_endpoint or "-",
+            self.engine.kv.num_blocks, self.engine.runner.dtype,
+        )
+        # A line launchers and tests wait for.
+        print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} kv={kv_endpoint}", flush=True)
+
+    def _on_kv(self, header, payload) -> None:
+        # kv_transfer receiver thread: hand over to the engine thread, never touch the engine.
+        self.engine_loop.receive_remote_kv(header.request_key, header.first_token, payload)
+
+    def _on_channel_error(self, peer, exc) -> None:
+        # A prefill peer died. Requests still waiting for KV may have been on it: recompute
+        # them here (KV that arrives later from a healthy peer is then dropped harmlessly).
+        log.warning("KV channel to %s failed (%s); recomputing requests waiting for KV", peer, exc)
+
+        def recompute_all(engine: LLMEngine) -> None:
+            for rid in list(engine.scheduler.waiting_for_kv):
+                engine.recompute_locally(rid)
+
+        self.engine_loop.submit(recompute_all)
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Stop taking work, finish what is held (up to grace_s), then shut down."""
+        self.state.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.server is not None:
+            await self.server.stop(1.0)
+        self.close()
+
+    def close(self) -> None:
+        self.engine_loop.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.senders is not None:
+            self.senders.close()
+
+
+async def _serve(config: WorkerConfig, grace_s: float) -> None:
+    worker = Worker(config)
+    await worker.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining (grace %.0fs)", grace_s)
+    await worker.drain_and_stop(grace_s)
+
+
+def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log.info("config %s", config.describe())
+    asyncio.run(_serve(config, grace_s))
+    return 0

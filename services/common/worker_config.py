@@ -1,0 +1,148 @@
+"""One typed configuration object per worker process, from CLI flags and SPLITSERVE_* env."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass
+
+from engine.config import EngineConfig
+from engine.scheduler import SchedulerConfig
+
+ROLES = ("prefill", "decode", "both")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; '512M' -> 512000000; plain numbers are bytes."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _env(name: str, default):
+    return os.environ.get(f"SPLITSERVE_{name.upper()}", default)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # kv_transfer endpoint of a decode worker (its TCPStore); 0 picks a free port.
+    kv_port: int = 0
+    worker_id: str = ""
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 512
+    enable_prefix_caching: bool = True
+    num_threads: int = 0
+    # Decode role: how long a reserved request waits for its KV before recomputing locally.
+    kv_wait_timeout_s: float = 60.0
+    kv_transfer_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r} (choose {', '.join(ROLES)})")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"--model {self.model!r} is not a model folder (no config.json)")
+        parse_size(self.kv_cache_memory)
+        if self.kv_wait_timeout_s <= 0:
+            raise ValueError("--kv-wait-timeout-s must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.model))
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_memory=parse_size(self.kv_cache_memory),
+            num_kv_blocks=self.num_kv_blocks or None,
+            max_model_len=self.max_model_len or None,
+            enable_prefix_caching=self.enable_prefix_caching,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            num_threads=self.num_threads or None,
+        )
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> None:
+    """Flags for every WorkerConfig field; each defaults to SPLITSERVE_<FIELD> if set."""
+    if role is None:
+        parser.add_argument("--role", choices=ROLES, default=_env("role", "both"))
+    parser.add_argument("--model", default=_env("model", "models/smollm2-135m-instruct"))
+    parser.add_argument("--host", default=_env("host", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(_env("port", 50051)))
+    parser.add_argument("--kv-port", type=int, default=int(_env("kv_port", 0)))
+    parser.add_argument("--worker-id", default=_env("worker_id", ""))
+    parser.add_argument("--dtype", default=_env("dtype", "auto"))
+    parser.add_argument("--device", default=_env("device", "auto"))
+    parser.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
+    parser.add_argument("--kv-cache-memory", default=_env("kv_cache_memory", "1GiB"))
+    parser.add_argument("--num-kv-blocks", type=int, default=int(_env("num_kv_blocks", 0)))
+    parser.add_argument("--max-model-len", type=int, default=int(_env("max_model_len", 0)))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=int(_env("max_num_batched_tokens", 2048)))
+    parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 128)))
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=int(_env("long_prefill_token_threshold", 512)))
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        default=_env("no_prefix_caching", "") not in ("", "0"))
+    parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)))
+    parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
+    parser.add_argument("--kv-transfer-timeout-s", type=float,
+                        default=float(_env("kv_transfer_timeout_s", 30)))
+    parser.add_argument("--log-level", default=_env("log_level", "INFO"))
+
+
+def worker_config_from_args(args: argparse.Namespace, role: str | None) -> WorkerConfig:
+    return WorkerConfig(
+        role=role or args.role,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
+        kv_wait_timeout_s=args.kv_wait_timeout_s,
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        log_level=args.log_level,
+    )

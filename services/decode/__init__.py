@@ -1,0 +1,1 @@
+"""The decode worker: continuous-batch generation over KV received from prefill workers."""

@@ -1,0 +1,1 @@
+"""The prefill worker: runs prompts, returns first tokens, ships KV to decode workers."""

@@ -1,0 +1,88 @@
+"""The `splitserve` command: one subcommand per module, imported only when that subcommand runs.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Adding a command is
+one line in COMMANDS; `splitserve --help` imports none of them, so it stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "model": Command(
+        "splitserve_cli.prepare_model", "convert the bundled SmolLM2 GGUF into models/"
+    ),
+    "tiny-model": Command(
+        "splitserve_cli.tiny_model", "write a tiny random model folder for tests"
+    ),
+    "prefill": Command("services.prefill.main", "run a prefill worker (gRPC + KV sender)"),
+    "decode": Command("services.decode.main", "run a decode worker (gRPC + KV receiver)"),
+    "worker": Command("services.common.worker_main", "run a worker in any role (both = aggregated)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return _run_command(argv[0], argv[1:])
+    # Only help, a missing or an unknown command get here; argparse prints and exits for those.
+    _top_level_parser().parse_args(argv)
+    return 2
+
+
+def _top_level_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Disaggregated prefill/decode LLM serving.",
+        epilog="Run `splitserve COMMAND --help` for a command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        commands.add_parser(name, help=command.summary, add_help=False)
+    return parser
+
+
+def _run_command(name: str, argv: list[str]) -> int:
+    command = COMMANDS[name]
+    module = _import_command(name, command)
+    parser = argparse.ArgumentParser(prog=f"splitserve {name}", description=command.summary)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv)) or 0)
+
+
+def _import_command(name: str, command: Command) -> ModuleType:
+    try:
+        module = importlib.import_module(command.module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (command.module + ".").startswith(exc.name + "."):
+            raise SystemExit(
+                f"splitserve {name}: module {command.module!r} does not exist "
+                f"(COMMANDS in {__name__} points at it)"
+            ) from exc
+        raise SystemExit(
+            f"splitserve {name}: {command.module} needs {exc.name!r}, which is not installed; "
+            "run `make install`"
+        ) from exc
+    missing = [
+        attr for attr in ("add_arguments", "run") if not callable(getattr(module, attr, None))
+    ]
+    if missing:
+        raise SystemExit(
+            f"splitserve {name}: {command.module} lacks {', '.join(a + '()' for a in missing)}"
+        )
+    return module
+
+
+if __name__ == "__main__":
+    sys.exit(main())
