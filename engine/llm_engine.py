@@ -55,6 +55,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._tokenizer = None
         self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model, all requests
 
     # -- admission -----------------------------------------------------------------------
 
@@ -162,6 +163,7 @@ class LLMEngine:
         outputs = self.scheduler.update(sched, result)
         if not sched.is_empty:
             self.num_steps += 1
+            self.num_computed_tokens += sched.total_num_scheduled_tokens
         for out in outputs:
             if out.finished and out.request_id in self._held:
                 request = self._held.pop(out.request_id)
@@ -190,6 +192,7 @@ class LLMEngine:
             "prefix_hits": self.kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            "computed_tokens": self.num_computed_tokens,
         }
 
     # -- offline -------------------------------------------------------------------------

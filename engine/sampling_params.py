@@ -76,8 +76,14 @@ class SamplingParams:
                 )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
+            # A non-integer count would only fail later, in torch.topk inside the engine loop.
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool)
+                or not 0 <= value <= self.MAX_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {self.MAX_LOGPROBS}], got {value!r}"
+                )
 
 
 def _check_finite(name: str, value: float) -> None:

@@ -159,7 +159,9 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.pop(0)
-            if request.num_computed_tokens == 0:
+            # Usage reports the prompt tokens served from the cache at first admission. A
+            # preempted request's hits on resumption are mostly its own output blocks.
+            if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens += num_hit
             request.status = RequestStatus.RUNNING

@@ -75,9 +75,18 @@ class EngineLoop:
 
         self.submit(command)
 
-    def receive_remote_kv(self, request_id: str, first_token: int, payload) -> None:
+    def receive_remote_kv(
+        self, request_id: str, first_token: int, payload, release: Callable | None = None
+    ) -> None:
+        """Queue received KV for the engine thread; `release(payload)` is called once the
+        payload has been copied into the cache (or dropped)."""
+
         def command(engine: LLMEngine) -> None:
-            out = engine.receive_remote_kv(request_id, first_token, payload)
+            try:
+                out = engine.receive_remote_kv(request_id, first_token, payload)
+            finally:
+                if release is not None:
+                    release(payload)
             if out is not None:
                 self._deliver([out])
 

@@ -59,6 +59,9 @@ class Worker:
                 host=cfg.host, port=cfg.kv_port, layout=layout, device=device,
                 on_kv=self._on_kv, timeout_s=cfg.kv_transfer_timeout_s,
                 on_channel_error=self._on_channel_error,
+                on_abort=lambda header: self.engine_loop.submit(
+                    lambda engine: engine.recompute_locally(header.request_key)
+                ),
             )
             kv_endpoint = self.receiver.endpoint
         if cfg.role in ("prefill", "both"):
@@ -94,7 +97,9 @@ class Worker:
 
     def _on_kv(self, header, payload) -> None:
         # kv_transfer receiver thread: hand over to the engine thread, never touch the engine.
-        self.engine_loop.receive_remote_kv(header.request_key, header.first_token, payload)
+        self.engine_loop.receive_remote_kv(
+            header.request_key, header.first_token, payload, release=self.receiver.release
+        )
 
     def _on_channel_error(self, peer, exc) -> None:
         # A prefill peer died. Requests still waiting for KV may have been on it: recompute

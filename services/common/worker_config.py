@@ -124,6 +124,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str | None) -> WorkerConfig:
+    """Raises SystemExit with a one-line message for invalid settings (no traceback)."""
+    try:
+        return _build(args, role)
+    except ValueError as exc:
+        raise SystemExit(f"splitserve worker: {exc}") from None
+
+
+def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
     return WorkerConfig(
         role=role or args.role,
         model=args.model,

@@ -63,11 +63,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         first = out.new_token_ids[0]
         kv_bytes = 0
         if request.decode_kv_endpoint and out.kv is not None:
-            kv_bytes = out.kv.numel() * out.kv.element_size()
-            future = self.senders.send(
-                request.decode_kv_endpoint, rid, first, out.num_prompt_tokens, out.kv
-            )
-            future.add_done_callback(lambda f, rid=rid: _log_failed_send(rid, f))
+            try:
+                future = self.senders.send(
+                    request.decode_kv_endpoint, rid, first, out.num_prompt_tokens, out.kv
+                )
+            except Exception as exc:  # queue full or bad endpoint: decode will recompute
+                log.warning("KV transfer of %s not queued: %s", rid, exc)
+            else:
+                kv_bytes = out.kv.numel() * out.kv.element_size()
+                future.add_done_callback(lambda f, rid=rid: _log_failed_send(rid, f))
         response = prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=convert.logprob_to_pb(first, out.new_logprobs[0] if out.new_logprobs else None),
