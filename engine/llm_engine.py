@@ -79,6 +79,11 @@ class LLMEngine:
                 f"{self.kv.num_blocks * self.config.block_size}"
             )
         params.validate(vocab)
+        if params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
+            )
         if request_id in self.scheduler.requests or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
 

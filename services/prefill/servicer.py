@@ -40,13 +40,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         prompt = list(request.prompt_token_ids)
         try:
             params = convert.sampling_from_pb(request.sampling)
-            # The prefill worker produces exactly one token; the decode worker the rest.
-            params = dataclasses.replace(params, max_tokens=1)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         def start(engine: LLMEngine):
-            engine.add_request(rid, prompt, params, priority=request.priority, hold_kv=True)
+            # Judge the request as the client sent it; then produce exactly one token here
+            # (the decode worker makes the rest).
+            engine.validate(rid, prompt, params)
+            first_only = dataclasses.replace(params, max_tokens=1)
+            engine.add_request(rid, prompt, first_only, priority=request.priority, hold_kv=True)
 
         try:
             stream, _ = await self.engine_loop.open(rid, start)

@@ -1,0 +1,93 @@
+"""Gateway errors in OpenAI's shape ({"error": {message, type, param, code}}), with the HTTP
+status and gRPC code each maps to, so both front doors report a failure the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL)
+
+    # -- the errors the gateway raises ----------------------------------------------------
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
+        return cls(400, message, "invalid_request_error", param, code)
+
+    @classmethod
+    def unauthorized(cls) -> APIError:
+        return cls(401, "Incorrect or missing API key; send `Authorization: Bearer <key>`.",
+                   "authentication_error", None, "invalid_api_key")
+
+    @classmethod
+    def model_not_found(cls, model: str, served: str) -> APIError:
+        return cls(404, f"The model `{model}` does not exist; this gateway serves `{served}`.",
+                   "invalid_request_error", "model", "model_not_found")
+
+    @classmethod
+    def not_found(cls, path: str) -> APIError:
+        return cls(404, f"Unknown path {path}.", "invalid_request_error", None, "not_found")
+
+    @classmethod
+    def too_large(cls, limit: int) -> APIError:
+        return cls(413, f"The request body is larger than this gateway's limit of {limit} bytes.",
+                   "invalid_request_error", None, "request_too_large")
+
+    @classmethod
+    def rate_limited(cls, message: str, retry_after_s: int = 1) -> APIError:
+        return cls(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after_s)
+
+    @classmethod
+    def overloaded(cls, message: str, retry_after_s: int = 1) -> APIError:
+        return cls(503, message, "server_error", None, "overloaded", retry_after_s)
+
+    @classmethod
+    def internal(cls, message: str) -> APIError:
+        return cls(500, message, "server_error", None, "internal_error")
+
+
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def from_worker_error(exc: grpc.aio.AioRpcError) -> APIError:
+    """The error a client sees when every attempt at a request failed with `exc`."""
+    code = exc.code()
+    details = exc.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError.invalid(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError.overloaded(f"No worker has room for this request now ({details}); retry.")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+        return APIError.overloaded(f"No worker could serve this request ({details}); retry.")
+    return APIError.internal(f"worker error: {details}")

@@ -1,0 +1,132 @@
+"""The model's tokenizer as the gateway needs it: encode, decode, per-token bytes and the chat
+template, from tokenizer.json / tokenizer_config.json alone (no transformers, no torch)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, decoders
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's chat template."""
+
+
+class ModelTokenizer:
+    """Read-only after construction; safe to share across the event loop and worker threads."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self.backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_file = model_dir / "tokenizer_config.json"
+        self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = self.config.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        self._template = _compile_template(template) if template else None
+        self._byte_level = _uses_byte_level(self.backend.decoder)
+        self._token_bytes: dict[int, bytes] = {}
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                **self._special_token_strings(),
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes the special tokens itself; adding them again would double BOS.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI logprobs' `bytes`)."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._compute_token_bytes(token_id)
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _compute_token_bytes(self, token_id: int) -> bytes:
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and not _is_added_token(self.backend, token_id):
+            return bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def _special_token_strings(self) -> dict[str, str]:
+        out = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = self.config.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            out[name] = value or ""
+        return out
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
+                                                                  ensure_ascii=False)
+    return env.from_string(source)
+
+
+def _uses_byte_level(decoder) -> bool:
+    if decoder is None:
+        return False
+    if isinstance(decoder, decoders.ByteLevel):
+        return True
+    if isinstance(decoder, decoders.Sequence):
+        return "ByteLevel" in repr(decoder)
+    return False
+
+
+def _is_added_token(backend: Tokenizer, token_id: int) -> bool:
+    return token_id in backend.get_added_tokens_decoder()
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to 256+."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {ch: b for b, ch in _byte_to_unicode().items()}
