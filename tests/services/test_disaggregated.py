@@ -11,7 +11,7 @@ import pytest
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from engine.sampling_params import SamplingParams
-from tests.processes import start_worker
+from splitserve_cli.processes import start_worker
 from tests.services.flows import aggregated, disaggregated, greedy
 
 pytestmark = pytest.mark.timeout(300)

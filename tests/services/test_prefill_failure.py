@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.processes import start_worker
+from splitserve_cli.processes import start_worker
 from tests.services.flows import aggregated, disaggregated, greedy, read_deltas
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
-"""Starting real splitserve worker processes for tests: free ports, a READY line with a
-deadline, and a kill in teardown whatever happens."""
+"""Starting real splitserve worker processes (tests, benchmarks, launchers): free ports, a READY
+line awaited with a deadline, and a kill in teardown whatever happens."""
 
 from __future__ import annotations
 
