@@ -45,6 +45,8 @@ class EngineLoop:
         self.stats: dict[str, float] = engine.stats()
         self.step_seconds = 0.0
         self.healthy = True
+        # Called (on the engine thread) if the loop dies, e.g. to stop the process.
+        self.on_crash: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -161,10 +163,17 @@ class EngineLoop:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
-        except Exception:
+        except Exception as exc:
             log.exception("engine loop crashed; worker is unhealthy")
             self.healthy = False
-            raise
+            # Every open stream ends with an error instead of hanging.
+            streams, self._streams = self._streams, {}
+            for rid, stream in streams.items():
+                error = RequestOutput(rid, [], finished=True, finish_reason="error",
+                                      error=f"engine failure: {exc}")
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            if self.on_crash is not None:
+                self.on_crash()
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -135,11 +135,16 @@ async def _serve(config: WorkerConfig, grace_s: float) -> None:
     await worker.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    worker.engine_loop.on_crash = lambda: loop.call_soon_threadsafe(stop.set)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if not worker.engine_loop.healthy:
+        await worker.drain_and_stop(0)
+        return 1
     log.info("draining (grace %.0fs)", grace_s)
     await worker.drain_and_stop(grace_s)
+    return 0
 
 
 def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
@@ -148,5 +153,4 @@ def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     log.info("config %s", config.describe())
-    asyncio.run(_serve(config, grace_s))
-    return 0
+    return asyncio.run(_serve(config, grace_s))

@@ -1,0 +1,105 @@
+"""The gateway's one typed configuration object, from CLI flags and SPLITSERVE_GATEWAY_* env
+(SPLITSERVE_MODEL for the model folder, shared with the workers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields
+
+from services.common.worker_config import parse_size
+
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = DEFAULT_MODEL  # folder with tokenizer.json (the weights are not loaded)
+    served_model_name: str = ""  # default: the folder's name, as the workers report it
+    prefill: tuple[str, ...] = ()  # disaggregated: prefill workers ...
+    decode: tuple[str, ...] = ()  # ... and decode workers
+    worker: tuple[str, ...] = ()  # aggregated: role-both workers
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = -1  # gRPC front door: -1 off, 0 any free port
+    health_interval_s: float = 1.0
+    prefill_timeout_s: float = 120.0
+    max_body_bytes: int = 8 << 20
+    stream_buffer_chunks: int = 64  # SSE chunks buffered per response before backpressure
+    slow_client_timeout_s: float = 30.0  # a write blocked this long cuts the client off
+    max_inflight: int = 0  # requests in flight on this gateway (0: no limit) -> 503
+    max_inflight_per_key: int = 0  # per API key (0: no limit) -> 429
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    socket_send_buffer: int = 0  # SO_SNDBUF of client connections (0: the OS default)
+    shutdown_grace_s: float = 10.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(self.model, "tokenizer.json")):
+            raise ValueError(f"--model {self.model!r} has no tokenizer.json")
+        if self.worker and (self.prefill or self.decode):
+            raise ValueError("use --worker (aggregated) or --prefill and --decode, not both")
+        if not self.worker and not (self.prefill and self.decode):
+            raise ValueError("give --prefill ADDR and --decode ADDR, or --worker ADDR")
+        for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.stream_buffer_chunks < 1:
+            raise ValueError("--stream-buffer-chunks must be >= 1")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.worker
+
+    def describe(self) -> str:
+        values = asdict(self)
+        values["api_keys"] = f"<{len(self.api_keys)} keys>"
+        return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+_ENV_NAMES = {"model": "SPLITSERVE_MODEL"}
+
+
+def _env_name(field_name: str) -> str:
+    return _ENV_NAMES.get(field_name, f"SPLITSERVE_GATEWAY_{field_name.upper()}")
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per GatewayConfig field; each defaults to its environment variable if set."""
+    helps = {
+        "prefill": "prefill worker addresses, comma-separated (host:port,...)",
+        "decode": "decode worker addresses, comma-separated",
+        "worker": "aggregated (role both) worker addresses, comma-separated",
+        "grpc_port": "gRPC front door port (-1: off, 0: any free port)",
+        "max_body_bytes": "largest request body (e.g. 8MiB)",
+        "api_keys": "accepted API keys, comma-separated (none: no authentication)",
+    }
+    for f in fields(GatewayConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = os.environ.get(_env_name(f.name))
+        parser.add_argument(flag, default=default, metavar=f.name.upper(),
+                            help=f"{helps.get(f.name, '')} (env {_env_name(f.name)}; "
+                                 f"default {f.default!r})".strip())
+
+
+def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    values = {}
+    for f in fields(GatewayConfig):
+        raw = getattr(args, f.name)
+        if raw is None:
+            continue
+        if f.name == "max_body_bytes":
+            values[f.name] = parse_size(raw)
+        elif f.type == "tuple[str, ...]":
+            values[f.name] = tuple(a.strip() for a in str(raw).split(",") if a.strip())
+        elif f.type == "int":
+            values[f.name] = int(raw)
+        elif f.type == "float":
+            values[f.name] = float(raw)
+        else:
+            values[f.name] = str(raw)
+    return GatewayConfig(**values)

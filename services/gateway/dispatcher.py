@@ -1,0 +1,205 @@
+"""Runs one request on the workers and yields its tokens, hiding the flow (disaggregated or
+aggregated), retries before the first token, and cancellation of every RPC it opened.
+
+Runs on the gateway's event loop. Closing the generator (client gone, stop string matched,
+slow client cut off) cancels the open Decode.Generate and Prefill.Prefill calls, which makes
+the workers abort the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
+
+from engine.outputs import Logprobs
+from services.common import convert
+from services.gateway.errors import APIError, from_worker_error
+from services.gateway.router import Router
+from services.gateway.worker_pool import WorkerEndpoint
+
+log = logging.getLogger(__name__)
+
+_NOT_ON_THE_WORKER = (grpc.StatusCode.INVALID_ARGUMENT,)  # retrying elsewhere cannot help
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output tokens of one request, in order, without repeats."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Logprobs, ...] = ()  # one per token when logprobs were asked
+    finish_reason: str | None = None  # "stop", "length", "error"
+    # Index i is the logprob of prompt token i (None for the first); first event only.
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _AttemptFailed(Exception):
+    """An RPC of one attempt failed; `endpoint` is the worker whose call failed."""
+
+    endpoint: WorkerEndpoint
+    error: grpc.aio.AioRpcError
+
+
+@dataclass
+class Dispatcher:
+    router: Router
+    disaggregated: bool
+    prefill_timeout_s: float = 120.0
+    max_attempts: int = 2  # the first try and one invisible retry before any token is out
+    block_size: int = 16
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
+    ) -> AsyncIterator[TokenEvent]:
+        """Tokens of one request. Raises APIError if it fails before any token came back;
+        after that a failure is one final event with finish_reason "error"."""
+        tried: set[str] = set()
+        last: _AttemptFailed | None = None
+        for attempt in range(self.max_attempts):
+            emitted = False
+            attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+            try:
+                async for event in self._attempt(attempt_id, prompt_token_ids, sampling, tried):
+                    emitted = True
+                    yield event
+                return
+            except _AttemptFailed as failed:
+                code = failed.error.code()
+                if emitted:
+                    log.warning("request %s failed after tokens were sent: %s %s", request_id,
+                                code.name, failed.error.details())
+                    yield TokenEvent(finish_reason="error",
+                                     error=f"worker {failed.endpoint.address} failed: "
+                                           f"{code.name}: {failed.error.details()}")
+                    return
+                if code in _NOT_ON_THE_WORKER:
+                    raise from_worker_error(failed.error) from None
+                log.info("request %s attempt %d on %s failed before its first token (%s); %s",
+                         request_id, attempt, failed.endpoint.address, code.name,
+                         "retrying" if attempt + 1 < self.max_attempts else "giving up")
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    failed.endpoint.mark_failed(code.name)
+                tried.add(failed.endpoint.address)
+                last = failed
+        raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
+
+    async def _attempt(self, request_id, prompt, sampling, tried) -> AsyncIterator[TokenEvent]:
+        decode = self.router.choose_decode(exclude=tried)
+        if decode is None:
+            raise APIError.overloaded("No decode worker is available right now; retry.")
+        prefill = None
+        if self.disaggregated:
+            prefill = self.router.choose_prefill(exclude=tried)
+            if prefill is None:
+                raise APIError.overloaded("No prefill worker is available right now; retry.")
+        decode.outstanding += 1
+        decode.blocks_since_poll += -(-(len(prompt) + sampling.max_tokens) // self.block_size)
+        try:
+            if prefill is None:
+                async for event in self._aggregated(decode, request_id, prompt, sampling):
+                    yield event
+            else:
+                async for event in self._disaggregated(decode, prefill, request_id, prompt,
+                                                       sampling):
+                    yield event
+        finally:
+            decode.outstanding -= 1
+
+    async def _aggregated(self, decode, request_id, prompt, sampling) -> AsyncIterator[TokenEvent]:
+        call = decode.decode.Generate(decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            remote_prefill=False,
+        ))
+        try:
+            async for event in _decode_events(call, decode, next_index=0):
+                yield event
+        finally:
+            call.cancel()
+
+    async def _disaggregated(self, decode, prefill, request_id, prompt, sampling):
+        call = decode.decode.Generate(decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            remote_prefill=True,
+        ))
+        prefill_call = None
+        try:
+            reserved = await _read(call, decode)
+            if reserved is None or not reserved.HasField("reserved"):
+                raise _AttemptFailed(decode, _synthetic_error("decode stream did not reserve"))
+            prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                decode_kv_endpoint=reserved.reserved.kv_endpoint,
+            ), timeout=self.prefill_timeout_s)
+            prefill.outstanding += 1
+            try:
+                response = await prefill_call
+            except grpc.aio.AioRpcError as exc:
+                raise _AttemptFailed(prefill, exc) from None
+            finally:
+                prefill.outstanding -= 1
+            first = response.first_token
+            yield TokenEvent(
+                token_ids=(first.token_id,),
+                logprobs=(convert.logprob_from_pb(first),) if sampling.HasField("logprobs") else (),
+                prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
+                num_cached_tokens=response.num_cached_tokens,
+            )
+            async for event in _decode_events(call, decode, next_index=1):
+                yield event
+        finally:
+            call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
+
+
+async def _decode_events(call, decode: WorkerEndpoint, next_index: int) -> AsyncIterator[TokenEvent]:
+    """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has."""
+    while True:
+        message = await _read(call, decode)
+        if message is None:
+            raise _AttemptFailed(decode, _synthetic_error("decode stream ended before finishing"))
+        if not message.HasField("delta"):
+            continue
+        delta = message.delta
+        skip = max(0, next_index - delta.output_index)
+        token_ids = tuple(delta.token_ids[skip:])
+        next_index += len(token_ids)
+        finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
+        if finish == "abort":
+            finish = "error"
+        yield TokenEvent(
+            token_ids=token_ids,
+            logprobs=tuple(convert.logprob_from_pb(lp) for lp in delta.logprobs[skip:]),
+            finish_reason=finish,
+            prompt_logprobs=_prompt_logprobs(delta.prompt_logprobs),
+            num_cached_tokens=delta.usage.cached_tokens if delta.HasField("usage") else 0,
+            error="the worker failed" if finish == "error" else None,
+        )
+        if finish is not None:
+            return
+
+
+async def _read(call, endpoint: WorkerEndpoint):
+    try:
+        message = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise _AttemptFailed(endpoint, exc) from None
+    return None if message is grpc.aio.EOF else message
+
+
+def _prompt_logprobs(pbs) -> tuple[Logprobs | None, ...] | None:
+    if not pbs:
+        return None
+    return (None,) + tuple(convert.logprob_from_pb(lp) for lp in pbs[1:])
+
+
+def _synthetic_error(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details=details)

@@ -1,0 +1,106 @@
+"""splitserve.v1.Gateway: the gRPC front door. Same path as HTTP (admission, preprocessing,
+dispatcher, stop strings) with protobuf in and out; runs on the gateway's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+from services.common import convert
+from services.gateway.errors import APIError
+from services.gateway.gateway import Gateway
+from services.gateway.text_stream import TextDelta, stream_text
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Generate(self, request: gateway_pb2.GenerateTextRequest, context):
+        gateway = self.gateway
+        try:
+            key = gateway.admission.authenticate(_authorization(request, context))
+            if request.model:
+                gateway.check_model(request.model)
+            spec = self._spec(request)
+            ticket = gateway.admission.admit(key)
+        except APIError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        stream = stream_text(spec, gateway.dispatcher, gateway.tokenizer)
+        timeout = gateway.config.slow_client_timeout_s
+        try:
+            try:
+                first = await anext(stream)
+            except APIError as exc:
+                await context.abort(exc.grpc_code, exc.message)
+            delta: TextDelta | None = first
+            while delta is not None:
+                try:
+                    # A caller that stops reading stalls this write (HTTP/2 flow control).
+                    await asyncio.wait_for(context.write(_response(delta, spec)), timeout)
+                except TimeoutError:
+                    log.warning("gRPC caller read nothing for %.1fs; aborting %s", timeout,
+                                spec.request_id)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        "the caller stopped reading the stream")
+                if delta.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        delta.error or "a worker failed mid-stream")
+                delta = None if delta.finish_reason else await anext(stream, None)
+        finally:
+            await stream.aclose()  # cancelled callers land here too: the workers abort
+            ticket.release()
+
+    def _spec(self, request: gateway_pb2.GenerateTextRequest):
+        gateway = self.gateway
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            prompt = gateway.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise APIError.invalid("set prompt: `text` or `token_ids`", param="prompt")
+        try:
+            params = convert.sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            raise APIError.invalid(str(exc)) from None
+        request_id = request.request_id or uuid.uuid4().hex
+        return gateway.preprocessor.token_prompt(
+            f"{request_id}-{uuid.uuid4().hex[:8]}", prompt, params, list(request.stop),
+            gateway.limits())
+
+
+def _authorization(request: gateway_pb2.GenerateTextRequest, context) -> str | None:
+    if request.api_key:
+        return f"Bearer {request.api_key}"
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
+    response = gateway_pb2.GenerateTextResponse(
+        text=delta.text, token_ids=delta.token_ids,
+        finish_reason=convert.FINISH_REASONS.get(delta.finish_reason,
+                                                 common_pb2.FINISH_REASON_ERROR),
+        error=delta.error or "",
+    )
+    if delta.logprobs:
+        response.logprobs.extend(convert.logprob_to_pb(t, lp)
+                                 for t, lp in zip(delta.token_ids, delta.logprobs))
+    if delta.finish_reason is not None:
+        response.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delta.num_output_tokens,
+            cached_tokens=delta.num_cached_tokens))
+    return response
+
+
+def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)

@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health
+and readiness. Every error leaves as OpenAI's error body with a meaningful status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.admission import Ticket
+from services.gateway.errors import APIError
+from services.gateway.gateway import Gateway
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
+from services.gateway.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    open_streams,
+    sse_events,
+    until_disconnected,
+)
+
+log = logging.getLogger(__name__)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        workers = [{"address": e.address, "role": e.role, "routable": e.routable,
+                    "kv_blocks_free": e.health.stats.kv_blocks_free if e.health else None}
+                   for e in gateway.pool.endpoints]
+        if gateway.router.ready():
+            return JSONResponse({"status": "ready", "workers": workers})
+        error = APIError.overloaded("No prefill/decode worker pair is reachable yet.", 1)
+        return JSONResponse({**error.body(), "workers": workers}, 503, headers=error.headers())
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [gateway.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        gateway.check_model(model_id)
+        return gateway.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        key = gateway.admission.authenticate(request.headers.get("authorization"))
+        req = parse_body(CompletionRequest, await _read_body(request, gateway.config.max_body_bytes))
+        gateway.check_model(req.model)
+        specs = gateway.preprocessor.completion(_request_id(request), req, gateway.limits())
+        fmt = CompletionFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+        return await _serve(gateway, request, specs, fmt, req.stream, key, req.n)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        key = gateway.admission.authenticate(request.headers.get("authorization"))
+        req = parse_body(ChatCompletionRequest,
+                         await _read_body(request, gateway.config.max_body_bytes))
+        gateway.check_model(req.model)
+        specs = gateway.preprocessor.chat(_request_id(request), req, gateway.limits())
+        fmt = ChatFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+        return await _serve(gateway, request, specs, fmt, req.stream, key, req.n)
+
+    return app
+
+
+async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, key: str,
+                 n: int) -> Response:
+    ticket = gateway.admission.admit(key)
+    # Prompt tokens count once per prompt, however many choices (n) sample from it.
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
+    headers = {"x-request-id": specs[0].request_id.rsplit("-", 1)[0]}
+    try:
+        if stream:
+            return await _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket,
+                                       headers)
+        choices = await until_disconnected(request.receive, _collect(gateway, specs))
+    except ClientDisconnected:
+        log.info("client disconnected before the response; request aborted")
+        return Response(status_code=499)
+    finally:
+        if not stream:
+            ticket.release()
+    failed = next((c for c in choices if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, failed.error or "a worker failed mid-generation", "server_error",
+                       code="worker_failed")
+    body = fmt.response(choices, usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
+                                       max(c.num_cached_tokens for c in choices)))
+    return JSONResponse(body, headers=headers)
+
+
+async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Ticket,
+                        headers) -> Response:
+    try:
+        streams = gateway.choice_streams(specs)
+        # Wait for the first token of every choice before committing to a 200, so that
+        # failures before any token (after one invisible retry) still get a status code.
+        firsts = await until_disconnected(request.receive, open_streams(streams))
+    except BaseException:
+        ticket.release()
+        raise
+    events = sse_events(streams, firsts, fmt, prompt_tokens, gateway.config.stream_buffer_chunks)
+    return SSEResponse(events, gateway.config.slow_client_timeout_s, headers,
+                       on_close=ticket.release)
+
+
+async def _collect(gateway: Gateway, specs) -> list[ChoiceResult]:
+    results = [ChoiceResult(spec.index) for spec in specs]
+
+    async def run(stream, result: ChoiceResult) -> None:
+        async for delta in stream:
+            result.add(delta)
+
+    streams = gateway.choice_streams(specs)
+    tasks = [asyncio.ensure_future(run(s, r)) for s, r in zip(streams, results, strict=True)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+    return results
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError.too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError.too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _request_id(request: Request) -> str:
+    supplied = request.headers.get("x-request-id", "")
+    if supplied and len(supplied) <= 64 and supplied.isascii() and supplied.isprintable():
+        return f"{supplied}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses its id
+    return uuid.uuid4().hex
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s %s -> %s", request.method, request.url.path, exc)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        error = APIError.invalid(f"Invalid request: {first.get('msg', exc)}", param=param)
+        return JSONResponse(error.body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError.not_found(request.url.path)
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(APIError.internal("internal gateway error").body(), 500)

@@ -1,0 +1,214 @@
+"""Turns a validated request body into GenerationSpecs: tokenized prompts, checked limits and
+sampling parameters with a seed, before any worker is touched. Every problem is a 400."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.v1 import common_pb2
+
+from engine.sampling_params import SamplingParams
+from services.common import convert
+from services.gateway.errors import APIError
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.gateway.tokenizer import ChatTemplateError, ModelTokenizer
+
+MAX_N = 8
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SEED_MODULUS = 1 << 63
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One choice of one request, ready for the dispatcher."""
+
+    request_id: str
+    index: int  # the choice's `index` in the response
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # seed always set
+    stop: tuple[str, ...] = ()
+    echo_text: str | None = None  # completions' echo: the prompt text to prepend
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    def sampling_pb(self) -> common_pb2.SamplingParams:
+        return convert.sampling_to_pb(self.params)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+class Preprocessor:
+    """Stateless apart from the tokenizer; runs on the event loop."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        prompts = self._completion_prompts(req.prompt)
+        if req.logprobs is not None and not 0 <= req.logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise APIError.invalid(
+                f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {req.logprobs}",
+                param="logprobs")
+        specs = []
+        for p, prompt_ids in enumerate(prompts):
+            self._check_prompt(prompt_ids, limits)
+            max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+            params = self._params(req, max_tokens, len(prompt_ids), limits, logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+            echo = self.tokenizer.decode(prompt_ids) if req.echo else None
+            specs += self._choices(request_id, p, prompt_ids, params, req, echo)
+        return specs
+
+    def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        if not req.messages:
+            raise APIError.invalid("messages must contain at least one message", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise APIError.invalid(str(exc), param="messages") from None
+        self._check_prompt(prompt_ids, limits, param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError.invalid("top_logprobs needs logprobs set to true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
+            raise APIError.invalid(f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]",
+                                   param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, limits.max_model_len - len(prompt_ids))
+        params = self._params(req, max_tokens, len(prompt_ids), limits,
+                              logprobs=top if req.logprobs else None, prompt_logprobs=None)
+        return self._choices(request_id, 0, prompt_ids, params, req, None)
+
+    def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     stop: Sequence[str], limits: ModelLimits) -> GenerationSpec:
+        """The gRPC front door: parameters already typed, prompt already tokenized."""
+        self._check_prompt(prompt_ids, limits)
+        self._check_stop(stop)
+        self._check_length(len(prompt_ids), params.max_tokens, limits)
+        params = dataclasses.replace(params, seed=_seed(params.seed, 0))
+        _validate(params, limits)
+        return GenerationSpec(request_id, 0, tuple(prompt_ids), params, tuple(stop))
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise APIError.invalid("prompt must not be an empty list", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [self.tokenizer.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    def _check_prompt(self, prompt_ids: Sequence[int], limits: ModelLimits,
+                      param: str = "prompt") -> None:
+        if not prompt_ids:
+            raise APIError.invalid("the prompt is empty; send at least one token", param=param)
+        bad = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError.invalid(
+                f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                param=param)
+        if len(prompt_ids) >= limits.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {limits.max_model_len} tokens; the "
+                f"prompt has {len(prompt_ids)} tokens and at least one must be generated.",
+                param=param, code="context_length_exceeded")
+
+    def _check_length(self, num_prompt: int, max_tokens: int, limits: ModelLimits) -> None:
+        if max_tokens < 1:
+            raise APIError.invalid(f"max_tokens must be at least 1, got {max_tokens}",
+                                   param="max_tokens")
+        if num_prompt + max_tokens > limits.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion).",
+                param="max_tokens", code="context_length_exceeded")
+
+    def _check_stop(self, stop: Sequence[str]) -> None:
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError.invalid(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise APIError.invalid(f"stop strings are limited to {MAX_STOP_LENGTH} characters",
+                                   param="stop")
+
+    def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
+                logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        self._check_length(num_prompt, max_tokens, limits)
+        top_k = req.top_k if req.top_k is not None else 0
+        if top_k < -1:
+            raise APIError.invalid(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}",
+                                   param="top_k")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=max(top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            seed=req.seed,
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        _validate(params, limits)
+        return params
+
+    def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:
+        if not 1 <= req.n <= MAX_N:
+            raise APIError.invalid(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self._check_stop(stop)
+        base_seed = _seed(req.seed, 0)
+        return [
+            GenerationSpec(
+                request_id=f"{request_id}-{prompt_index * req.n + i}",
+                index=prompt_index * req.n + i,
+                prompt_token_ids=tuple(prompt_ids),
+                # Choice i samples with seed+i: reproducible, and different between choices.
+                params=dataclasses.replace(params, seed=(base_seed + i) % SEED_MODULUS),
+                stop=tuple(stop),
+                echo_text=echo,
+            )
+            for i in range(req.n)
+        ]
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _seed(seed: int | None, offset: int) -> int:
+    """The user's seed, or a random one: the gateway always sends a seed, so the prefill
+    worker's first token and the decode worker's continuation (or a recompute) agree."""
+    if seed is None:
+        return secrets.randbits(62)
+    return (seed + offset) % SEED_MODULUS
+
+
+def _validate(params: SamplingParams, limits: ModelLimits) -> None:
+    try:
+        params.validate(limits.vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError.invalid(message, param=message.split(" ", 1)[0]) from None

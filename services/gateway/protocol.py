@@ -1,0 +1,102 @@
+"""OpenAI request bodies as pydantic models. Parsed in strict mode, so a wrong JSON type is a
+400 rather than a silent coercion; unknown fields are ignored, as OpenAI does."""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.gateway.errors import APIError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], body: bytes) -> Body:
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "json_invalid":
+        return APIError.invalid(f"The body is not valid JSON: {error.get('msg')}", code="invalid_json")
+    if error["type"] in ("model_type", "model_attributes_type") and not error["loc"]:
+        return APIError.invalid("The body must be a JSON object.", code="invalid_json")
+    # For unions pydantic reports a path through the member it tried, e.g.
+    # ('prompt', 'list[int]', 0); keep the real field names and indices.
+    loc = [part for part in error["loc"]
+           if isinstance(part, int) or ("[" not in part and part not in ("str", "int"))]
+    param = ".".join(str(part) for part in loc) or None
+    if error["type"] == "missing":
+        return APIError.invalid(f"Missing required parameter: '{param}'.", param=param,
+                                code="missing_required_parameter")
+    detail = error.get("msg", "invalid value")
+    return APIError.invalid(f"Invalid value for '{param}': {detail}.", param=param,
+                            code="invalid_type")

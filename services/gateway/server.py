@@ -1,0 +1,93 @@
+"""Runs the gateway process: worker health polling, the HTTP API on uvicorn and the optional
+gRPC front door, all on one asyncio event loop; SIGTERM/SIGINT drain and stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+import grpc
+import uvicorn
+
+from services.gateway import grpc_api
+from services.gateway.config import GatewayConfig
+from services.gateway.gateway import Gateway
+from services.gateway.http_api import create_app
+
+log = logging.getLogger("splitserve.gateway")
+
+
+class _Server(uvicorn.Server):
+    # The process owns its signals (see _serve); uvicorn would re-raise them after exit.
+    def capture_signals(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _listen(host: str, port: int, send_buffer: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer:
+        # Accepted connections inherit it: a small buffer makes slow clients visible sooner.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(config: GatewayConfig) -> None:
+    gateway = Gateway(config)
+    await gateway.start()
+    sock = _listen(config.host, config.port, config.socket_send_buffer)
+    http_port = sock.getsockname()[1]
+    server = _Server(uvicorn.Config(
+        create_app(gateway), log_level=config.log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)), lifespan="off",
+        http="h11",
+    ))
+    grpc_server = None
+    grpc_address = ""
+    if config.grpc_port >= 0:
+        grpc_server = grpc.aio.server()
+        grpc_api.add_to_server(gateway, grpc_server)
+        grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await grpc_server.start()
+        grpc_address = f"{config.host}:{grpc_port}"
+
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        log.info("stopping: finishing requests in flight (grace %.0fs)", config.shutdown_grace_s)
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        mode = "disaggregated" if config.disaggregated else "aggregated"
+        log.info("gateway serving %s (%s) on http://%s:%d%s", gateway.model_name, mode,
+                 config.host, http_port, f" grpc={grpc_address}" if grpc_address else "")
+        # A line launchers and tests wait for.
+        print(f"SPLITSERVE_READY gateway {config.host}:{http_port} grpc={grpc_address}",
+              flush=True)
+    try:
+        await serving
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(config.shutdown_grace_s)
+        await gateway.close()
+
+
+def run_gateway(config: GatewayConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("config %s", config.describe())
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,52 @@
+"""Stop strings over streamed text: a match may span token boundaries, and no part of a stop
+string ever reaches the client (text that could be the start of one is held back)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringMatcher:
+    """Owned by the task streaming one request's output."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self._held = ""  # text not yet released; never contains a whole stop string
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add text; return what may be released now. Sets `stopped` on a match, after which
+        the text before the match is the last thing released."""
+        if self.stopped:
+            return ""
+        if not self.stop:
+            return text
+        buffer = self._held + text
+        match = self._earliest_match(buffer)
+        if match is not None:
+            self.stopped = True
+            self._held = ""
+            return buffer[:match]
+        hold = self._longest_partial_suffix(buffer)
+        self._held = buffer[len(buffer) - hold:] if hold else ""
+        return buffer[:len(buffer) - hold]
+
+    def flush(self) -> str:
+        """The output ended without a match: release what was held back."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _earliest_match(self, buffer: str) -> int | None:
+        # Released text never ends in a stop string's prefix, so a match starts inside buffer.
+        found = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _longest_partial_suffix(self, buffer: str) -> int:
+        """Length of the longest suffix of buffer that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buffer)), best, -1):
+                if buffer.endswith(s[:k]):
+                    best = k
+                    break
+        return best
