@@ -1,0 +1,320 @@
+"""KVReceiver: the decode worker's end; hosts the rendezvous store and reads one channel per sender.
+
+Senders may arrive, die and come back at any time; each gets its own channel and thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.buffer_pool import KVBufferPool
+from kv_transfer.channel import (
+    ARRIVALS_QUEUE,
+    RECEIVER_RANK,
+    KVChannel,
+    KVChannelError,
+    backend_name,
+    channel_key,
+    timedelta,
+)
+from kv_transfer.header import HeaderFlag, KVHeader, header_from_bytes
+from kv_transfer.layout import KVLayout, LayoutMismatchError
+from kv_transfer.stats import KVStats
+
+logger = logging.getLogger(__name__)
+
+# Pushed by close() into a queue the accept or a channel thread is blocked on, to wake it.
+_WAKE = b"wake"
+# The accept thread blocks on the arrivals queue; close() wakes it, so this only bounds how
+# often an idle receiver logs c10d's socket-timeout warning.
+_ACCEPT_POLL_S = 24 * 3600.0
+
+OnKV = Callable[[KVHeader, torch.Tensor], None]
+
+
+class KVReceiver:
+    """Accepts KV from any number of prefill senders and hands each payload to `on_kv`.
+
+    Threads: an accept thread pops hello messages from the store; each accepted sender gets a
+    channel thread that owns that channel's store client and process group and calls the
+    callbacks. Callbacks therefore run on channel threads, concurrently across channels, and a
+    slow `on_kv` stalls its channel (the sender's wait counts it against timeout_s): hand the
+    payload to your own queue. `on_kv` owns the payload; call `release(payload)` when done
+    with it to recycle the buffer (optional, but a fresh buffer per transfer halves gloo
+    throughput). Public methods are thread-safe.
+
+    Doorbell: a channel thread waits for the next frame by popping the channel's `bell` queue
+    in the store, not by posting a recv on the group. gloo cannot wait indefinitely: a timed-out
+    recv poisons the pair. The store can, so idle channels wait there (the sender's heartbeat
+    every timeout_s/4 proves it is alive), and a group op is posted only when the header says a
+    payload is coming, with a real timeout_s deadline.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        layout: KVLayout,
+        device: str | torch.device,
+        on_kv: OnKV,
+        timeout_s: float = 10.0,
+        *,
+        is_wanted: Callable[[str], bool] | None = None,
+        on_abort: Callable[[KVHeader], None] | None = None,
+        on_channel_error: Callable[[str, BaseException], None] | None = None,
+        buffer_pool: KVBufferPool | None = None,
+    ):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.stats = KVStats()
+        self._on_kv = on_kv
+        self._is_wanted = is_wanted
+        self._on_abort = on_abort
+        self._on_channel_error = on_channel_error
+        self._pool = buffer_pool if buffer_pool is not None else KVBufferPool(self.device)
+        self._lock = threading.Lock()  # guards _channels and _closed
+        self._channels: dict[int, _InboundChannel] = {}
+        self._closed = False
+        # Only __init__ and close() touch the master store object; threads use clones.
+        self._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(timeout_s)
+        )
+        self.endpoint = f"{host}:{self._store.port}"
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kv-recv-accept-{self._store.port}", daemon=True
+        )
+        self._accept_thread.start()
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def release(self, payload: torch.Tensor) -> None:
+        """Give a payload from on_kv back for reuse; the caller must not read it afterwards."""
+        self._pool.release(payload)
+
+    def peers(self) -> list[str]:
+        """peer_ids of the senders with a live channel."""
+        with self._lock:
+            return [ch.peer_id for ch in self._channels.values()]
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop accepting, end every channel and stop hosting the store. Idempotent.
+
+        A channel in the middle of a payload finishes it (bounded by timeout_s) first.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels.values())
+        for ch in channels:
+            ch.stopping = True
+        try:
+            self._store.queue_push(ARRIVALS_QUEUE, _WAKE)
+            for ch in channels:
+                self._store.queue_push(channel_key(ch.index, "bell"), _WAKE)
+        except RuntimeError:
+            logger.debug("could not wake kv threads", exc_info=True)
+        join_s = self.timeout_s + 1.0 if timeout_s is None else timeout_s
+        self._accept_thread.join(join_s)
+        for ch in channels:
+            if ch.thread is not threading.current_thread():  # close() called from a callback
+                ch.thread.join(join_s)
+        # Dropping the master object stops the store server; senders notice on their next op.
+        self._store = None
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- accept thread --------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        store = self._store.clone()
+        store.set_timeout(timedelta(_ACCEPT_POLL_S))
+        while not self._closed:
+            try:
+                raw = store.queue_pop(ARRIVALS_QUEUE, True)
+            except RuntimeError:
+                if self._closed:
+                    return
+                continue  # poll timeout on a long-idle receiver
+            if raw == _WAKE or self._closed:
+                continue
+            try:
+                self._admit(store, json.loads(raw))
+            except Exception:  # a malformed hello must not kill the accept loop
+                logger.exception("kv receiver %s: bad hello %r", self.endpoint, raw[:200])
+
+    def _admit(self, store: dist.Store, hello: dict) -> None:
+        index, peer_id = int(hello["index"]), str(hello["peer_id"])
+        verdict_key = channel_key(index, "verdict")
+        try:
+            try:
+                peer_layout = KVLayout.from_dict(hello["layout"])
+            except (TypeError, ValueError) as exc:
+                raise LayoutMismatchError(f"prefill sent an unusable KV layout: {exc}") from exc
+            self.layout.check_compatible(peer_layout, self_name="decode", other_name="prefill")
+            if hello.get("backend") != backend_name(self.device):
+                raise KVChannelError(
+                    f"backend mismatch: decode uses {backend_name(self.device)} on "
+                    f"{self.device}, prefill {hello.get('backend')}",
+                    peer_id=peer_id,
+                )
+        except (LayoutMismatchError, KVChannelError) as exc:
+            store.set(
+                verdict_key,
+                json.dumps({"ok": False, "kind": type(exc).__name__, "error": str(exc)}),
+            )
+            # Not on_channel_error: a refused channel never carried a transfer, so nothing
+            # waiting for KV is affected. The sender gets the error; we log and count it.
+            self.stats.add(refused=1)
+            logger.warning("kv receiver %s: refused %s: %s", self.endpoint, peer_id, exc)
+            return
+        # Cloned here, not in the channel thread: close() may drop the master store any time
+        # after it has joined this (accept) thread.
+        channel = _InboundChannel(self, index, peer_id, self._store.clone())
+        with self._lock:
+            if self._closed:
+                return
+            self._channels[index] = channel
+        store.set(verdict_key, json.dumps({"ok": True, "heartbeat_s": self.timeout_s / 4}))
+        channel.thread.start()
+        logger.info("kv receiver %s: channel %d from %s", self.endpoint, index, peer_id)
+
+    # ---- called from channel threads ------------------------------------------------------
+
+    def _report(self, peer_id: str, exc: BaseException) -> None:
+        self.stats.add(failures=1)
+        logger.warning("kv receiver %s: channel from %s failed: %s", self.endpoint, peer_id, exc)
+        if self._on_channel_error is not None:
+            self._call(self._on_channel_error, peer_id, exc)
+
+    def _forget(self, channel: _InboundChannel) -> None:
+        with self._lock:
+            if self._channels.get(channel.index) is channel:
+                del self._channels[channel.index]
+
+    def _call(self, fn: Callable, *args: object) -> object:
+        try:
+            return fn(*args)
+        except Exception:
+            self.stats.add(callback_errors=1)
+            logger.exception("kv receiver %s: callback %r raised", self.endpoint, fn)
+            return None
+
+
+class _InboundChannel:
+    """Receiver side of one channel. Everything here is owned by `self.thread`, except
+    `stopping`, which close() sets (a plain bool flip, read between frames)."""
+
+    def __init__(self, receiver: KVReceiver, index: int, peer_id: str, store: dist.Store):
+        self.receiver = receiver
+        self.store = store
+        self.index = index
+        self.peer_id = peer_id
+        self.stopping = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"kv-recv-{index}-{peer_id}", daemon=True
+        )
+
+    def _run(self) -> None:
+        r = self.receiver
+        store = self.store
+        store.set_timeout(timedelta(r.timeout_s))
+        channel = None
+        try:
+            channel = KVChannel(store, self.index, RECEIVER_RANK, r.device, r.timeout_s)
+            r.stats.add(channels_opened=1)
+            self._read_frames(store, channel)
+        except Exception as exc:
+            if not self.stopping:
+                if not isinstance(exc, KVChannelError):
+                    exc = _wrap(exc, self.peer_id)
+                r._report(self.peer_id, exc)
+        finally:
+            if channel is not None:
+                channel.close()
+                r.stats.add(channels_closed=1)
+            try:
+                store.set(channel_key(self.index, "closed"), b"1")
+            except RuntimeError:
+                pass  # the store is gone with a closing receiver; nobody is left to tell
+            r._forget(self)
+
+    def _read_frames(self, store: dist.Store, channel: KVChannel) -> None:
+        r = self.receiver
+        bell = channel_key(self.index, "bell")
+        expected_seq = 0
+        while not self.stopping:
+            try:
+                raw = store.queue_pop(bell, True)
+            except RuntimeError as exc:
+                if self.stopping:
+                    return
+                raise KVChannelError(
+                    f"no frame or heartbeat from {self.peer_id} for {r.timeout_s}s: presumed dead",
+                    peer_id=self.peer_id,
+                ) from exc
+            if self.stopping:
+                return
+            if raw == _WAKE:
+                continue
+            header = header_from_bytes(raw)
+            if header.seq != expected_seq:
+                raise KVChannelError(
+                    f"frame {header.seq} from {self.peer_id} out of sequence (want {expected_seq})",
+                    peer_id=self.peer_id,
+                )
+            expected_seq += 1
+            if header.flags & HeaderFlag.CLOSE:
+                logger.info("kv receiver %s: %s closed its channel", r.endpoint, self.peer_id)
+                return
+            if header.flags & HeaderFlag.HEARTBEAT:
+                continue
+            r.layout.check_compatible(header.layout, self_name="decode", other_name="prefill")
+            if header.flags & HeaderFlag.ABORT:
+                r.stats.add(aborts=1)
+                if r._on_abort is not None:
+                    r._call(r._on_abort, header)
+                continue
+            self._receive_payload(header, channel)
+
+    def _receive_payload(self, header: KVHeader, channel: KVChannel) -> None:
+        r = self.receiver
+        wanted = True
+        if r._is_wanted is not None:
+            answer = r._call(r._is_wanted, header.request_key)
+            wanted = True if answer is None else bool(answer)
+        payload = r._pool.acquire(r.layout.payload_shape(header.num_blocks), r.layout.torch_dtype)
+        start = time.perf_counter()
+        try:
+            channel.recv(payload)
+        except KVChannelError as exc:
+            # The header arrived but its payload did not: discard, and say which request lost it.
+            exc.peer_id, exc.request_key = self.peer_id, header.request_key
+            raise
+        seconds = time.perf_counter() - start
+        if not wanted:
+            # Received in full even so: the bytes were already on the wire, and skipping them
+            # would desynchronise the channel.
+            r._pool.release(payload)
+            r.stats.add(dropped=1)
+            return
+        r.stats.add(transfers=1, bytes=payload.nbytes, seconds=seconds)
+        r._call(r._on_kv, header, payload)
+
+
+def _wrap(exc: Exception, peer_id: str) -> KVChannelError:
+    wrapped = KVChannelError(f"channel from {peer_id} failed: {exc}", peer_id=peer_id)
+    wrapped.__cause__ = exc
+    return wrapped

@@ -1,0 +1,90 @@
+"""KVSenderPool: one KVSender per decode endpoint, created on first use, rebuilt after a failure."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.sender import KVSender
+from kv_transfer.stats import KVStats
+
+
+class KVSenderPool:
+    """What a prefill worker holds: it sends to whichever decode worker the router picked.
+
+    A broken sender (dead receiver, timeout) is dropped; the next send to that endpoint builds
+    a fresh one, so a restarted decode worker is reached again without a restart here. Only the
+    transfers queued on the broken sender fail. Thread-safe; one KVStats aggregates all senders.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: str | torch.device = "cpu",
+        timeout_s: float = 10.0,
+        *,
+        peer_id: str | None = None,
+        max_queued: int = 64,
+    ):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.peer_id = peer_id
+        self.max_queued = max_queued
+        self.stats = KVStats()
+        self._lock = threading.Lock()  # guards _senders and _closed
+        self._senders: dict[str, KVSender] = {}
+        self._closed = False
+
+    def sender(self, endpoint: str) -> KVSender:
+        """The usable sender for `endpoint`, connecting (in the background) if needed."""
+        stale = None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVSenderPool is closed")
+            sender = self._senders.get(endpoint)
+            if sender is None or not sender.usable:
+                stale = sender
+                sender = KVSender(
+                    endpoint,
+                    self.layout,
+                    self.device,
+                    self.timeout_s,
+                    peer_id=self.peer_id,
+                    max_queued=self.max_queued,
+                    stats=self.stats,
+                )
+                self._senders[endpoint] = sender
+        if stale is not None:
+            # Its thread has already exited (or is exiting) with the error; nothing to wait for.
+            stale.close(cancel_pending=True, timeout_s=0)
+        return sender
+
+    def send(
+        self, endpoint: str, request_key: str, first_token: int, num_tokens: int, kv: torch.Tensor
+    ) -> Future:
+        """KVSender.send on the channel to `endpoint`; same errors and Future[TransferResult]."""
+        return self.sender(endpoint).send(request_key, first_token, num_tokens, kv)
+
+    def send_abort(self, endpoint: str, request_key: str) -> Future:
+        return self.sender(endpoint).send_abort(request_key)
+
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._senders)
+
+    def close(self, cancel_pending: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            senders, self._senders = list(self._senders.values()), {}
+        for sender in senders:
+            sender.close(cancel_pending=cancel_pending)
+
+    def __enter__(self) -> KVSenderPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
