@@ -56,6 +56,7 @@ class LLMEngine:
         self._tokenizer = None
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests
+        self.last_step_size = (0, 0)  # (requests, tokens) of the latest step
 
     # -- admission -----------------------------------------------------------------------
 
@@ -91,10 +92,13 @@ class LLMEngine:
         self.validate(request_id, prompt_token_ids, params)
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
+        # No request may outgrow the whole KV cache: one that did would preempt itself and
+        # then wait forever for room, so it ends with "length" there instead.
+        max_len = min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
         return Request(
             request_id, list(prompt_token_ids), params,
             eos_token_ids=self.model_config.eos_token_ids, priority=priority,
-            arrival_time=arrival_time, hold_kv=hold_kv, max_model_len=self.max_model_len,
+            arrival_time=arrival_time, hold_kv=hold_kv, max_model_len=max_len,
         )
 
     def add_request(
@@ -169,6 +173,7 @@ class LLMEngine:
         if not sched.is_empty:
             self.num_steps += 1
             self.num_computed_tokens += sched.total_num_scheduled_tokens
+        self.last_step_size = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
         for out in outputs:
             if out.finished and out.request_id in self._held:
                 request = self._held.pop(out.request_id)

@@ -29,6 +29,8 @@ COMMANDS: dict[str, Command] = {
     "prefill": Command("services.prefill.main", "run a prefill worker (gRPC + KV sender)"),
     "decode": Command("services.decode.main", "run a decode worker (gRPC + KV receiver)"),
     "worker": Command("services.common.worker_main", "run a worker in any role (both = aggregated)"),
+    "gateway": Command("services.gateway.main", "run the OpenAI-compatible gateway (HTTP + gRPC)"),
+    "up": Command("splitserve_cli.up", "start gateway + prefill + decode locally (make run)"),
 }
 
 

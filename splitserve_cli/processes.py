@@ -29,6 +29,7 @@ class WorkerProcess:
     port: int
     process: subprocess.Popen
     kv_endpoint: str = ""
+    metrics_address: str = ""  # host:port of /metrics, /health, /ready
     lines: deque = field(default_factory=lambda: deque(maxlen=200))
 
     @property
@@ -86,7 +87,9 @@ def start_worker(role: str, model, *extra: str, port: int | None = None,
         for line in process.stdout:
             worker.lines.append(line.rstrip())
             if line.startswith("SPLITSERVE_READY"):
-                worker.kv_endpoint = line.strip().split("kv=")[-1]
+                fields = dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
+                worker.kv_endpoint = fields.get("kv", "")
+                worker.metrics_address = fields.get("metrics", "")
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

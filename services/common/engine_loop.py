@@ -47,6 +47,9 @@ class EngineLoop:
         self.healthy = True
         # Called (on the engine thread) if the loop dies, e.g. to stop the process.
         self.on_crash: Callable[[], None] | None = None
+        # Called on the engine thread after each step that ran the model:
+        # on_step(seconds, num_requests, num_tokens).
+        self.on_step: Callable[[float, int, int], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -158,6 +161,8 @@ class EngineLoop:
                     scheduled = engine.num_steps > steps_before
                     if scheduled:
                         self.step_seconds = time.perf_counter() - start
+                        if self.on_step is not None:
+                            self.on_step(self.step_seconds, *engine.last_step_size)
                 self.stats = engine.stats()
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).

@@ -14,6 +14,9 @@ from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from engine.llm_engine import LLMEngine
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
+from services.common.logs import setup_logging
+from services.common.metrics import WorkerMetrics
+from services.common.status_server import StatusServer
 from services.common.worker_config import WorkerConfig
 
 log = logging.getLogger("splitserve.worker")
@@ -45,6 +48,10 @@ class Worker:
         self.senders = None
         self.server: grpc.aio.Server | None = None
         self.port = config.port
+        self.metrics = WorkerMetrics(config.role, self.state.worker_id)
+        self.metrics.engine_loop = self.engine_loop
+        self.engine_loop.on_step = self.metrics.observe_step
+        self.status_server: StatusServer | None = None
 
     async def start(self) -> None:
         from kv_transfer import KVReceiver, KVSenderPool
@@ -64,8 +71,10 @@ class Worker:
                 ),
             )
             kv_endpoint = self.receiver.endpoint
+            self.metrics.kv_stats.append(self.receiver.stats)
         if cfg.role in ("prefill", "both"):
             self.senders = KVSenderPool(layout=layout, device=device, timeout_s=cfg.kv_transfer_timeout_s)
+            self.metrics.kv_stats.append(self.senders.stats)
 
         from services.decode.servicer import DecodeServicer
         from services.prefill.servicer import PrefillServicer
@@ -87,13 +96,23 @@ class Worker:
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
         await self.server.start()
+        metrics_at = "-"
+        if cfg.metrics_port >= 0:
+            self.status_server = StatusServer(
+                cfg.host, cfg.metrics_port, self.metrics.registry,
+                is_live=lambda: self.engine_loop.healthy,
+                is_ready=lambda: self.engine_loop.healthy and not self.state.draining,
+            )
+            self.status_server.start()
+            metrics_at = f"{cfg.host}:{self.status_server.port}"
         log.info(
             "worker ready role=%s id=%s grpc=%s:%d kv_endpoint=%s kv_blocks=%d dtype=%s",
             cfg.role, self.state.worker_id, cfg.host, self.port, kv_endpoint or "-",
             self.engine.kv.num_blocks, self.engine.runner.dtype,
         )
         # A line launchers and tests wait for.
-        print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} kv={kv_endpoint}", flush=True)
+        print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
+              f"kv={kv_endpoint}", flush=True)
 
     def _on_kv(self, header, payload) -> None:
         # kv_transfer receiver thread: hand over to the engine thread, never touch the engine.
@@ -123,6 +142,8 @@ class Worker:
         self.close()
 
     def close(self) -> None:
+        if self.status_server is not None:
+            self.status_server.close()
         self.engine_loop.stop()
         if self.receiver is not None:
             self.receiver.close()
@@ -148,9 +169,6 @@ async def _serve(config: WorkerConfig, grace_s: float) -> None:
 
 
 def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.role, config.log_level, config.log_format)
     log.info("config %s", config.describe())
     return asyncio.run(_serve(config, grace_s))

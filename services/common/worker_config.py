@@ -53,7 +53,10 @@ class WorkerConfig:
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
+    # HTTP /metrics, /health, /ready; 0 picks a free port, -1 disables.
+    metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "json"  # json | text
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -120,7 +123,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
+    parser.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)),
+                        help="HTTP port for /metrics, /health, /ready (0: free port, -1: off)")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
+    parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str | None) -> WorkerConfig:
@@ -152,5 +158,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         num_threads=args.num_threads,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        metrics_port=args.metrics_port,
         log_level=args.log_level,
+        log_format=args.log_format,
     )

@@ -1,0 +1,112 @@
+"""Prometheus metrics of a worker process.
+
+Gauges and counters that mirror engine state are read at scrape time from the engine loop's
+stats snapshot (nothing on the hot path); histograms are observed once per engine step on the
+engine thread and once per KV transfer on kv_transfer threads.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Sub-second latencies dominate; the tail reaches seconds on CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                   0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, worker_id: str) -> None:
+        self.registry = CollectorRegistry()
+        self.role = role
+        self.worker_id = worker_id
+        self.engine_loop = None
+        self.kv_stats = []  # kv_transfer.KVStats objects (receiver and/or sender pool)
+        labels = ["role"]
+        self.step_seconds = Histogram(
+            "splitserve_worker_step_seconds", "Wall time of one engine step.", labels,
+            buckets=LATENCY_BUCKETS, registry=self.registry).labels(role)
+        self.batch_size = Histogram(
+            "splitserve_worker_batch_size_requests", "Requests scheduled in one engine step.",
+            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(role)
+        self.batched_tokens = Histogram(
+            "splitserve_worker_batched_tokens", "Tokens run through the model in one step.",
+            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(role)
+        self.kv_transfer_seconds = Histogram(
+            "splitserve_kv_transfer_seconds", "Time to move one request's KV.", labels,
+            buckets=LATENCY_BUCKETS, registry=self.registry).labels(role)
+        self.registry.register(_StatsCollector(self))
+
+    def observe_step(self, seconds: float, num_requests: int, num_tokens: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(num_requests)
+        self.batched_tokens.observe(num_tokens)
+
+
+class _StatsCollector:
+    """Exports the engine's and kv_transfer's counters as they are at scrape time."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.metrics
+        role = m.role
+        loop = m.engine_loop
+        if loop is not None:
+            stats = loop.stats
+            gauges = {
+                "splitserve_worker_running_requests": ("running", "Requests in the running batch."),
+                "splitserve_worker_waiting_requests": ("waiting", "Requests queued for prefill."),
+                "splitserve_worker_waiting_for_kv_requests":
+                    ("waiting_for_kv", "Requests with reserved blocks awaiting remote KV."),
+                "splitserve_kv_blocks_total": ("kv_blocks_total", "KV cache blocks."),
+                "splitserve_worker_queued_prefill_tokens":
+                    ("queued_prefill_tokens", "Prompt tokens waiting to be computed."),
+            }
+            for name, (key, doc) in gauges.items():
+                yield _gauge(name, doc, role, stats[key])
+            used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
+            yield _gauge("splitserve_kv_blocks_used", "KV cache blocks in use.", role, used)
+            yield _gauge("splitserve_kv_usage_ratio", "Fraction of KV blocks in use.", role,
+                         used / max(stats["kv_blocks_total"], 1))
+            yield _gauge("splitserve_worker_healthy", "1 while the engine loop runs.", role,
+                         1.0 if loop.healthy else 0.0)
+            counters = {
+                "splitserve_prefix_cache_queries_tokens": ("prefix_queries", "Prompt tokens looked up in the prefix cache."),
+                "splitserve_prefix_cache_hits_tokens": ("prefix_hits", "Prompt tokens found in the prefix cache."),
+                "splitserve_preemptions": ("preemptions", "Requests preempted for lack of KV blocks."),
+                "splitserve_worker_computed_tokens": ("computed_tokens", "Tokens run through the model."),
+                "splitserve_worker_steps": ("steps", "Engine steps that ran the model."),
+            }
+            for name, (key, doc) in counters.items():
+                yield _counter(name, doc, role, stats[key])
+            for key, value in stats.items():
+                if key.startswith("spec_"):
+                    yield _counter(f"splitserve_{key}", "Speculative decoding tokens.", role, value)
+        if m.kv_stats:
+            snaps = [s.snapshot() for s in m.kv_stats]
+            yield _counter("splitserve_kv_transfer_bytes", "KV bytes moved.", role,
+                           sum(s.bytes for s in snaps))
+            yield _counter("splitserve_kv_transfers", "KV transfers completed.", role,
+                           sum(s.transfers for s in snaps))
+            yield _counter("splitserve_kv_transfer_failures", "KV transfers that failed.", role,
+                           sum(s.failures + s.failed_transfers for s in snaps))
+            yield _counter("splitserve_kv_transfer_dropped", "KV received for dead requests.",
+                           role, sum(s.dropped for s in snaps))
+
+
+def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["role"])
+    family.add_metric([role], float(value))
+    return family
+
+
+def _counter(name: str, doc: str, role: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["role"])
+    family.add_metric([role], float(value))
+    return family
