@@ -83,3 +83,6 @@ class RequestOutput:
     # Prefill role: the request's KV ([layers, 2, blocks, block_size, kv_heads, head_dim]).
     kv: object | None = None
     error: str | None = None
+    # Wall-clock milestones (ns since epoch) for tracing.
+    first_scheduled_ns: int | None = None
+    kv_arrived_ns: int | None = None

@@ -16,6 +16,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Prefill role: the first token is sampled and the KV goes to a decode worker. Done here,
+    # but the request itself goes on, so there is no finish reason.
+    FINISHED_HANDED_OFF = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -61,6 +64,9 @@ class Request:
         self.block_hashes: list[int] = []  # hashes of the full blocks of all_token_ids
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
         self.num_preemptions = 0
+        # Wall-clock (ns) milestones for traces: first scheduled, remote KV written.
+        self.first_scheduled_ns: int | None = None
+        self.kv_arrived_ns: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +106,10 @@ class Request:
             self.max_model_len is not None and self.num_tokens >= self.max_model_len
         ):
             self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.hold_kv:
+            # Whatever max_tokens says, a prefill worker stops after the first token.
+            self.status = RequestStatus.FINISHED_HANDED_OFF
             return True
         return False
 

@@ -8,6 +8,7 @@ priority, newest running request is preempted by recompute. Imports no torch.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
@@ -73,6 +74,7 @@ class Scheduler:
         if request is None:
             return None
         request.num_computed_tokens = request.num_prompt_tokens
+        request.kv_arrived_ns = time.time_ns()
         request.append_output_token(first_token)
         self.kv.cache_blocks(request)
         if request.check_stop():
@@ -163,6 +165,8 @@ class Scheduler:
             # preempted request's hits on resumption are mostly its own output blocks.
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
+            if request.first_scheduled_ns is None:
+                request.first_scheduled_ns = time.time_ns()
             request.num_computed_tokens += num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -264,6 +268,8 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     num_output_tokens=request.num_output_tokens,
+                    first_scheduled_ns=request.first_scheduled_ns,
+                    kv_arrived_ns=request.kv_arrived_ns,
                 )
             )
         return outputs

@@ -17,6 +17,7 @@ from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.metrics import WorkerMetrics
 from services.common.status_server import StatusServer
+from services.common.tracing import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerConfig
 
 log = logging.getLogger("splitserve.worker")
@@ -170,5 +171,9 @@ async def _serve(config: WorkerConfig, grace_s: float) -> None:
 
 def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
     setup_logging(config.role, config.log_level, config.log_format)
+    setup_tracing(f"splitserve-{config.role}")
     log.info("config %s", config.describe())
-    return asyncio.run(_serve(config, grace_s))
+    try:
+        return asyncio.run(_serve(config, grace_s))
+    finally:
+        shutdown_tracing()

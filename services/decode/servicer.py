@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from engine.llm_engine import KVCacheFull, LLMEngine
 from engine.outputs import RequestOutput
-from services.common import convert
+from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState, health_response
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("splitserve.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -32,6 +36,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv_wait_timeout_s = kv_wait_timeout_s
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
+        with _tracer.start_as_current_span(
+            "decode", context=tracing.context_from_grpc(context), kind=SpanKind.SERVER,
+            attributes={"splitserve.request_id": request.request_id,
+                        "splitserve.worker_id": self.worker.worker_id,
+                        "splitserve.prompt_tokens": len(request.prompt_token_ids),
+                        "splitserve.remote_prefill": request.remote_prefill},
+        ) as span:
+            async for message in self._generate(request, context, span):
+                yield message
+
+    async def _generate(self, request, context, span):
         if self.worker.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if request.model and request.model != self.worker.model_name:
@@ -65,6 +80,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         timer = None
         finished = False
+        reserved_ns = time.time_ns()
+        first_delta = True
         try:
             if remote:
                 yield decode_pb2.GenerateResponse(
@@ -79,6 +96,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     timer.cancel()
                     timer = None
                 finished = out.finished
+                if first_delta:
+                    first_delta = False
+                    _record_phases(span, remote, reserved_ns, out.kv_arrived_ns)
+                if finished:
+                    span.set_attribute("splitserve.output_tokens", out.num_output_tokens)
+                    span.set_attribute("splitserve.finish_reason", out.finish_reason or "")
+                    span.set_attribute("splitserve.cached_prefix_tokens", out.num_cached_tokens)
                 yield decode_pb2.GenerateResponse(delta=_delta(out, prompt))
         finally:
             if timer is not None:
@@ -93,6 +117,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Health(self, request, context) -> common_pb2.HealthResponse:
         return health_response(self.engine_loop, self.worker, self.kv_endpoint)
+
+
+def _record_phases(span, remote: bool, reserved_ns: int, kv_arrived_ns: int | None) -> None:
+    """Child spans: waiting for remote KV, then the first decode step."""
+    if not span.is_recording():
+        return
+    parent = trace.set_span_in_context(span)
+    first_step_start = reserved_ns
+    if remote and kv_arrived_ns is not None:
+        _tracer.start_span("decode.kv_wait", context=parent, start_time=reserved_ns).end(
+            end_time=kv_arrived_ns)
+        first_step_start = kv_arrived_ns
+    _tracer.start_span("decode.first_step", context=parent, start_time=first_step_start).end()
 
 
 def _delta(out: RequestOutput, prompt: list[int]) -> decode_pb2.TokenDelta:

@@ -84,8 +84,8 @@ class Dispatcher:
                 log.info("request %s attempt %d on %s failed before its first token (%s); %s",
                          request_id, attempt, failed.endpoint.address, code.name,
                          "retrying" if attempt + 1 < self.max_attempts else "giving up")
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    failed.endpoint.mark_failed(code.name)
+                # The retry prefers another worker, but uses the same one if it is the only
+                # one (the health poll, not one failed call, decides that a worker is gone).
                 tried.add(failed.endpoint.address)
                 last = failed
         raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")

@@ -11,14 +11,17 @@ import dataclasses
 import logging
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from engine.llm_engine import LLMEngine
-from services.common import convert
+from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import health_response
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("splitserve.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -29,6 +32,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker = worker  # WorkerState: role, id, draining flag
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        with _tracer.start_as_current_span(
+            "prefill", context=tracing.context_from_grpc(context), kind=SpanKind.SERVER,
+            attributes={"splitserve.request_id": request.request_id,
+                        "splitserve.worker_id": self.worker.worker_id,
+                        "splitserve.prompt_tokens": len(request.prompt_token_ids)},
+        ) as span:
+            return await self._prefill(request, context, span)
+
+    async def _prefill(self, request, context, span) -> prefill_pb2.PrefillResponse:
         if self.worker.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if request.model and request.model != self.model_name:
@@ -63,6 +75,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
         first = out.new_token_ids[0]
+        _record_phases(span, out.first_scheduled_ns)
+        span.set_attribute("splitserve.cached_prefix_tokens", out.num_cached_tokens)
         kv_bytes = 0
         if request.decode_kv_endpoint and out.kv is not None:
             try:
@@ -73,7 +87,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 log.warning("KV transfer of %s not queued: %s", rid, exc)
             else:
                 kv_bytes = out.kv.numel() * out.kv.element_size()
-                future.add_done_callback(lambda f, rid=rid: _log_failed_send(rid, f))
+                send_span = _tracer.start_span(
+                    "prefill.kv_send", attributes={"splitserve.transfer_bytes": kv_bytes,
+                                                   "splitserve.decode_kv_endpoint":
+                                                       request.decode_kv_endpoint})
+                future.add_done_callback(
+                    lambda f, rid=rid, s=send_span: _finish_send(rid, f, s))
+                span.set_attribute("splitserve.transfer_bytes", kv_bytes)
         response = prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=convert.logprob_to_pb(first, out.new_logprobs[0] if out.new_logprobs else None),
@@ -91,7 +111,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return health_response(self.engine_loop, self.worker, kv_endpoint="")
 
 
-def _log_failed_send(request_id: str, future) -> None:
+def _finish_send(request_id: str, future, span) -> None:
+    # Runs on the kv_transfer sender thread.
     exc = future.exception()
     if exc is not None:
         log.warning("KV transfer of %s failed: %s", request_id, exc)
+        span.set_status(Status(StatusCode.ERROR, str(exc)))
+    span.end()
+
+
+def _record_phases(span, first_scheduled_ns: int | None) -> None:
+    """Child spans for the time queued and the time computing, from engine milestones."""
+    start = getattr(span, "start_time", None)
+    if not span.is_recording() or start is None or first_scheduled_ns is None:
+        return
+    parent = trace.set_span_in_context(span)
+    _tracer.start_span("prefill.queue", context=parent, start_time=start).end(
+        end_time=max(first_scheduled_ns, start))
+    _tracer.start_span("prefill.forward", context=parent,
+                       start_time=max(first_scheduled_ns, start)).end()
