@@ -5,7 +5,7 @@ Imports no torch. Owned by the engine thread; nothing here is thread-safe.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -51,8 +51,9 @@ class BlockPool:
         # Front = next to be reused. OrderedDict gives O(1) removal from the middle on a hit.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, KVCacheBlock] = {}
-        # (kind, block_hash) events for routers following this worker's prefix cache.
-        self.events: list[tuple[str, int]] = []
+        # (kind, block_hash) events for routers following this worker's prefix cache. A deque:
+        # the engine thread appends, a publisher thread pops from the left.
+        self.events: deque[tuple[str, int]] = deque(maxlen=1 << 16)
         self.record_events = False
 
     @property

@@ -16,6 +16,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.metrics import WorkerMetrics
+from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.status_server import StatusServer
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerConfig
@@ -53,6 +54,9 @@ class Worker:
         self.metrics.engine_loop = self.engine_loop
         self.engine_loop.on_step = self.metrics.observe_step
         self.status_server: StatusServer | None = None
+        self.registry: RegistryPublisher | None = None
+        self.kv_endpoint = ""
+        self.metrics_at = "-"
 
     async def start(self) -> None:
         from kv_transfer import KVReceiver, KVSenderPool
@@ -71,7 +75,7 @@ class Worker:
                     lambda engine: engine.recompute_locally(header.request_key)
                 ),
             )
-            kv_endpoint = self.receiver.endpoint
+            kv_endpoint = f"{cfg.public_host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
             self.metrics.kv_stats.append(self.receiver.stats)
         if cfg.role in ("prefill", "both"):
             self.senders = KVSenderPool(layout=layout, device=device, timeout_s=cfg.kv_transfer_timeout_s)
@@ -111,9 +115,38 @@ class Worker:
             cfg.role, self.state.worker_id, cfg.host, self.port, kv_endpoint or "-",
             self.engine.kv.num_blocks, self.engine.runner.dtype,
         )
+        self.kv_endpoint = kv_endpoint
+        self.metrics_at = metrics_at
+        if cfg.redis_url:
+            self.engine.kv.pool.record_events = True
+            self.registry = RegistryPublisher(
+                cfg.redis_url, self.describe, self._drain_prefix_events,
+                ttl_s=cfg.heartbeat_ttl_s, interval_s=max(cfg.heartbeat_ttl_s / 5, 0.2),
+            )
+            self.registry.start()
         # A line launchers and tests wait for.
         print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
               f"kv={kv_endpoint}", flush=True)
+
+    def describe(self) -> WorkerInfo:
+        """This worker as the registry shows it (called on the event loop; reads snapshots)."""
+        cfg = self.config
+        return WorkerInfo(
+            worker_id=self.state.worker_id, role=cfg.role,
+            address=f"{cfg.public_host}:{self.port}", kv_endpoint=self.kv_endpoint,
+            model=cfg.model_name, block_size=cfg.block_size,
+            max_model_len=self.engine.max_model_len,
+            metrics_address=self.metrics_at if self.metrics_at != "-" else "",
+            draining=self.state.draining or not self.engine_loop.healthy,
+            stats=dict(self.engine_loop.stats),
+        )
+
+    def _drain_prefix_events(self) -> list[tuple[str, int]]:
+        events = self.engine.kv.pool.events
+        drained = []
+        while events:
+            drained.append(events.popleft())
+        return drained
 
     def _on_kv(self, header, payload) -> None:
         # kv_transfer receiver thread: hand over to the engine thread, never touch the engine.
@@ -135,6 +168,8 @@ class Worker:
     async def drain_and_stop(self, grace_s: float) -> None:
         """Stop taking work, finish what is held (up to grace_s), then shut down."""
         self.state.draining = True
+        if self.registry is not None:
+            await self.registry.deregister(self.state.worker_id)
         deadline = time.monotonic() + grace_s
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -152,7 +187,7 @@ class Worker:
             self.senders.close()
 
 
-async def _serve(config: WorkerConfig, grace_s: float) -> None:
+async def _serve(config: WorkerConfig) -> int:
     worker = Worker(config)
     await worker.start()
     stop = asyncio.Event()
@@ -164,16 +199,16 @@ async def _serve(config: WorkerConfig, grace_s: float) -> None:
     if not worker.engine_loop.healthy:
         await worker.drain_and_stop(0)
         return 1
-    log.info("draining (grace %.0fs)", grace_s)
-    await worker.drain_and_stop(grace_s)
+    log.info("draining (grace %.0fs)", config.drain_grace_s)
+    await worker.drain_and_stop(config.drain_grace_s)
     return 0
 
 
-def run_worker(config: WorkerConfig, grace_s: float = 30.0) -> int:
+def run_worker(config: WorkerConfig) -> int:
     setup_logging(config.role, config.log_level, config.log_format)
     setup_tracing(f"splitserve-{config.role}")
     log.info("config %s", config.describe())
     try:
-        return asyncio.run(_serve(config, grace_s))
+        return asyncio.run(_serve(config))
     finally:
         shutdown_tracing()

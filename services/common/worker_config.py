@@ -57,6 +57,12 @@ class WorkerConfig:
     metrics_port: int = 0
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
+    # With a Redis URL the worker registers itself (heartbeat) and publishes prefix events.
+    redis_url: str = ""
+    # Address peers dial to reach this worker (defaults to --host; set it when binding 0.0.0.0).
+    advertise_host: str = ""
+    heartbeat_ttl_s: float = 5.0
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -66,6 +72,12 @@ class WorkerConfig:
         parse_size(self.kv_cache_memory)
         if self.kv_wait_timeout_s <= 0:
             raise ValueError("--kv-wait-timeout-s must be > 0")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostbyname(socket.gethostname()) if self.host == "0.0.0.0" else self.host
 
     @property
     def model_name(self) -> str:
@@ -125,6 +137,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=float(_env("kv_transfer_timeout_s", 30)))
     parser.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)),
                         help="HTTP port for /metrics, /health, /ready (0: free port, -1: off)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", _env("redis_url", "")),
+                        help="register with heartbeats in this Redis (env REDIS_URL)")
+    parser.add_argument("--advertise-host", default=_env("advertise_host", ""))
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=float(_env("heartbeat_ttl_s", 5)))
+    parser.add_argument("--drain-grace-s", type=float, default=float(_env("drain_grace_s", 30)),
+                        help="on SIGTERM, how long to finish held requests before exiting")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
     parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
@@ -161,4 +179,8 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         metrics_port=args.metrics_port,
         log_level=args.log_level,
         log_format=args.log_format,
+        redis_url=args.redis_url,
+        advertise_host=args.advertise_host,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        drain_grace_s=args.drain_grace_s,
     )

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 
-from services.common.worker_config import parse_size
-
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
+_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB|KB|MB|GB|K|M|G)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'8MiB' -> 8388608, '64KiB' -> 65536, '1000' -> 1000. (Not services.common's: that
+    module imports the engine, and the gateway must not import torch.)"""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 64KiB, 8MiB, 1000000)")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 @dataclass(frozen=True)
