@@ -59,7 +59,9 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly ahead of each token
         ps = torch.tensor(top_ps, device=device, dtype=probs.dtype).unsqueeze(1)
-        sorted_probs = sorted_probs.masked_fill(before >= ps, 0.0)
+        # Rows with top_p == 1 are exempt: their float32 cumsum can reach 1.0 before the tail,
+        # which would drop tail tokens only when a neighbour in the batch uses top_p.
+        sorted_probs = sorted_probs.masked_fill((before >= ps) & (ps < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     min_ps = [r.params.min_p for r in rows]
     if any(m > 0 for m in min_ps):

@@ -1,0 +1,190 @@
+"""The prefill/decode role hooks of LLMEngine: a prefill engine returns the prompt's KV with
+the first token and frees its blocks; a decode engine reserves blocks, receives that KV and
+continues exactly as one engine would have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import assert_no_leak, drive, make_engine, random_prompts
+
+from engine.kv_cache_manager import cdiv
+from engine.llm_engine import KVCacheFull
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+
+
+def prefill(engine, rid, prompt, params):
+    """Prefill role: returns (first token, KV payload); checks the output that carries them."""
+    engine.add_request(rid, prompt, params, hold_kv=True)
+    outputs = [out for _ in range(100) if engine.has_unfinished() for out in engine.step()]
+    (out,) = [o for o in outputs if o.request_id == rid]
+    assert out.finished and len(out.new_token_ids) == 1
+    assert out.kv is not None
+    return out.new_token_ids[0], out.kv
+
+
+def single_engine_tokens(model_dir, prompts, params):
+    engine = make_engine(model_dir)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    return {rid: r.token_ids for rid, r in drive(engine).items()}
+
+
+def test_hold_kv_returns_the_prompt_kv_with_the_first_token_and_frees_the_blocks(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, enable_prefix_caching=False)
+    (prompt,) = random_prompts([10], seed=0)
+    # max_tokens > 1: the prefill role still stops after the first token.
+    engine.add_request("r", prompt, GREEDY, hold_kv=True)
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason is None  # the request goes on elsewhere
+    first, kv = out.new_token_ids[0], out.kv
+    config = engine.model_config
+    assert kv.shape == (config.num_layers, 2, cdiv(10, BLOCK), BLOCK, config.num_kv_heads, config.head_dim)
+    # The payload is a copy: what was in the request's blocks (0, 1, 2) when it finished.
+    assert torch.equal(kv, engine.runner.kv_cache[:, :, :3])
+    assert_no_leak(engine)
+    # And the first token is the one a plain (non-held) request samples.
+    assert first == single_engine_tokens(tiny_llama_dir, {"r": prompt}, GREEDY)["r"][0]
+
+
+def test_hold_kv_payload_matches_a_fresh_prefill_of_the_same_prompt(tiny_llama_dir):
+    # KV of the prompt only: positions 10 and 11 of block 2 are not part of it.
+    (prompt,) = random_prompts([10], seed=0)
+    a, b = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir)
+    _, kv_a = prefill(a, "r", prompt, GREEDY)
+    b.add_request("other", random_prompts([7], seed=9)[0], GREEDY)  # shift b's block ids
+    b.step()
+    _, kv_b = prefill(b, "r", prompt, GREEDY)
+    torch.testing.assert_close(kv_a[:, :, :2], kv_b[:, :, :2])
+    torch.testing.assert_close(kv_a[:, :, 2, :2], kv_b[:, :, 2, :2])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_on_one_engine_and_decode_on_another_equals_one_engine(tiny_llama_dir, params):
+    prompts = dict(zip(["a", "b", "c"], random_prompts([5, 13, 22], seed=1), strict=True))
+    expected = single_engine_tokens(tiny_llama_dir, prompts, params)
+
+    prefill_engine = make_engine(tiny_llama_dir, long_prefill_token_threshold=6)
+    decode_engine = make_engine(tiny_llama_dir)
+    # The decode engine is busy with something else, so its block ids differ from prefill's.
+    decode_engine.add_request("busy", random_prompts([9], seed=2)[0], GREEDY)
+    decode_engine.step()
+    results = {}
+    for rid, prompt in prompts.items():
+        block_ids = decode_engine.reserve_remote(rid, prompt, params)
+        assert len(block_ids) == cdiv(len(prompt), BLOCK)
+        first, kv = prefill(prefill_engine, rid, prompt, params)
+        assert decode_engine.receive_remote_kv(rid, first, kv) is None  # not finished yet
+        results[rid] = [first]
+        # Interleave: decode steps run while other requests are still being prefilled.
+        for out in decode_engine.step():
+            if out.request_id in results:
+                results[out.request_id].extend(out.new_token_ids)
+    collected = drive(decode_engine)
+    for rid in prompts:
+        results[rid].extend(collected[rid].token_ids)
+    assert results == expected
+    assert_no_leak(prefill_engine)
+    assert_no_leak(decode_engine)
+
+
+def test_prefill_from_the_prefix_cache_ships_the_whole_prompt_kv(tiny_llama_dir):
+    (prompt,) = random_prompts([14], seed=3)
+    expected = single_engine_tokens(tiny_llama_dir, {"r": prompt}, GREEDY)["r"]
+    prefill_engine = make_engine(tiny_llama_dir)
+    prefill(prefill_engine, "warm", prompt, GREEDY)
+    decode_engine = make_engine(tiny_llama_dir)
+    decode_engine.reserve_remote("r", prompt, GREEDY)
+    first, kv = prefill(prefill_engine, "r", prompt, GREEDY)
+    assert prefill_engine.kv.prefix_hits == 12  # three of its four blocks came from the cache
+    decode_engine.receive_remote_kv("r", first, kv)
+    assert [first] + drive(decode_engine)["r"].token_ids == expected
+    assert_no_leak(decode_engine)
+
+
+def test_first_token_that_finishes_the_request_is_reported_by_receive_remote_kv(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([6], seed=4)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.reserve_remote("r", prompt, params)
+    out = engine.receive_remote_kv("r", 42, None)
+    assert out is not None and out.finished and out.finish_reason == "length"
+    assert out.num_output_tokens == 1
+    assert_no_leak(engine)
+
+
+def test_eos_as_first_token_finishes_with_stop(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([6], seed=4)
+    engine.reserve_remote("r", prompt, GREEDY)
+    eos = engine.model_config.eos_token_ids[0]
+    out = engine.receive_remote_kv("r", eos, None)
+    assert out is not None and out.finish_reason == "stop"
+    assert_no_leak(engine)
+
+
+def test_reserve_remote_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=6)
+    a, b = random_prompts([16, 12], seed=5)
+    assert engine.reserve_remote("a", a, GREEDY) == [0, 1, 2, 3]
+    with pytest.raises(KVCacheFull, match="3 KV blocks needed, 2 free"):
+        engine.reserve_remote("b", b, GREEDY)
+    assert engine.kv.num_free_blocks == 2
+    assert "b" not in engine.scheduler.requests
+    engine.abort("a")
+    # Retryable: the same id is accepted once there is room.
+    # Free queue: never-used 4, 5, then a's blocks tail first.
+    assert engine.reserve_remote("b", b, GREEDY) == [4, 5, 3]
+    engine.abort("b")
+    assert_no_leak(engine)
+
+
+def test_abort_while_waiting_for_kv_frees_the_blocks_and_drops_late_kv(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([10], seed=6)
+    engine.reserve_remote("r", prompt, GREEDY)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks - 3
+    assert engine.abort("r") is True
+    assert_no_leak(engine)
+    kv = torch.ones(2, 2, 3, BLOCK, 4, 8)
+    assert engine.receive_remote_kv("r", 7, kv) is None
+    assert not engine.runner.kv_cache.any(), "late KV of an aborted request was written"
+    assert engine.abort("r") is False
+    assert_no_leak(engine)
+
+
+def test_recompute_locally_after_a_failed_transfer_gives_the_same_output(tiny_llama_dir):
+    prompts = dict(zip(["a", "b"], random_prompts([7, 11], seed=7), strict=True))
+    expected = single_engine_tokens(tiny_llama_dir, prompts, SEEDED)
+    engine = make_engine(tiny_llama_dir)
+    for rid, prompt in prompts.items():
+        engine.reserve_remote(rid, prompt, SEEDED)
+    assert engine.recompute_locally("a") is True
+    assert engine.recompute_locally("a") is False  # no longer waiting for KV
+    assert engine.recompute_locally("ghost") is False
+    assert engine.scheduler.requests["a"].status == RequestStatus.WAITING
+    results = {}
+    for _ in range(50):
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if engine.scheduler.num_unfinished == 1:
+            break
+    assert results["a"] == expected["a"]
+    assert "b" in engine.scheduler.waiting_for_kv  # untouched all along
+    engine.abort("b")
+    assert_no_leak(engine)
+
+
+def test_abort_of_a_held_prefill_request_frees_its_blocks(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, long_prefill_token_threshold=4)
+    (prompt,) = random_prompts([12], seed=8)
+    engine.add_request("r", prompt, GREEDY, hold_kv=True)
+    engine.step()  # first chunk only
+    assert engine.abort("r") is True
+    assert engine.step() == []
+    assert_no_leak(engine)
