@@ -58,6 +58,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
         self.address = ""
+        self.ready_line = ""
         self.ready = threading.Event()
         self.process = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -70,6 +71,7 @@ class Child:
     def _read(self) -> None:
         for line in self.process.stdout:
             if line.startswith("SPLITSERVE_READY") and not self.ready.is_set():
+                self.ready_line = line.strip()
                 self.address = line.split()[2]
                 self.ready.set()
             sys.stdout.write(f"[{self.name}] {line}")
@@ -124,6 +126,7 @@ class Deployment:
         self.config = config
         self.children: list[Child] = []
         self.stop_requested = threading.Event()  # set by the signal handler
+        self.grpc_address = ""
         self._stopping = False
 
     def start(self) -> str:
@@ -146,6 +149,7 @@ class Deployment:
                                                 "--port", str(cfg.port),
                                                 "--grpc-port", str(cfg.grpc_port)] + routing, None)
         address = gateway.wait_ready(deadline, self.stop_requested)
+        self.grpc_address = gateway.ready_line.partition(" grpc=")[2]
         url = f"http://{address}"
         _wait_http_ready(f"{url}/ready", deadline, gateway)
         return url
@@ -224,7 +228,9 @@ def run(args: argparse.Namespace) -> int:
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"What is the capital of France?\"}}]}}'\n"
-          f"Ctrl-C stops everything.\n", flush=True)
+          + (f"  gRPC front door (splitserve.v1.Gateway): {deployment.grpc_address}\n"
+             if deployment.grpc_address else "")
+          + "Ctrl-C stops everything.\n", flush=True)
     print(f"SPLITSERVE_UP {url}", flush=True)
     code = 0
     while not stop_requested.wait(0.5):

@@ -3,13 +3,16 @@ aggregated), retries before the first token, and cancellation of every RPC it op
 
 Runs on the gateway's event loop. Closing the generator (client gone, stop string matched,
 slow client cut off) cancels the open Decode.Generate and Prefill.Prefill calls, which makes
-the workers abort the request and free its KV blocks.
+the workers abort the request and free its KV blocks. Nested generators are closed explicitly
+(`aclosing`): left to the garbage collector, a cancel could come seconds late.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -66,9 +69,11 @@ class Dispatcher:
             emitted = False
             attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
             try:
-                async for event in self._attempt(attempt_id, prompt_token_ids, sampling, tried):
-                    emitted = True
-                    yield event
+                async with aclosing(self._attempt(attempt_id, prompt_token_ids, sampling,
+                                                  tried)) as events:
+                    async for event in events:
+                        emitted = True
+                        yield event
                 return
             except _AttemptFailed as failed:
                 code = failed.error.code()
@@ -103,11 +108,11 @@ class Dispatcher:
         decode.blocks_since_poll += -(-(len(prompt) + sampling.max_tokens) // self.block_size)
         try:
             if prefill is None:
-                async for event in self._aggregated(decode, request_id, prompt, sampling):
-                    yield event
+                flow = self._aggregated(decode, request_id, prompt, sampling)
             else:
-                async for event in self._disaggregated(decode, prefill, request_id, prompt,
-                                                       sampling):
+                flow = self._disaggregated(decode, prefill, request_id, prompt, sampling)
+            async with aclosing(flow) as events:
+                async for event in events:
                     yield event
         finally:
             decode.outstanding -= 1
@@ -118,8 +123,9 @@ class Dispatcher:
             remote_prefill=False,
         ))
         try:
-            async for event in _decode_events(call, decode, next_index=0):
-                yield event
+            async with aclosing(_decode_events(call, decode, next_index=0)) as events:
+                async for event in events:
+                    yield event
         finally:
             call.cancel()
 
@@ -130,7 +136,13 @@ class Dispatcher:
         ))
         prefill_call = None
         try:
-            reserved = await _read(call, decode)
+            try:
+                async with asyncio.timeout(self.prefill_timeout_s):
+                    reserved = await _read(call, decode)
+            except TimeoutError:
+                raise _AttemptFailed(decode, _synthetic_error(
+                    "decode worker did not reserve KV blocks in time",
+                    grpc.StatusCode.DEADLINE_EXCEEDED)) from None
             if reserved is None or not reserved.HasField("reserved"):
                 raise _AttemptFailed(decode, _synthetic_error("decode stream did not reserve"))
             prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
@@ -151,8 +163,9 @@ class Dispatcher:
                 prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
                 num_cached_tokens=response.num_cached_tokens,
             )
-            async for event in _decode_events(call, decode, next_index=1):
-                yield event
+            async with aclosing(_decode_events(call, decode, next_index=1)) as events:
+                async for event in events:
+                    yield event
         finally:
             call.cancel()
             if prefill_call is not None:
@@ -200,6 +213,6 @@ def _prompt_logprobs(pbs) -> tuple[Logprobs | None, ...] | None:
     return (None,) + tuple(convert.logprob_from_pb(lp) for lp in pbs[1:])
 
 
-def _synthetic_error(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), details=details)
+def _synthetic_error(details: str,
+                     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -43,7 +43,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             while delta is not None:
                 try:
                     # A caller that stops reading stalls this write (HTTP/2 flow control).
-                    await asyncio.wait_for(context.write(_response(delta, spec)), timeout)
+                    # asyncio.timeout, not wait_for: see streaming.SSEResponse._write.
+                    async with asyncio.timeout(timeout):
+                        await context.write(_response(delta, spec))
                 except TimeoutError:
                     log.warning("gRPC caller read nothing for %.1fs; aborting %s", timeout,
                                 spec.request_id)
@@ -94,7 +96,7 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
     )
     if delta.logprobs:
         response.logprobs.extend(convert.logprob_to_pb(t, lp)
-                                 for t, lp in zip(delta.token_ids, delta.logprobs))
+                                 for t, lp in zip(delta.token_ids, delta.logprobs, strict=False))
     if delta.finish_reason is not None:
         response.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delta.num_output_tokens,

@@ -116,8 +116,12 @@ async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Tic
         ticket.release()
         raise
     events = sse_events(streams, firsts, fmt, prompt_tokens, gateway.config.stream_buffer_chunks)
-    return SSEResponse(events, gateway.config.slow_client_timeout_s, headers,
-                       on_close=ticket.release)
+
+    async def close() -> None:
+        ticket.release()
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+    return SSEResponse(events, gateway.config.slow_client_timeout_s, headers, on_close=close)
 
 
 async def _collect(gateway: Gateway, specs) -> list[ChoiceResult]:

@@ -120,7 +120,7 @@ class ChatFormat(_Format):
     def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
         if self.specs[index].logprobs is None:
             return None
-        return {"content": [self._entry(t, lp) for t, lp in zip(token_ids, logprobs)]}
+        return {"content": [self._entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=False)]}
 
     def _entry(self, token_id: int, lp: Logprobs) -> dict:
         entry = self._top(token_id, lp.logprob)
@@ -183,8 +183,8 @@ class CompletionFormat(_Format):
         if prompt_part is not None:
             prompt_ids, prompt_lps = prompt_part
             prompt_lps = prompt_lps or (None,) * len(prompt_ids)
-            entries += list(zip(prompt_ids, prompt_lps))
-        entries += list(zip(token_ids, logprobs))
+            entries += list(zip(prompt_ids, prompt_lps, strict=False))
+        entries += list(zip(token_ids, logprobs, strict=False))
         for token_id, lp in entries:
             token = self.tokenizer.token_text(token_id)
             tokens.append(token)

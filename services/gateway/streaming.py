@@ -45,20 +45,25 @@ async def until_disconnected(receive, awaitable: Awaitable[Any]) -> Any:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected()
+    if task.cancelled():
+        raise ClientDisconnected()
     return task.result()
 
 
 async def open_streams(streams: list[ChoiceStream]) -> list[TextDelta]:
     """First delta of every choice: proof that each request reached a worker and produced a
-    token. Any failure (an APIError) closes all streams, so a status code can still be sent."""
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    failure = next((r for r in firsts if isinstance(r, BaseException)), None)
-    if failure is not None:
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+    token. A failure (an APIError) or a cancel closes every stream, so that no worker request
+    outlives it and a status code can still be sent."""
+    try:
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failure = next((r for r in firsts if isinstance(r, BaseException)), None)
         if isinstance(failure, StopAsyncIteration):
-            raise APIError.internal("a worker stream ended without output")
-        raise failure
+            failure = APIError.internal("a worker stream ended without output")
+        if failure is not None:
+            raise failure
+    except BaseException:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
     return firsts
 
 
@@ -122,7 +127,7 @@ class SSEResponse(Response):
 
     def __init__(self, events: AsyncIterator[bytes], write_timeout_s: float,
                  headers: dict[str, str] | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         # Not Response.__init__: there is no body to render; __call__ streams instead.
         self.status_code = 200
         self.background = None
@@ -146,17 +151,23 @@ class SSEResponse(Response):
                 task.cancel()
             await asyncio.gather(writer, watcher, return_exceptions=True)
             await self.events.aclose()
-            if self.on_close is not None:
-                self.on_close()
+            if self.on_close is not None:  # also when `events` never started
+                await self.on_close()
         if writer not in done:
             log.info("client disconnected mid-stream; request aborted")
+        elif not writer.cancelled() and writer.exception() is not None:
+            log.error("stream failed", exc_info=writer.exception())
 
     async def _write(self, send, headers) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for chunk in self.events:
             message = {"type": "http.response.body", "body": chunk, "more_body": True}
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                # Not asyncio.wait_for: before Python 3.12 it can swallow this task's
+                # cancellation when the send completes at the same moment (as sends to a
+                # disconnected client do, instantly), and the stream would run on.
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
             except TimeoutError:
                 log.warning("client read nothing for %.1fs; cutting it off and aborting the "
                             "request", self.write_timeout_s)

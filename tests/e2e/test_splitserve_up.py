@@ -1,0 +1,129 @@
+"""`splitserve up` (what `make run` runs): a whole local deployment that answers through the
+OpenAI SDK and leaves no process behind when stopped, by SIGTERM or even by SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 300.0
+
+
+class Launcher:
+    """A `splitserve up` child; records the PIDs of the processes it starts."""
+
+    def __init__(self, *args: str) -> None:
+        self.lines: list[str] = []
+        self.url = ""
+        self.child_pids: dict[str, int] = {}
+        self._up = threading.Event()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "splitserve_cli.main", "up", *args], cwd=REPO_ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if match := re.match(r"\[up\] started (\w+) pid=(\d+)", line):
+                self.child_pids[match.group(1)] = int(match.group(2))
+            if line.startswith("SPLITSERVE_UP "):
+                self.url = line.split()[1]
+                self._up.set()
+
+    def wait_up(self) -> str:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._up.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("splitserve up did not come up:\n" + "".join(self.lines[-60:]))
+        return self.url
+
+    def alive_children(self) -> list[str]:
+        return [name for name, pid in self.child_pids.items() if _alive(pid)]
+
+    def cleanup(self) -> None:
+        # Our own launcher and the children it reported, each by PID.
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        for pid in self.child_pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_gone(launcher: Launcher, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while launcher.alive_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return launcher.alive_children()
+
+
+@pytest.mark.slow
+def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
+    from openai import OpenAI
+
+    launcher = Launcher("--port", str(_free_port()), "--model", str(smollm2_dir))
+    try:
+        url = launcher.wait_up()
+        assert set(launcher.child_pids) == {"prefill", "decode", "gateway"}
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model=smollm2_dir.name, messages=question,
+                                                max_tokens=30, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=smollm2_dir.name, messages=question, max_tokens=30, temperature=0,
+                stream=True))
+        assert streamed == answer.choices[0].message.content
+        launcher.process.send_signal(signal.SIGTERM)
+        assert launcher.process.wait(60) == 0
+        assert _wait_until_gone(launcher, 10) == []
+    finally:
+        launcher.cleanup()
+
+
+def test_up_aggregated_leaves_no_orphans_even_when_killed(tiny_llama_dir):
+    launcher = Launcher("--port", "0", "--model", str(tiny_llama_dir), "--mode", "agg")
+    try:
+        url = launcher.wait_up()
+        assert set(launcher.child_pids) == {"both", "gateway"}
+        import httpx
+
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": tiny_llama_dir.name, "prompt": "hi", "max_tokens": 4})
+        assert response.json()["usage"]["completion_tokens"] == 4
+        launcher.process.kill()  # no chance to clean up: the children must still go
+        launcher.process.wait(10)
+        assert _wait_until_gone(launcher, 20) == []
+    finally:
+        launcher.cleanup()

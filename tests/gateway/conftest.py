@@ -1,0 +1,69 @@
+"""Fixtures for the gateway tests: a disaggregated stack (prefill + decode + gateway), an
+aggregated one (role-both worker + gateway), both session-wide, and extra gateways on demand.
+The tiny random model keeps every process cheap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gateway_processes import ServiceProcess, Stack, start_gateway, start_worker
+
+
+@pytest.fixture(scope="session")
+def disagg_workers(tiny_llama_dir: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    prefill = start_worker(tiny_llama_dir, "prefill")
+    decode = start_worker(tiny_llama_dir, "decode")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="session")
+def disagg_stack(tiny_llama_dir, disagg_workers) -> Iterator[Stack]:
+    prefill, decode = disagg_workers
+    gateway = start_gateway(tiny_llama_dir, "--prefill", prefill.address, "--decode", decode.address)
+    try:
+        yield Stack(gateway, decode, prefill)
+    finally:
+        gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def agg_stack(tiny_llama_dir: Path) -> Iterator[Stack]:
+    worker = start_worker(tiny_llama_dir, "both")
+    try:
+        worker.wait_ready()
+        gateway = start_gateway(tiny_llama_dir, "--worker", worker.address)
+        try:
+            yield Stack(gateway, worker)
+        finally:
+            gateway.stop()
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(params=["disagg", "agg"])
+def stack(request) -> Stack:
+    """Runs a test against both deployments."""
+    return request.getfixturevalue(f"{request.param}_stack")
+
+
+@pytest.fixture
+def gateway_factory(tiny_llama_dir: Path) -> Iterator:
+    """Extra gateways with their own flags (over any workers); stopped after the test."""
+    started: list[ServiceProcess] = []
+
+    def start(*args: str) -> ServiceProcess:
+        gateway = start_gateway(tiny_llama_dir, *args)
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()

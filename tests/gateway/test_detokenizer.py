@@ -1,0 +1,87 @@
+"""Incremental detokenization: one token at a time, the text comes out whole: multi-byte
+characters split across tokens are held until complete, and no space is lost."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.tokenizer import ModelTokenizer
+
+TEXTS = [
+    "Ünïcödé text: 東京, Москва, Αθήνα, القاهرة, 🙂 🚀 ✨",
+    "Café au lait, crème brûlée, Zürich, Łódź.",
+    "日本語のテキストと한국어 텍스트",
+    "Family: 👩‍👩‍👧‍👦 flags: 🇫🇷🇯🇵 skin: 👍🏽",
+    "Tabs\tand  double  spaces\n\nnew lines   stay.",
+    " leading space, trailing space ",
+]
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def tokenizer(request, tiny_llama_dir) -> ModelTokenizer:
+    if request.param == "tiny":
+        return ModelTokenizer(tiny_llama_dir)
+    return ModelTokenizer(request.getfixturevalue("smollm2_dir"))
+
+
+def _stream(tokenizer, token_ids, prompt_ids=()) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids))
+    deltas = [detokenizer.push(t) for t in token_ids]
+    deltas.append(detokenizer.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_join_to_the_text_and_never_split_a_character(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = _stream(tokenizer, ids, prompt_ids=tokenizer.encode("Say:"))
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_character_split_over_byte_tokens_is_held_until_complete(tiny_llama_dir):
+    tokenizer = ModelTokenizer(tiny_llama_dir)
+    ids = tokenizer.encode("東", add_special_tokens=False)
+    assert len(ids) > 1, "the tiny tokenizer should split this CJK character into bytes"
+    deltas = _stream(tokenizer, ids)
+    assert deltas[:-2] == [""] * (len(ids) - 1) and deltas[-2] == "東" and deltas[-1] == ""
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_the_full_decode_has_it(tiny_llama_dir):
+    tokenizer = ModelTokenizer(tiny_llama_dir)
+    partial = tokenizer.encode("東", add_special_tokens=False)[:-1]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.push(t) for t in partial] == [""] * len(partial)
+    assert detokenizer.flush() == tokenizer.decode(partial)
+
+
+def test_special_tokens_are_skipped(tiny_llama_dir):
+    tokenizer = ModelTokenizer(tiny_llama_dir)
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    ids = tokenizer.encode("Hello", add_special_tokens=False) + [eos]
+    assert "".join(_stream(tokenizer, ids)) == "Hello"
+
+
+def test_leading_space_survives_a_decoder_that_strips_it_from_the_first_token(tmp_path):
+    # SentencePiece-style (Metaspace) decoders drop the space of a sequence's first token;
+    # decoding with the prompt's last tokens as context keeps " world" a word apart.
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.train_from_iterator(["Hello world, hello there world"] * 20,
+                                trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"],
+                                                    show_progress=False))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ModelTokenizer(tmp_path)
+    prompt = tokenizer.encode("Hello")
+    output = tokenizer.encode("Hello world")[len(prompt):]
+    assert tokenizer.decode(output) == "world"  # what token-by-token decoding would give
+    assert "".join(_stream(tokenizer, output, prompt_ids=prompt)) == " world"
+
+
+def test_token_bytes_reassemble_the_text(tokenizer):
+    text = TEXTS[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids).decode() == text

@@ -1,0 +1,180 @@
+"""The dispatcher against scripted workers over real gRPC: token order without repeats,
+invisible retries before the first token, an error event (never a retry) after it, and
+cancellation of every RPC it opened."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_workers import (
+    FIRST_TOKEN,
+    FakeDecode,
+    FakePrefill,
+    FakeServer,
+    exhausted,
+    fails_after,
+    hangs,
+    rejects,
+    streams,
+)
+from splitserve.v1 import common_pb2
+
+from services.gateway.dispatcher import Dispatcher
+from services.gateway.errors import APIError
+from services.gateway.router import LeastLoadedRouter
+from services.gateway.worker_pool import WorkerPool
+
+SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=1, logprobs=0)
+
+
+@pytest.fixture
+def servers():
+    started: list[FakeServer] = []
+
+    def start(servicer) -> FakeServer:
+        server = FakeServer(servicer)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def run(decoders, prefills=(), consume=None):
+    """Run a request through a Dispatcher over these fakes; returns (events, error)."""
+
+    async def scenario():
+        pool = WorkerPool(prefill_addresses=[p.address for p in prefills],
+                          decode_addresses=[d.address for d in decoders] if prefills else [],
+                          both_addresses=[] if prefills else [d.address for d in decoders])
+        await pool.poll_once()
+        dispatcher = Dispatcher(LeastLoadedRouter(pool), disaggregated=bool(prefills))
+        events, error = [], None
+        try:
+            stream = dispatcher.generate("req", [5, 6, 7], SAMPLING)
+            if consume is not None:
+                return await consume(stream), None
+            async for event in stream:
+                events.append(event)
+        except APIError as exc:
+            error = exc
+        finally:
+            await pool.close()
+        return events, error
+
+    return asyncio.run(scenario())
+
+
+def tokens(events):
+    return [t for e in events for t in e.token_ids]
+
+
+def test_prefill_token_comes_first_then_decode_tokens(servers):
+    decode = servers(FakeDecode(streams([11, 12, 13])))
+    prefill = servers(FakePrefill())
+    events, error = run([decode], [prefill])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 11, 12, 13]
+    assert events[-1].finish_reason == "length"
+    assert decode.servicer.calls[0].remote_prefill
+    assert prefill.servicer.calls[0].decode_kv_endpoint == "127.0.0.1:1"
+
+
+def test_recomputed_prompt_restarts_at_index_zero_and_repeats_are_skipped(servers):
+    # KV never arrived: the decode worker recomputed and streams from output index 0, whose
+    # token (same seed) is the one the prefill worker already returned.
+    decode = servers(FakeDecode(streams([FIRST_TOKEN, 21, 22], start_index=0)))
+    events, error = run([decode], [servers(FakePrefill())])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 21, 22]
+
+
+def test_resource_exhausted_is_retried_on_another_decode_worker(servers):
+    full = servers(FakeDecode(exhausted(), kv_blocks_free=900))  # chosen first: most free
+    roomy = servers(FakeDecode(streams([31, 32]), kv_blocks_free=100))
+    events, error = run([full, roomy], [servers(FakePrefill())])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 31, 32]
+    assert len(full.servicer.calls) == 1 and len(roomy.servicer.calls) == 1
+
+
+def test_every_attempt_exhausted_is_503_with_retry_after(servers):
+    only = servers(FakeDecode(exhausted()))
+    events, error = run([only], [servers(FakePrefill())])
+    assert events == []
+    assert error.status == 503 and error.retry_after_s is not None
+    assert len(only.servicer.calls) == 2  # one invisible retry, on the only worker there is
+
+
+def test_prefill_failure_is_retried_and_the_first_reservation_released(servers):
+    def waits_for_kv_first(request, context, fake):
+        if len(fake.calls) == 1:  # the first attempt: reserved, its KV never comes
+            yield from hangs()(request, context, fake)
+        else:
+            yield from streams([41])(request, context, fake)
+
+    decode = servers(FakeDecode(waits_for_kv_first))
+    broken = servers(FakePrefill("unavailable"))
+    healthy = servers(FakePrefill())
+    events, error = run([decode], [broken, healthy])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 41]
+    # Round-robin starts with the first prefill worker listed: the broken one.
+    assert len(broken.servicer.calls) == 1 and len(healthy.servicer.calls) == 1
+    assert len(decode.servicer.calls) == 2
+    assert decode.servicer.cancelled.wait(5), "the first attempt's reservation was not released"
+
+
+def test_failure_after_tokens_is_a_final_error_event_not_a_retry(servers):
+    decode = servers(FakeDecode(fails_after([51, 52])))
+    events, error = run([decode], [servers(FakePrefill())])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 51, 52]
+    assert events[-1].finish_reason == "error" and "UNAVAILABLE" in events[-1].error
+    assert len(decode.servicer.calls) == 1
+
+
+def test_invalid_argument_from_a_worker_is_a_400_without_retry(servers):
+    decode = servers(FakeDecode(rejects(), role="both"))
+    events, error = run([decode])
+    assert error.status == 400 and "bad sampling" in error.message
+    assert len(decode.servicer.calls) == 1
+
+
+def test_aggregated_mode_streams_everything_from_the_decode_worker(servers):
+    worker = servers(FakeDecode(streams([61, 62, 63], start_index=0), role="both"))
+    events, error = run([worker])
+    assert tokens(events) == [61, 62, 63]
+    assert not worker.servicer.calls[0].remote_prefill
+
+
+def test_cancel_during_prefill_cancels_prefill_and_decode_rpcs(servers):
+    decode = servers(FakeDecode(hangs()))
+    prefill = servers(FakePrefill("hang"))
+
+    async def consume(stream):
+        task = asyncio.ensure_future(anext(stream))
+        while not prefill.servicer.calls:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    run([decode], [prefill], consume=consume)
+    assert prefill.servicer.cancelled.wait(5), "the prefill RPC was not cancelled"
+    assert decode.servicer.ended.wait(5), "the decode stream was not closed"
+
+
+def test_closing_after_tokens_cancels_the_decode_stream(servers):
+    decode = servers(FakeDecode(hangs(after_tokens=[71])))
+
+    async def consume(stream):
+        first = await anext(stream)
+        second = await anext(stream)
+        await stream.aclose()
+        return [first, second]
+
+    events, _ = run([decode], [servers(FakePrefill())], consume=consume)
+    assert tokens(events) == [FIRST_TOKEN, 71]
+    assert decode.servicer.cancelled.wait(5), "the decode stream was not cancelled"

@@ -1,0 +1,59 @@
+"""splitserve.v1.Gateway/Generate: the HTTP API's semantics for internal gRPC callers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from gateway_processes import openai_client
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+def _generate(address: str, **fields) -> list[gateway_pb2.GenerateTextResponse]:
+    with grpc.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        return list(stub.Generate(gateway_pb2.GenerateTextRequest(**fields), timeout=60))
+
+
+def _greedy(max_tokens: int, **extra) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, has_temperature=True,
+                                     **extra)
+
+
+def test_text_prompt_streams_text_and_tokens_like_http(stack, tiny_llama_dir):
+    responses = _generate(stack.grpc_address, text="The old library",
+                          sampling=_greedy(10, logprobs=1))
+    http = openai_client(stack.url).completions.create(
+        model=tiny_llama_dir.name, prompt="The old library", max_tokens=10, temperature=0)
+    assert "".join(r.text for r in responses) == http.choices[0].text
+    assert sum(len(r.token_ids) for r in responses) == 10
+    assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 10 and last.usage.prompt_tokens == http.usage.prompt_tokens
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+
+
+def test_token_id_prompt_with_a_stop_string(disagg_stack):
+    full = _generate(disagg_stack.grpc_address, token_ids=gateway_pb2.TokenIds(ids=[42, 71, 265]),
+                     sampling=_greedy(30, ignore_eos=True))
+    text = "".join(r.text for r in full)
+    stop = text[10:13]
+    stopped = _generate(disagg_stack.grpc_address,
+                        token_ids=gateway_pb2.TokenIds(ids=[42, 71, 265]),
+                        sampling=_greedy(30, ignore_eos=True), stop=[stop])
+    assert "".join(r.text for r in stopped) == text[: text.index(stop)]
+    assert stopped[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize(("fields", "code"), [
+    ({"text": "hi", "model": "nope"}, grpc.StatusCode.NOT_FOUND),
+    ({}, grpc.StatusCode.INVALID_ARGUMENT),  # no prompt
+    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=3.0)}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"token_ids": gateway_pb2.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"text": "hi", "sampling": common_pb2.SamplingParams(max_tokens=100000)}, grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_invalid_requests_get_status_codes(disagg_stack, fields, code):
+    with pytest.raises(grpc.RpcError) as caught:
+        _generate(disagg_stack.grpc_address, **fields)
+    assert caught.value.code() == code

@@ -1,0 +1,196 @@
+"""The HTTP API through the official openai SDK, against real workers in both deployments."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from gateway_processes import openai_client
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_llama_dir) -> str:
+    """The served name: the model folder's name, as the workers report it."""
+    return tiny_llama_dir.name
+
+
+def _chat(client, model, **kwargs):
+    kwargs.setdefault("messages", [{"role": "user", "content": "What is the capital of France?"}])
+    return client.chat.completions.create(model=model, **kwargs)
+
+
+def test_chat_non_streaming_returns_message_finish_reason_and_usage(stack, model_name):
+    response = _chat(openai_client(stack.url), model_name, max_tokens=8, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.model == model_name
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.prompt_tokens > 0
+    assert 1 <= response.usage.completion_tokens <= 8
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_chat_stream_has_role_first_content_then_finish_then_usage(stack, model_name):
+    chunks = list(_chat(openai_client(stack.url), model_name, max_tokens=8, temperature=0,
+                        stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert chunks[-1].choices == []
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = _chat(openai_client(stack.url), model_name, max_tokens=8, temperature=0)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(disagg_stack, model_name):
+    chunks = list(_chat(openai_client(disagg_stack.url), model_name, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)
+
+
+def test_completions_streaming_equals_non_streaming(stack, model_name):
+    client = openai_client(stack.url)
+    whole = client.completions.create(model=model_name, prompt="The old library", max_tokens=12,
+                                      temperature=0)
+    assert whole.object == "text_completion"
+    chunks = list(client.completions.create(model=model_name, prompt="The old library",
+                                            max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+
+
+def test_max_tokens_one_is_the_prefill_workers_token(stack, model_name):
+    response = openai_client(stack.url).completions.create(
+        model=model_name, prompt="A small cat", max_tokens=1, temperature=0, logprobs=0)
+    assert response.usage.completion_tokens == 1
+    assert len(response.choices[0].logprobs.tokens) == 1
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_output_before_it_and_never_leaks(disagg_stack, model_name):
+    client = openai_client(disagg_stack.url)
+    prompt = "Our team builds"
+    full = client.completions.create(model=model_name, prompt=prompt, max_tokens=40,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop.strip()) >= 2, f"no usable stop string in {text!r}"
+    expected = text[: text.index(stop)]
+    stopped = client.completions.create(model=model_name, prompt=prompt, max_tokens=40,
+                                        temperature=0, stop=[stop, "\x00never"],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == expected
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < 40
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=40,
+                                            temperature=0, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == expected
+    assert not any(stop in p for p in pieces)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_same_seed_gives_same_sample_and_other_seeds_differ(stack, model_name):
+    client = openai_client(stack.url)
+
+    def sample(seed):
+        return client.completions.create(model=model_name, prompt="Every student", max_tokens=24,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({sample(s) for s in (1, 2, 3)} | {first}) > 1
+
+
+def test_n_choices_sample_with_distinct_seeds(disagg_stack, model_name):
+    client = openai_client(disagg_stack.url)
+    response = client.completions.create(model=model_name, prompt="My neighbour", max_tokens=16,
+                                         temperature=1.0, seed=7, n=3)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    again = client.completions.create(model=model_name, prompt="My neighbour", max_tokens=16,
+                                      temperature=1.0, seed=8)
+    # Choice 1 samples with seed+1: the same as a single request with seed 8.
+    assert response.choices[1].text == again.choices[0].text
+    single = client.completions.create(model=model_name, prompt="My neighbour", max_tokens=1)
+    assert response.usage.prompt_tokens == single.usage.prompt_tokens  # counted once, not n times
+    assert 3 <= response.usage.completion_tokens <= 48
+    streamed = list(client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+        stream=True, seed=3))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+
+
+def test_chat_logprobs_with_top_logprobs(stack, model_name):
+    response = _chat(openai_client(stack.url), model_name, max_tokens=6, temperature=0,
+                     logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+
+
+def test_completion_echo_with_logprobs_includes_prompt_tokens(stack, model_name):
+    prompt = "The river follows the quiet road"
+    response = openai_client(stack.url).completions.create(
+        model=model_name, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    choice = response.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    n_prompt = response.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+
+
+def test_token_id_prompts_and_prompt_lists(disagg_stack, model_name, tiny_llama_dir):
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")).encode("A curious child").ids
+    client = openai_client(disagg_stack.url)
+    by_text = client.completions.create(model=model_name, prompt="A curious child", max_tokens=6,
+                                        temperature=0)
+    by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    several = client.completions.create(model=model_name, prompt=["A curious child", "The server"],
+                                        max_tokens=6, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[0].text == by_text.choices[0].text
+    lists = client.completions.create(model=model_name, prompt=[ids, ids[:2]], max_tokens=6,
+                                      temperature=0)
+    assert lists.choices[0].text == by_text.choices[0].text
+
+
+def test_models_lists_the_served_model_with_its_context(stack, model_name):
+    models = openai_client(stack.url).models.list().data
+    assert [m.id for m in models] == [model_name]
+    card = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]
+    assert {"id", "object", "created", "owned_by", "root", "max_model_len"} <= card.keys()
+    assert card["max_model_len"] == 512  # the tiny model's max_position_embeddings
+
+
+def test_health_and_ready(stack):
+    assert httpx.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+    ready = httpx.get(f"{stack.url}/ready", timeout=10)
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_unknown_fields_are_ignored_as_openai_does(disagg_stack, model_name):
+    response = httpx.post(f"{disagg_stack.url}/v1/chat/completions", timeout=30, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi", "extra": 1}],
+        "max_tokens": 2, "some_future_field": {"x": 1}, "metadata": {"k": "v"}})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] <= 2
