@@ -15,7 +15,7 @@ from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, decode_attention_mask
 
 
 @dataclass
@@ -88,6 +88,12 @@ class ModelRunner:
         for rid in sched.finished_request_ids | sched.preempted_request_ids:
             self.requests.pop(rid, None)
         for new in sched.new_requests:
+            # Prompt logprobs go out with the first sampled token at the latest, so a request
+            # back from preemption with output tokens already has them: don't score it again.
+            wants_prompt_logprobs = (
+                new.sampling_params.prompt_logprobs is not None
+                and len(new.token_ids) == new.num_prompt_tokens
+            )
             self.requests[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
@@ -95,7 +101,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=new.num_prompt_tokens,
                 params=new.sampling_params,
-                prompt_logprobs=[None] if new.sampling_params.prompt_logprobs is not None else None,
+                prompt_logprobs=[None] if wants_prompt_logprobs else None,
             )
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
@@ -137,19 +143,27 @@ class ModelRunner:
             if state.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 count = min(end, state.num_prompt_tokens - 1) - start
                 prompt_rows.append((rid, row0, count))
+            elif state.prompt_logprobs is not None and state.num_prompt_tokens == 1 and start == 0:
+                # A one-token prompt has no position to score, but its echo ([None]) is due.
+                prompt_rows.append((rid, row0, 0))
             if end >= len(state.token_ids):
                 sample_rows.append((rid, row0 + n - 1))
 
         dev = self.device
+        max_decode_len = max(decode_lens, default=0)
+        decode_seq_lens = decode_mask = None
+        if decode_lens and min(decode_lens) < max_decode_len:  # else nothing to mask (batch 1)
+            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            decode_mask = decode_attention_mask(decode_seq_lens, max_decode_len)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decode_lens),
             decode_block_tables=_pad_tables(decode_tables, dev) if decode_tables else None,
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            if decode_lens else None,
-            decode_max_seq_len=max(decode_lens, default=0),
+            decode_seq_lens=decode_seq_lens,
+            decode_max_seq_len=max_decode_len,
             prefill_seqs=prefill_seqs,
             prefill_block_tables=[t.to(dev) for t in prefill_tables],
+            decode_attn_mask=decode_mask,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

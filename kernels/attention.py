@@ -20,11 +20,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context incl. the new token
+    # [num_decodes] int64, context incl. the new token; None when every decode sequence's
+    # context is exactly decode_max_seq_len (then nothing needs masking).
+    decode_seq_lens: torch.Tensor | None
     decode_max_seq_len: int
     # Other sequences: (query start, query length, context length incl. the queries).
     prefill_seqs: list[tuple[int, int, int]]
     prefill_block_tables: list[torch.Tensor]  # one [num_blocks] int64 per prefill sequence
+    # decode_attention_mask(decode_seq_lens, decode_max_seq_len), built once per step rather
+    # than once per layer; built on the fly when None.
+    decode_attn_mask: torch.Tensor | None = None
 
 
 def store_kv(
@@ -41,32 +46,48 @@ def store_kv(
     flat_v.index_copy_(0, slot_mapping, value)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for any shape of block_ids, as one index_select of whole blocks
+    (a row copy each; advanced indexing of the 4-d cache is several times slower on CPU)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *cache.shape[1:])
+
+
+def decode_attention_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[B, 1, 1, max_seq_len] bool: the cached positions each decode sequence may read."""
+    positions = torch.arange(max_seq_len, device=seq_lens.device)
+    return (positions[None, :] < seq_lens[:, None]).view(-1, 1, 1, max_seq_len)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    seq_lens: torch.Tensor | None,
     max_seq_len: int,
     scale: float,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. query: [B, heads, head_dim] -> [B, heads, head_dim].
 
     Query heads that share a KV head are folded into the query-length axis, so grouped-query
-    attention needs no copy of K/V per query head."""
+    attention needs no copy of K/V per query head. seq_lens None: every context is
+    max_seq_len long; attn_mask: decode_attention_mask(seq_lens, max_seq_len) if precomputed."""
     batch, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     block_size = k_cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
     tables = block_tables[:, :num_blocks]
-    # [B, blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
-    keys = k_cache[tables].flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
+    # [B, blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] (a strided view: SDPA reads it
+    # as is, so the gather is the only copy of the context).
+    keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
+    values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
     q = query.view(batch, kv_heads, group, head_dim)
-    positions = torch.arange(max_seq_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_seq_len)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if attn_mask is None and seq_lens is not None:
+        attn_mask = decode_attention_mask(seq_lens, max_seq_len)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -78,18 +99,23 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of the last `q_len` positions over `ctx_len` keys.
     query: [q_len, heads, D]; key/value: [ctx_len, kv_heads, D] -> [q_len, heads, D]."""
-    q_len, ctx_len = query.shape[0], key.shape[0]
-    q = query.transpose(0, 1)
-    k = key.transpose(0, 1)
-    v = value.transpose(0, 1)
+    q_len, num_heads, head_dim = query.shape
+    ctx_len, kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // kv_heads
+    # 4-d [kv_heads, group, len, D] with K/V broadcast (stride 0) over the group: the CPU
+    # flash kernel takes that, while 3-d or enable_gqa inputs fall back to the math path,
+    # which is about 2.5x slower.
+    q = query.transpose(0, 1).view(kv_heads, group, q_len, head_dim)
+    k = key.transpose(0, 1).unsqueeze(1).expand(kv_heads, group, ctx_len, head_dim)
+    v = value.transpose(0, 1).unsqueeze(1).expand(kv_heads, group, ctx_len, head_dim)
     if q_len == ctx_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
         rows = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         mask = torch.arange(ctx_len, device=query.device)[None, :] <= rows[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
 
 def paged_attention(
@@ -108,20 +134,21 @@ def paged_attention(
     if not meta.prefill_seqs:
         return paged_decode_attention(
             query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_max_seq_len, scale,
+            meta.decode_max_seq_len, scale, meta.decode_attn_mask,
         )
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_decode:
         out[:num_decode] = paged_decode_attention(
             query[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_seq_lens, meta.decode_max_seq_len, scale,
+            meta.decode_seq_lens, meta.decode_max_seq_len, scale, meta.decode_attn_mask,
         )
     for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables):
         end = start + q_len
         if ctx_len == q_len:
             k, v = key[start:end], value[start:end]
         else:  # cached prefix: read the whole context back from the paged cache
-            k = k_cache[table].flatten(0, 1)[:ctx_len]
-            v = v_cache[table].flatten(0, 1)[:ctx_len]
+            num_blocks = -(-ctx_len // k_cache.shape[1])
+            k = gather_blocks(k_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
+            v = gather_blocks(v_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
         out[start:end] = prefill_attention(query[start:end], k, v, scale)
     return out

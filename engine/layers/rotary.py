@@ -27,11 +27,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict | None = None
@@ -49,11 +44,31 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: model.to(bfloat16) must not round the angles.
         self.cos = emb.cos()
         self.sin = emb.sin()
+        # rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly (negating is exact):
+        # one flip per tensor instead of a negation and a concatenation.
+        half = head_dim // 2
+        self.signed_sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation of each token ([tokens, 1, head_dim] cos and signed sin), gathered once
+        per step and shared by every layer. Rounded to `dtype` after the float32 products."""
+        tables = self._tables.get(dtype)
+        if tables is None:
+            tables = self._tables[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        cos, sin = tables
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] -> x rotated by its token's angles."""
+        cos, signed_sin = cos_sin
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return x * cos + swapped * signed_sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos_sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos_sin), self.rotate(k, cos_sin)
