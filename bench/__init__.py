@@ -1,0 +1,1 @@
+"""Benchmarks: the load generator, the system comparison, and component benchmarks."""

@@ -1,0 +1,106 @@
+"""`python -m bench.compare`: start each system, sweep the workloads, write the report.
+
+    python -m bench.compare --quick     # tiny random model, a few minutes (make bench)
+    python -m bench.compare             # SmolLM2-135M, about 15 minutes on 2 cores
+    python -m bench.compare --report-only bench/results/2026-11-29   # re-render a report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.compare.report import render, render_from
+from bench.compare.sweep import full_plan, quick_plan, run_sweep
+from bench.compare.systems import SYSTEMS, PeerOptions
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny random model, short runs (a smoke test, not a measurement)")
+    p.add_argument("--model", type=Path, help=f"model folder (default {DEFAULT_MODEL.name}; "
+                   "--quick: a tiny random Llama)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--workloads", help="comma-separated subset of the plan's workloads")
+    p.add_argument("--rates", help="override the chat workload's rates, e.g. 0.5,1,2")
+    p.add_argument("--duration", type=float, help="override seconds of arrivals per rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-dtype", default="auto", help="transformers serve --dtype")
+    p.add_argument("--peer-blocks", type=int, default=4096, help="transformers serve blocks")
+    p.add_argument("--peer-threads", type=int, default=0,
+                   help="OMP_NUM_THREADS for transformers serve (0: torch's default)")
+    p.add_argument("--append", action="store_true",
+                   help="keep the other systems' results already in --out (re-run some systems)")
+    p.add_argument("--out", type=Path, help="results folder (default bench/results/<date>, "
+                   "with a -quick suffix for --quick)")
+    p.add_argument("--report-only", type=Path, metavar="DIR",
+                   help="re-render DIR/report.md from DIR/results.json and exit")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the sweep's finally blocks stop the system under test.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.report_only:
+        print(render_from(args.report_only))
+        return 0
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    out = args.out or REPO / "bench" / "results" / (time.strftime("%Y-%m-%d")
+                                                    + ("-quick" if args.quick else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = None
+    if args.quick and args.model is None:
+        from splitserve_cli.tiny_model import build_tiny_model
+
+        scratch = Path(tempfile.mkdtemp(prefix="splitserve-compare-"))
+        model = build_tiny_model(scratch / "tiny-llama", arch="llama", seed=0)
+    else:
+        model = args.model or DEFAULT_MODEL
+    plan = (quick_plan if args.quick else full_plan)(str(model), systems)
+    plan = replace(plan, seed=args.seed, peer=PeerOptions(args.peer_dtype, args.peer_blocks,
+                                                          num_threads=args.peer_threads))
+    workloads = plan.workloads
+    if args.workloads:
+        wanted = set(args.workloads.split(","))
+        workloads = tuple(w for w in workloads if w.name in wanted)
+    if args.rates:
+        rates = tuple(float(r) for r in args.rates.split(","))
+        workloads = tuple(replace(w, rates=rates) if w.name == "chat" else w for w in workloads)
+    if args.duration:
+        workloads = tuple(replace(w, duration_s=args.duration) for w in workloads)
+    plan = replace(plan, workloads=workloads)
+    try:
+        results = run_sweep(plan, out, progress=not args.no_progress, append=args.append)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    command = "python -m bench.compare " + " ".join(argv)
+    results["command"] = (results.get("command", "") + " ; " if args.append else "") + command
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report = render(results, out)
+    print(f"wrote {report}")
+    failed = [name for name, info in results["systems"].items() if "error" in info]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""PNG plots of a workload's rate sweep, one line per system (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from bench.compare.targets import points_of  # noqa: E402
+
+# (file suffix, title, y label, value from a summary, log scale)
+PANELS = (
+    ("ttft_p99", "TTFT p99", "seconds", lambda s: s["ttft_s"]["p99"], True),
+    ("itl_p99", "Inter-token latency p99", "seconds", lambda s: s["itl_s"]["p99"], True),
+    ("throughput", "Output throughput", "tokens / s", lambda s: s["output_throughput"], False),
+    ("goodput", "Goodput", "requests / s", lambda s: s["goodput"], False),
+)
+
+
+def plot_workload(results: dict, workload: str, out_dir: Path) -> list[Path]:
+    """One PNG per panel; nothing when the workload was not swept over at least two rates."""
+    systems = [s for s in results["systems"]
+               if len([p for p in points_of(results, s, workload) if p["rate"] is not None]) >= 1]
+    rates = {p["rate"] for p in results["points"] if p["workload"] == workload}
+    if not systems or len(rates - {None}) < 2:
+        return []
+    slo = results["plan"]["slo"]
+    paths = []
+    for suffix, title, ylabel, value, log in PANELS:
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        for system in systems:
+            pts = [p for p in points_of(results, system, workload) if p["rate"] is not None]
+            xs = [p["rate"] for p in pts if value(p["summary"]) is not None]
+            ys = [value(p["summary"]) for p in pts if value(p["summary"]) is not None]
+            ax.plot(xs, ys, marker="o", label=results["systems"][system]["label"])
+        if suffix == "ttft_p99":
+            ax.axhline(slo["ttft_s"], color="grey", linestyle="--", linewidth=1,
+                       label=f"target {slo['ttft_s']:g} s")
+        if suffix == "goodput":
+            lim = max(rates - {None})
+            ax.plot([0, lim], [0, lim], color="grey", linestyle=":", linewidth=1,
+                    label="offered rate")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("offered request rate (requests / s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{workload}: {title}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{workload}_{suffix}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,164 @@
+"""report.md from a sweep's results.json: the headline targets, a table per workload, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.compare.machine import machine
+from bench.compare.plots import plot_workload
+from bench.compare.targets import (
+    class_metric,
+    max_sustainable_rate,
+    peak_goodput,
+    points_of,
+    ratio,
+)
+
+DISAGG, AGG, PEER = "splitserve-disagg", "splitserve-agg", "transformers-serve"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def workload_table(results: dict, workload: str) -> list[str]:
+    rows = ["| system | offered req/s | achieved req/s | out tok/s | TTFT p50 / p99 ms "
+            "| TPOT p50 / p99 ms | ITL p99 ms | goodput req/s | ok / sent | 429 | 503 "
+            "| other failures | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for system, info in results["systems"].items():
+        for p in points_of(results, system, workload):
+            s = p["summary"]
+            offered = "burst" if p["rate"] is None else f"{p['rate']:g}"
+            other = s["errors"] + s["timeouts"] + sum(s["http_errors"].values())
+            tput = f"{s['output_throughput']:.1f}"
+            if s.get("streamed_output_throughput", 0) > 1.01 * s["output_throughput"]:
+                tput += f" ({s['streamed_output_throughput']:.1f} streamed)"
+            rows.append(
+                f"| {info['label']} | {offered} "
+                f"| {s['request_throughput']:.2f} | {tput} "
+                f"| {_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} "
+                f"| {_ms(s['tpot_s']['p50'])} / {_ms(s['tpot_s']['p99'])} "
+                f"| {_ms(s['itl_s']['p99'])} | {s['goodput']:.2f} "
+                f"| {s['completed']} / {s['requests']} | {s['rejected_429']} "
+                f"| {s['rejected_503']} | {other} | {p.get('note', '')} |")
+    return rows
+
+
+def headline(results: dict) -> list[str]:
+    slo = results["plan"]["slo"]
+    lines = ["| target | splitserve disaggregated | transformers serve | ratio |",
+             "|---|---|---|---|"]
+    if any(p["workload"] == "burst" for p in results["points"]):
+        tput = {s: next((p["summary"]["output_throughput"] for p in points_of(results, s, "burst")),
+                        None) for s in (DISAGG, PEER)}
+        lines.append(f"| burst output throughput (tok/s) | {_num(tput[DISAGG], 1)} "
+                     f"| {_num(tput[PEER], 1)} | {_x(ratio(tput[DISAGG], tput[PEER]))} |")
+    good = {s: peak_goodput(points_of(results, s, "chat")) for s in (DISAGG, PEER)}
+    shown = {s: f"{g:.2f} (at {r:g})" if r is not None else f"{g:.2f}" for s, (g, r) in good.items()}
+    lines.append(
+        f"| chat peak goodput, TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s'] * 1e3:g} ms "
+        f"(req/s, at offered rate) | {shown[DISAGG]} | {shown[PEER]} "
+        f"| {_x(ratio(good[DISAGG][0], good[PEER][0]))} |")
+    bounds = {s: max_sustainable_rate(points_of(results, s, "chat"), slo["ttft_s"])
+              for s in (DISAGG, PEER)}
+    lines.append(
+        f"| chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s) "
+        f"| {bounds[DISAGG].text() if bounds[DISAGG] else '-'} "
+        f"| {bounds[PEER].text() if bounds[PEER] else '-'} "
+        f"| {_x(ratio(*(b.value if b else None for b in (bounds[DISAGG], bounds[PEER]))))} |")
+    inter = {s: next(iter(points_of(results, s, "interference")), None) for s in (DISAGG, AGG)}
+    itl = {s: class_metric(p, "steady", "itl_s", "p99") if p else None for s, p in inter.items()}
+    lines += ["", "| interference (steady streams) | splitserve disaggregated "
+              "| splitserve aggregated | aggregated / disaggregated |", "|---|---|---|---|",
+              f"| ITL p99 ms | {_ms(itl[DISAGG])} | {_ms(itl[AGG])} | {_x(ratio(itl[AGG], itl[DISAGG]))} |"]
+    for metric, label in (("tpot_s", "TPOT p99 ms"),):
+        v = {s: class_metric(p, "steady", metric, "p99") if p else None for s, p in inter.items()}
+        lines.append(f"| {label} | {_ms(v[DISAGG])} | {_ms(v[AGG])} | {_x(ratio(v[AGG], v[DISAGG]))} |")
+    ttft = {s: class_metric(p, "long", "ttft_s", "p99") if p else None for s, p in inter.items()}
+    lines.append(f"| long-prompt TTFT p99 ms | {_ms(ttft[DISAGG])} | {_ms(ttft[AGG])} "
+                 f"| {_x(ratio(ttft[AGG], ttft[DISAGG]))} |")
+    # Latencies cover finished requests only: say how many steady streams that is.
+    done = {s: (p["by_class"]["steady"]["completed"], p["by_class"]["steady"]["requests"])
+            if p and "steady" in p["by_class"] else None for s, p in inter.items()}
+    lines.append("| steady streams finished (the latencies above cover these) | "
+                 + " | ".join(f"{d[0]} / {d[1]}" if d else "-" for d in (done[DISAGG], done[AGG]))
+                 + " | |")
+    return lines
+
+
+def render(results: dict, out_dir: Path) -> Path:
+    plan, m = results["plan"], results.get("machine") or machine()
+    command = results.get("command", "")
+    lines = [f"# splitserve vs transformers serve ({'quick' if plan['quick'] else 'full'} sweep)",
+             "", f"Run {results['started']} to {results.get('finished', '(unfinished)')}; "
+             f"model `{plan['model_dir']}`; {m['cores']} CPU cores ({m['cpu']}); "
+             f"torch {m['torch']}, transformers {m['transformers']}; commit {m['commit']}.",
+             "Every system ran alone on this machine, one after another; the load generator "
+             "shared its cores. Output lengths were forced exactly (splitserve: `ignore_eos`; "
+             "transformers serve: `generation_config` with `eos_token_id: -1`); prompts were built "
+             "to exact token counts with the model's tokenizer. Goodput counts requests with "
+             f"TTFT <= {plan['slo']['ttft_s']:g} s and TPOT <= {plan['slo']['tpot_s'] * 1e3:g} ms.",
+             ""]
+    if plan["quick"]:
+        lines += ["**Quick mode: a tiny random model and seconds-long runs. This checks that every "
+                  "system starts, serves and is measured; its numbers are not a performance "
+                  "result.**", ""]
+    busy = {info["label"]: info["loadavg_1m_at_start"] for info in results["systems"].values()
+            if info.get("loadavg_1m_at_start", 0) > m["cores"]}
+    if busy:
+        lines += ["**The machine was shared: 1-minute load average above its core count when "
+                  + ", ".join(f"{k} started ({v:g})" for k, v in busy.items())
+                  + ". Other work competed for the cores; expect noise.**", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += ["## Targets", "", *headline(results), ""]
+    for info in results["systems"].values():
+        if "error" in info:
+            lines += [f"**{info['label']} failed:** `{info['error'].splitlines()[0]}` "
+                      f"(log: `{info.get('log', '')}`)", ""]
+    for w in plan["workloads"]:
+        lines += [f"## Workload `{w['name']}`", "", f"{w['about']}. `{w['workload']}`; "
+                  + (f"one burst of {w['burst']}." if w["burst"] else
+                     f"Poisson arrivals for {w['duration_s']:g} s per rate."), "",
+                  *workload_table(results, w["name"]), ""]
+        if w["name"] == "interference":
+            lines += _class_rows(results, "interference")
+        for path in plot_workload(results, w["name"], out_dir):
+            lines.append(f"![{path.stem}]({path.name})")
+        lines.append("")
+    lines += ["## Systems", ""]
+    for info in results["systems"].values():
+        lines.append(f"- {info['label']}: `{info.get('command', '-')}` "
+                     f"(ready in {info.get('startup_s', '-')} s; load average at start "
+                     f"{info.get('loadavg_1m_at_start', '-')}; log `{info.get('log', '-')}`)")
+    lines += ["", "Raw per-request records: `raw/`; all summaries: `results.json`.", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _class_rows(results: dict, workload: str) -> list[str]:
+    rows = ["| system | class | TTFT p50 / p99 ms | TPOT p99 ms | ITL p50 / p99 ms | ok / sent |",
+            "|---|---|---|---|---|---|"]
+    for system, info in results["systems"].items():
+        for p in points_of(results, system, workload):
+            for cls, s in p["by_class"].items():
+                rows.append(f"| {info['label']} | {cls} | {_ms(s['ttft_s']['p50'])} / "
+                            f"{_ms(s['ttft_s']['p99'])} | {_ms(s['tpot_s']['p99'])} "
+                            f"| {_ms(s['itl_s']['p50'])} / {_ms(s['itl_s']['p99'])} "
+                            f"| {s['completed']} / {s['requests']} |")
+    return rows + [""]
+
+
+def render_from(out_dir: Path) -> Path:
+    return render(json.loads((out_dir / "results.json").read_text()), out_dir)

@@ -1,0 +1,191 @@
+"""The comparison sweep: for each system, start it, warm it up, run every workload at every
+request rate with the load generator, and stop it. Raw runs and a results.json are written as it
+goes, so a report can be rendered (again) from disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.compare.machine import machine
+from bench.compare.systems import SYSTEMS, PeerOptions, RunningSystem, start_system
+from bench.loadgen.arrivals import Burst, Poisson
+from bench.loadgen.client import Target
+from bench.loadgen.metrics import SLO
+from bench.loadgen.prompts import PromptBuilder, load_tokenizer
+from bench.loadgen.runner import RunConfig, run_load
+from bench.loadgen.workload import Workload, preset
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    name: str
+    workload: Workload
+    rates: tuple[float, ...] = ()  # a Poisson run per rate ...
+    burst: int = 0  # ... or, when > 0, one burst of this many requests
+    duration_s: float = 30.0
+    systems: tuple[str, ...] = ()  # empty: all systems of the sweep
+    endpoint: str = "completions"
+    about: str = ""
+    # None: the plan's. A burst is a fixed amount of work, so it gets time to finish it.
+    drain_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    model_dir: str
+    systems: tuple[str, ...]
+    workloads: tuple[WorkloadPlan, ...]
+    slo: SLO = field(default_factory=SLO)
+    seed: int = 0
+    drain_timeout_s: float = 60.0
+    stop_ttft_s: float = 5.0  # a rate whose TTFT p99 exceeds this ends that system's sweep
+    peer: PeerOptions = field(default_factory=PeerOptions)
+    quick: bool = False
+
+
+def full_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
+    """SmolLM2-sized: about 15 minutes on 2 CPU cores."""
+    return SweepPlan(model_dir, systems, (
+        WorkloadPlan("burst", preset("fixed", input_len=128, output_len=128), burst=32,
+                     drain_timeout_s=300.0, about="32 requests of 128 in / 128 out sent at once"),
+        WorkloadPlan("chat", preset("chat"), rates=(0.25, 0.5, 1.0, 2.0), duration_s=30.0,
+                     about="chat-like long-tailed mix, prompt 64-512, output 32-256, Poisson"),
+        WorkloadPlan("interference", preset("interference", long_prompt_len=1536), rates=(0.5,),
+                     duration_s=30.0, systems=("splitserve-disagg", "splitserve-agg"),
+                     about="80% steady (64 in / 192 out) + 20% long prompts (1536 in / 4 out)"),
+    ), drain_timeout_s=45.0)
+
+
+def quick_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
+    """A tiny random model (512 positions): a few minutes in all."""
+    return SweepPlan(model_dir, systems, (
+        WorkloadPlan("burst", preset("fixed", input_len=64, output_len=64), burst=16,
+                     drain_timeout_s=120.0, about="16 requests of 64 in / 64 out sent at once"),
+        WorkloadPlan("chat", preset("chat", input_range=(32, 256), output_range=(16, 128)),
+                     rates=(2.0, 8.0), duration_s=8.0,
+                     about="chat-like long-tailed mix, prompt 32-256, output 16-128, Poisson"),
+        WorkloadPlan("interference", preset("interference", long_prompt_len=400), rates=(4.0,),
+                     duration_s=8.0, systems=("splitserve-disagg", "splitserve-agg"),
+                     about="80% steady (64 in / 192 out) + 20% long prompts (400 in / 4 out)"),
+    ), drain_timeout_s=30.0, quick=True)
+
+
+def _warm_up(running: RunningSystem, builder: PromptBuilder) -> None:
+    """A few short requests first: one-time costs (lazy init, first allocations) stay out of
+    the measurements."""
+    config = RunConfig(Target(running.url, running.model_name, builder.endpoint,
+                              running.spec.flavor),
+                       preset("fixed", input_len=32, output_len=8), Burst(4), duration_s=1.0,
+                       seed=12345, drain_timeout_s=120.0, progress=False)
+    result = asyncio.run(run_load(config, builder))
+    if result.summary.completed == 0:
+        first = result.records[0]
+        raise RuntimeError(f"{running.spec.name} failed its warm-up: {first.status} {first.error}")
+
+
+def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
+              append: bool = False) -> dict:
+    """Runs the plan; returns (and keeps rewriting) out_dir/results.json. With `append`, the
+    systems of an earlier results.json there that this plan does not run are kept (to re-run one
+    system); the plan must be the same one."""
+    raw_dir = out_dir / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    results = {"plan": _describe(plan), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": machine(), "systems": {}, "points": []}
+    if append and (out_dir / "results.json").exists():
+        earlier = json.loads((out_dir / "results.json").read_text())
+        kept = [s for s in earlier["systems"] if s not in plan.systems]
+        results["systems"] = {s: earlier["systems"][s] for s in kept}
+        results["points"] = [p for p in earlier["points"] if p["system"] in kept]
+        results["plan"]["systems"] = kept + list(plan.systems)
+        results["started"] = earlier["started"]
+        results["command"] = earlier.get("command", "")
+    for stale in raw_dir.glob("*.json"):  # earlier runs of the systems about to run
+        if not any(stale.name.startswith(s + "_") for s in results["systems"]):
+            stale.unlink()
+    tokenizer = load_tokenizer(plan.model_dir)
+    builders = {e: PromptBuilder(tokenizer, endpoint=e, seed=plan.seed)
+                for e in {w.endpoint for w in plan.workloads}}
+
+    def save() -> None:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+
+    for name in plan.systems:
+        spec = SYSTEMS[name]
+        # Others may share this machine: the load average before each system says how quiet it was.
+        info = results["systems"][name] = {"label": spec.label, "flavor": spec.flavor,
+                                           "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+        t0 = time.monotonic()
+        try:
+            running = start_system(spec, plan.model_dir, out_dir / "logs", plan.peer)
+        except RuntimeError as exc:
+            info["error"] = f"did not start: {exc}"
+            save()
+            continue
+        info.update(command=" ".join(running.command), startup_s=round(time.monotonic() - t0, 1))
+        try:
+            _warm_up(running, builders.get("completions") or next(iter(builders.values())))
+            for wp in plan.workloads:
+                if wp.systems and name not in wp.systems:
+                    continue
+                rates = wp.rates or (None,)
+                for i, rate in enumerate(rates):
+                    point = _run_point(plan, wp, running, builders[wp.endpoint], rate, raw_dir,
+                                       progress)
+                    results["points"].append(point)
+                    if rate is not None and _saturated_point(point, plan):
+                        if i + 1 < len(rates):
+                            point["note"] = "saturated: higher rates skipped"
+                        save()
+                        break
+                    save()
+        except RuntimeError as exc:
+            info["error"] = str(exc)
+        finally:
+            running.stop()
+            info["log"] = str(running.log_path.relative_to(out_dir))
+        save()
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+    return results
+
+
+def _saturated_point(point: dict, plan: SweepPlan) -> bool:
+    s = point["summary"]
+    ttft = s["ttft_s"]["p99"]
+    return (s["timeouts"] > 0 or s["completed"] < s["requests"] / 2 or ttft is None
+            or ttft > plan.stop_ttft_s)
+
+
+def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builder, rate,
+               raw_dir: Path, progress: bool) -> dict:
+    arrivals = Burst(wp.burst) if wp.burst else Poisson(rate)
+    target = Target(running.url, running.model_name, wp.endpoint, running.spec.flavor)
+    drain = plan.drain_timeout_s if wp.drain_timeout_s is None else wp.drain_timeout_s
+    config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=plan.seed,
+                       slo=plan.slo, drain_timeout_s=drain, progress=progress)
+    result = asyncio.run(run_load(config, builder))
+    raw = raw_dir / f"{running.spec.name}_{wp.name}_{'burst' if rate is None else rate}.json"
+    raw.write_text(json.dumps(result.to_json()))
+    return {"system": running.spec.name, "workload": wp.name, "rate": rate,
+            "summary": result.summary.to_json(),
+            "by_class": {k: v.to_json() for k, v in result.by_class.items()},
+            "send_lag_s": asdict(result.send_lag_s), "config": config.describe(),
+            "raw": str(raw.relative_to(raw_dir.parent))}
+
+
+def _describe(plan: SweepPlan) -> dict:
+    return {"model_dir": plan.model_dir, "systems": list(plan.systems), "quick": plan.quick,
+            "seed": plan.seed, "slo": asdict(plan.slo), "drain_timeout_s": plan.drain_timeout_s,
+            "stop_ttft_s": plan.stop_ttft_s, "peer": asdict(plan.peer),
+            "workloads": [{"name": w.name, "about": w.about, "rates": list(w.rates),
+                           "burst": w.burst, "duration_s": w.duration_s,
+                           "drain_timeout_s": w.drain_timeout_s or plan.drain_timeout_s,
+                           "systems": list(w.systems) or list(plan.systems),
+                           "workload": w.workload.describe(), "endpoint": w.endpoint}
+                          for w in plan.workloads]}
