@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.scheduler import SchedulerConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,8 +98,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU
+    num_threads: int | None = None  # torch intra-op threads on CPU (per rank)
+    # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
+    tensor_parallel_size: int = 1
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -111,13 +115,12 @@ class EngineConfig:
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            # GPU: bfloat16. CPU: bfloat16 where the cores have bf16 dot products (AVX512-BF16
-            # or AMX), float32 elsewhere. On a 2-core AVX512-BF16 EPYC with SmolLM2-135M,
-            # bfloat16 decodes 2.2x (batch 1) to 2.5x (batch 32) faster than float32 and
-            # prefills 3x faster (bench/engine_throughput.py --dtype, README "Performance").
-            if device.type == "cuda" or cpu_has_fast_bf16():
-                return torch.bfloat16
-            return torch.float32
+            # GPU: bfloat16. CPU: float32, although bfloat16 is faster wherever
+            # cpu_has_fast_bf16() (measured in README "Performance"): in bfloat16 a request's
+            # greedy tokens depend on which requests share its batch, and float32 keeps them
+            # equal to the float32 reference however a deployment batches or splits the work
+            # (the disaggregated tests rely on it). Ask for --dtype bfloat16 to go faster.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
         return DTYPES[self.dtype]

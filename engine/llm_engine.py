@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.executor import TensorParallelExecutor, create_model_runner
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model_runner import ModelRunner
 from engine.outputs import Logprobs, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import Speculator, build_proposer
 
 
 class KVCacheFull(RuntimeError):
@@ -44,13 +45,18 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = create_model_runner(config, self.model_config)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.speculator: Speculator | None = None
+        if config.speculative.enabled:
+            config.speculative.validate()
+            self.speculator = Speculator(config.speculative, build_proposer(
+                config.speculative, config, self.model_config, self.runner, self.kv.num_blocks))
         self._held: dict[str, Request] = {}  # prefill role: finished, KV not yet copied out
         self._rng = random.Random(config.seed)
         self._tokenizer = None
@@ -156,6 +162,8 @@ class LLMEngine:
         """Stop a request and free its blocks; a no-op for unknown or finished requests."""
         held = self._held.pop(request_id, None)
         request = self.scheduler.abort(request_id)
+        if self.speculator is not None:
+            self.speculator.release([request_id])
         if request is None and held is not None and held.is_finished:
             self.scheduler.release_held_kv(held)
             return True
@@ -167,9 +175,17 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        result = self.runner.execute_model(sched)
+        started = time.perf_counter()
+        spec = self.speculator
+        proposals = spec.propose(self.scheduler) if spec is not None else None
+        sched = self.scheduler.schedule(proposals.token_ids if proposals else None)
+        if proposals is not None and proposals.draft_probs:
+            result = self.runner.execute_model(sched, proposals.draft_probs)
+        else:
+            result = self.runner.execute_model(sched)
         outputs = self.scheduler.update(sched, result)
+        if spec is not None:
+            spec.observe(sched, result, outputs, time.perf_counter() - started)
         if not sched.is_empty:
             self.num_steps += 1
             self.num_computed_tokens += sched.total_num_scheduled_tokens
@@ -203,7 +219,13 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; a one-rank engine holds nothing."""
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.close()
 
     # -- offline -------------------------------------------------------------------------
 

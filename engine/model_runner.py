@@ -11,11 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.distributed import get_tp
+from engine.host_allocator import keep_freed_memory
 from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
-from kernels.attention import AttentionMetadata, decode_attention_mask
+from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
+from kernels.attention import AttentionMetadata, plan_decode_groups
 
 
 @dataclass
@@ -40,6 +43,8 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(model_config, self.dtype, self.device)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
@@ -52,6 +57,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, CachedRequestState] = {}
 
     def _num_blocks(self) -> int:
@@ -70,7 +76,8 @@ class ModelRunner:
                 f"KV cache budget {budget} bytes holds no block of {per_block} bytes; "
                 "raise --kv-cache-memory"
             )
-        return int(num)
+        # Tensor-parallel ranks share block ids, so they agree on the smallest count.
+        return get_tp().min_over_ranks(int(num))
 
     # -- KV movement (prefill -> decode) -------------------------------------------------
 
@@ -109,13 +116,21 @@ class ModelRunner:
             state.num_computed_tokens = diff.num_computed_tokens
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> ModelRunnerOutput:
+        """`draft_probs`: a draft model's distributions for its sampled proposals (see
+        engine/spec_decode); scheduled proposals without one are verified as deterministic."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         bs = self.block_size
-        # Single-token requests first: they take the batched decode path.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        # Single-token requests first, longest context first: they take the batched decode
+        # path, in groups of similar context length (plan_decode_groups).
+        order = sorted(
+            sched.num_scheduled_tokens.items(),
+            key=lambda kv: (kv[1] != 1, -self.requests[kv[0]].num_computed_tokens if kv[1] == 1 else 0),
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -125,12 +140,17 @@ class ModelRunner:
         prefill_tables: list[torch.Tensor] = []
         sample_rows: list[tuple[str, int]] = []  # (request id, row in hidden)
         prompt_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
+        spec = sched.spec_token_ids
+        verify_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
         for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
+            proposals = spec.get(rid) if spec else None
+            if proposals:  # speculative verification: [last token, proposals...]
+                input_ids.extend(proposals)
             positions.extend(range(start, end))
             blocks = state.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -146,15 +166,16 @@ class ModelRunner:
             elif state.prompt_logprobs is not None and state.num_prompt_tokens == 1 and start == 0:
                 # A one-token prompt has no position to score, but its echo ([None]) is due.
                 prompt_rows.append((rid, row0, 0))
-            if end >= len(state.token_ids):
+            if proposals:
+                verify_rows.append((rid, row0, n))
+            elif end >= len(state.token_ids):
                 sample_rows.append((rid, row0 + n - 1))
 
         dev = self.device
         max_decode_len = max(decode_lens, default=0)
-        decode_seq_lens = decode_mask = None
+        decode_seq_lens = None
         if decode_lens and min(decode_lens) < max_decode_len:  # else nothing to mask (batch 1)
             decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            decode_mask = decode_attention_mask(decode_seq_lens, max_decode_len)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decode_lens),
@@ -163,7 +184,8 @@ class ModelRunner:
             decode_max_seq_len=max_decode_len,
             prefill_seqs=prefill_seqs,
             prefill_block_tables=[t.to(dev) for t in prefill_tables],
-            decode_attn_mask=decode_mask,
+            decode_groups=plan_decode_groups(decode_lens, decode_tables, bs, dev)
+            if decode_lens else None,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -174,8 +196,11 @@ class ModelRunner:
         for rid, n in order:
             self.requests[rid].num_computed_tokens += n
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else {}
+        verified = self._verify(hidden, verify_rows, spec, draft_probs) if verify_rows else ({}, {})
         if not sample_rows:
-            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_lps)
+            return ModelRunnerOutput(
+                sampled_token_ids=verified[0], logprobs=verified[1], prompt_logprobs=prompt_lps
+            )
 
         logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
         rows = []
@@ -191,8 +216,8 @@ class ModelRunner:
                 )
             )
         tokens, logprobs = self.sampler(logits, rows)
-        sampled: dict[str, list[int]] = {}
-        out_logprobs: dict[str, list[Logprobs]] = {}
+        sampled: dict[str, list[int]] = verified[0]
+        out_logprobs: dict[str, list[Logprobs]] = verified[1]
         for (rid, _), token, lp in zip(sample_rows, tokens, logprobs):
             self.requests[rid].token_ids.append(token)
             sampled[rid] = [token]
@@ -201,6 +226,33 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids=sampled, logprobs=out_logprobs, prompt_logprobs=prompt_lps
         )
+
+    def _verify(self, hidden, verify_rows, spec, draft_probs):
+        """Score each verifying request's [last token, proposals...] and keep the accepted
+        run plus the target's own next token. The rejected proposals' KV slots are given
+        back: the block table keeps cdiv(num_computed_tokens, block_size) blocks, the rule
+        Scheduler.update trims the scheduler's copy by."""
+        index = [row for _, row0, n in verify_rows for row in range(row0, row0 + n)]
+        logits = self.model.compute_logits(hidden[index])
+        items = []
+        for rid, _, _ in verify_rows:
+            state = self.requests[rid]
+            items.append(VerifyItem(
+                params=state.params, seed=state.params.seed, token_ids=state.token_ids,
+                num_prompt_tokens=state.num_prompt_tokens, proposals=spec[rid],
+                draft_probs=draft_probs.get(rid) if draft_probs else None,
+            ))
+        sampled: dict[str, list[int]] = {}
+        out_logprobs: dict[str, list[Logprobs]] = {}
+        for (rid, _, n), (tokens, lps) in zip(verify_rows, self.rejection_sampler(logits, items)):
+            state = self.requests[rid]
+            state.num_computed_tokens -= n - len(tokens)
+            del state.block_ids[-(-state.num_computed_tokens // self.block_size) :]
+            state.token_ids.extend(tokens)
+            sampled[rid] = tokens
+            if lps:
+                out_logprobs[rid] = lps
+        return sampled, out_logprobs
 
     def _prompt_logprobs(self, hidden, prompt_rows) -> dict[str, list[Logprobs | None]]:
         """Logprobs of each prompt token given the ones before it (completions' echo)."""

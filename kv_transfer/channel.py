@@ -51,6 +51,20 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def split_endpoints(advertised: str) -> list[str]:
+    """A tensor-parallel decode worker advertises one endpoint per rank, comma-separated, in
+    rank order; a single-rank worker advertises one."""
+    return [part.strip() for part in advertised.split(",") if part.strip()]
+
+
+def tensor_parallel_mismatch(decode_tp: int, prefill_tp: int) -> str:
+    return (
+        f"tensor-parallel degree mismatch: decode worker has TP={decode_tp}, prefill worker "
+        f"TP={prefill_tp}; KV moves rank to rank, so both need the same --tensor-parallel-size "
+        "(re-sharding KV between unequal degrees is not supported)"
+    )
+
+
 def backend_name(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

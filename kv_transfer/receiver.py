@@ -22,6 +22,7 @@ from kv_transfer.channel import (
     KVChannelError,
     backend_name,
     channel_key,
+    tensor_parallel_mismatch,
     timedelta,
 )
 from kv_transfer.header import HeaderFlag, KVHeader, header_from_bytes
@@ -70,8 +71,13 @@ class KVReceiver:
         on_abort: Callable[[KVHeader], None] | None = None,
         on_channel_error: Callable[[str, BaseException], None] | None = None,
         buffer_pool: KVBufferPool | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         self.layout = layout
+        # Rank tp_rank of a TP-tp_size decode worker takes KV from the same rank of prefill.
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.stats = KVStats()
@@ -163,6 +169,14 @@ class KVReceiver:
                 peer_layout = KVLayout.from_dict(hello["layout"])
             except (TypeError, ValueError) as exc:
                 raise LayoutMismatchError(f"prefill sent an unusable KV layout: {exc}") from exc
+            peer_tp = int(hello.get("tp_size", 1)), int(hello.get("tp_rank", 0))
+            if peer_tp[0] != self.tp_size:
+                raise LayoutMismatchError(tensor_parallel_mismatch(self.tp_size, peer_tp[0]))
+            if peer_tp[1] != self.tp_rank:
+                raise LayoutMismatchError(
+                    f"prefill rank {peer_tp[1]} reached the KV endpoint of decode rank "
+                    f"{self.tp_rank}; endpoints must be used in rank order"
+                )
             self.layout.check_compatible(peer_layout, self_name="decode", other_name="prefill")
             if hello.get("backend") != backend_name(self.device):
                 raise KVChannelError(

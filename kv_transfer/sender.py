@@ -91,8 +91,12 @@ class KVSender:
         peer_id: str | None = None,
         max_queued: int = 64,
         stats: KVStats | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         self.host, self.port = parse_endpoint(endpoint)
+        self.tp_rank = tp_rank  # told to the receiver, which refuses another degree or rank
+        self.tp_size = tp_size
         self.endpoint = endpoint
         self.layout = layout
         self.device = torch.device(device)
@@ -268,6 +272,8 @@ class KVSender:
             "peer_id": self.peer_id,
             "layout": self.layout.to_dict(),
             "backend": backend_name(self.device),
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
         }
         store.queue_push(ARRIVALS_QUEUE, json.dumps(hello))
         verdict = json.loads(store.get(channel_key(self._index, "verdict")))

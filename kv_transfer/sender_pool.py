@@ -7,7 +7,8 @@ from concurrent.futures import Future
 
 import torch
 
-from kv_transfer.layout import KVLayout
+from kv_transfer.channel import split_endpoints, tensor_parallel_mismatch
+from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.sender import KVSender
 from kv_transfer.stats import KVStats
 
@@ -28,8 +29,13 @@ class KVSenderPool:
         *,
         peer_id: str | None = None,
         max_queued: int = 64,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         self.layout = layout
+        # Rank tp_rank of a TP-tp_size prefill worker sends to the same rank of the decode worker.
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.peer_id = peer_id
@@ -40,7 +46,16 @@ class KVSenderPool:
         self._closed = False
 
     def sender(self, endpoint: str) -> KVSender:
-        """The usable sender for `endpoint`, connecting (in the background) if needed."""
+        """The usable sender for `endpoint` (as the decode worker advertised it: one host:port
+        per rank), connecting (in the background) if needed. Raises LayoutMismatchError when
+        the decode worker's tensor-parallel degree differs from this one's."""
+        endpoints = split_endpoints(endpoint)
+        if len(endpoints) != self.tp_size:
+            raise LayoutMismatchError(
+                f"KV endpoint {endpoint!r}: "
+                + tensor_parallel_mismatch(len(endpoints), self.tp_size)
+            )
+        endpoint = endpoints[self.tp_rank]
         stale = None
         with self._lock:
             if self._closed:
@@ -56,6 +71,8 @@ class KVSenderPool:
                     peer_id=self.peer_id,
                     max_queued=self.max_queued,
                     stats=self.stats,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
                 )
                 self._senders[endpoint] = sender
         if stale is not None:

@@ -30,6 +30,7 @@ class WorkerProcess:
     process: subprocess.Popen
     kv_endpoint: str = ""
     metrics_address: str = ""  # host:port of /metrics, /health, /ready
+    rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1..N-1
     lines: deque = field(default_factory=lambda: deque(maxlen=200))
 
     @property
@@ -90,6 +91,7 @@ def start_worker(role: str, model, *extra: str, port: int | None = None,
                 fields = dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
                 worker.kv_endpoint = fields.get("kv", "")
                 worker.metrics_address = fields.get("metrics", "")
+                worker.rank_pids = [int(p) for p in fields.get("tp_pids", "").split(",") if p]
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.distributed import get_tp
 from engine.models.registry import resolve_model_class
 
 
@@ -24,12 +25,33 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor at a time, so loading never holds a second copy of the whole model."""
+class CheckpointSlice:
+    """A checkpoint matrix not read yet: `narrow` and `[a:b]` read only the rows or columns
+    asked for, so a tensor-parallel rank reads its shard and never the whole matrix."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle  # a safetensors slice, valid while its file is open
+        self.shape = torch.Size(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._handle[tuple(index)]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self._handle[rows]
+
+
+def iterate_weights(path: Path, shard_reads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time, so loading never holds a second copy of the whole model. With
+    `shard_reads`, matrices come as CheckpointSlice for the parameters' weight loaders to cut."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if shard_reads and len(f.get_slice(name).get_shape()) >= 2:
+                    yield name, CheckpointSlice(f.get_slice(name))
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -37,7 +59,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     with torch.device(device):
         model = model_cls(config)
     model.to(dtype=dtype)
-    loaded = model.load_weights(iterate_weights(Path(config.path)))
+    loaded = model.load_weights(iterate_weights(Path(config.path), shard_reads=get_tp().size > 1))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if config.tie_word_embeddings:

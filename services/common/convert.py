@@ -34,6 +34,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        disable_speculation=pb.disable_speculation,
     )
 
 
@@ -50,6 +51,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        disable_speculation=params.disable_speculation,
     )
     if params.seed is not None:
         pb.seed = params.seed

@@ -11,6 +11,7 @@ import time
 import grpc
 from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
+from engine.executor import TensorParallelExecutor
 from engine.llm_engine import LLMEngine
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
@@ -57,9 +58,13 @@ class Worker:
         self.registry: RegistryPublisher | None = None
         self.kv_endpoint = ""
         self.metrics_at = "-"
+        self.rank_pids: list[int] = []
+        if isinstance(self.engine.runner, TensorParallelExecutor):
+            self.rank_pids = self.engine.runner.rank_pids
+            self.engine.runner.on_failure = self._on_rank_failure
 
     async def start(self) -> None:
-        from kv_transfer import KVReceiver, KVSenderPool
+        from services.common.tp_kv import open_kv_receiver, open_kv_senders
 
         cfg = self.config
         layout = kv_layout_of(self.engine)
@@ -67,18 +72,21 @@ class Worker:
         self.engine_loop.start()
         kv_endpoint = ""
         if cfg.role in ("decode", "both"):
-            self.receiver = KVReceiver(
-                host=cfg.host, port=cfg.kv_port, layout=layout, device=device,
+            self.receiver = open_kv_receiver(
+                self.engine, host=cfg.host, port=cfg.kv_port, layout=layout, device=device,
                 on_kv=self._on_kv, timeout_s=cfg.kv_transfer_timeout_s,
                 on_channel_error=self._on_channel_error,
                 on_abort=lambda header: self.engine_loop.submit(
                     lambda engine: engine.recompute_locally(header.request_key)
                 ),
             )
-            kv_endpoint = f"{cfg.public_host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
+            # One endpoint per tensor-parallel rank, in rank order.
+            kv_endpoint = ",".join(f"{cfg.public_host}:{endpoint.rsplit(':', 1)[1]}"
+                                   for endpoint in self.receiver.endpoint.split(","))
             self.metrics.kv_stats.append(self.receiver.stats)
         if cfg.role in ("prefill", "both"):
-            self.senders = KVSenderPool(layout=layout, device=device, timeout_s=cfg.kv_transfer_timeout_s)
+            self.senders = open_kv_senders(self.engine, layout=layout, device=device,
+                                           timeout_s=cfg.kv_transfer_timeout_s)
             self.metrics.kv_stats.append(self.senders.stats)
 
         from services.decode.servicer import DecodeServicer
@@ -125,8 +133,9 @@ class Worker:
             )
             self.registry.start()
         # A line launchers and tests wait for.
+        ranks = f" tp_pids={','.join(map(str, self.rank_pids))}" if self.rank_pids else ""
         print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
-              f"kv={kv_endpoint}", flush=True)
+              f"kv={kv_endpoint}{ranks}", flush=True)
 
     def describe(self) -> WorkerInfo:
         """This worker as the registry shows it (called on the event loop; reads snapshots)."""
@@ -165,6 +174,14 @@ class Worker:
 
         self.engine_loop.submit(recompute_all)
 
+    def _on_rank_failure(self, reason: str) -> None:
+        # Executor monitor thread. The worker cannot run another step: report unhealthy and
+        # stop, as when the engine loop crashes (its streams end with an error).
+        log.error("tensor-parallel rank failure (%s); worker is unhealthy and exits", reason)
+        self.engine_loop.healthy = False
+        if self.engine_loop.on_crash is not None:
+            self.engine_loop.on_crash()
+
     async def drain_and_stop(self, grace_s: float) -> None:
         """Stop taking work, finish what is held (up to grace_s), then shut down."""
         self.state.draining = True
@@ -185,6 +202,7 @@ class Worker:
             self.receiver.close()
         if self.senders is not None:
             self.senders.close()
+        self.engine.close()
 
 
 async def _serve(config: WorkerConfig) -> int:

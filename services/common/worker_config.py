@@ -8,8 +8,11 @@ import re
 import socket
 from dataclasses import asdict, dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed import check_tensor_parallel_size
 from engine.scheduler import SchedulerConfig
+from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
+from engine.spec_decode.config import SpeculativeConfig
 
 ROLES = ("prefill", "decode", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -50,9 +53,16 @@ class WorkerConfig:
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
     num_threads: int = 0
+    # Processes (ranks) the model is split across; each owns the KV cache of its heads.
+    tensor_parallel_size: int = 1
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
+    # Decode role: speculative decoding, "" (off), "ngram" or "draft" (see engine/spec_decode).
+    speculative_method: str = ""
+    num_speculative_tokens: int = 4
+    draft_model: str = ""
+    speculative_max_batch_size: int = 0  # 0: measured throughput decides per batch size
     # HTTP /metrics, /health, /ready; 0 picks a free port, -1 disables.
     metrics_port: int = 0
     log_level: str = "INFO"
@@ -72,6 +82,43 @@ class WorkerConfig:
         parse_size(self.kv_cache_memory)
         if self.kv_wait_timeout_s <= 0:
             raise ValueError("--kv-wait-timeout-s must be > 0")
+        self._check_speculative()
+        if self.tensor_parallel_size != 1:
+            model = ModelConfig.from_dir(self.model)
+            check_tensor_parallel_size(self.tensor_parallel_size, model.num_heads,
+                                       model.num_kv_heads, model.intermediate_size,
+                                       self.model_name)
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-method {method!r} is not one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft" and not self.draft_model:
+            raise ValueError("--speculative-method draft needs --draft-model DIR")
+        if self.draft_model and method != "draft":
+            raise ValueError("--draft-model is used only with --speculative-method draft")
+        if self.draft_model and not os.path.isfile(os.path.join(self.draft_model, "config.json")):
+            raise ValueError(f"--draft-model {self.draft_model!r} is not a model folder "
+                             "(no config.json)")
+        if method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-method draft does not run with "
+                             "--tensor-parallel-size > 1 yet; use ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("--num-speculative-tokens must be in [1, 16]")
+        if self.speculative_max_batch_size < 0:
+            raise ValueError("--speculative-max-batch-size must be >= 0")
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """Off on a prefill-only worker: it never decodes past the first token."""
+        if not self.speculative_method or self.role == "prefill":
+            return SpeculativeConfig()
+        return SpeculativeConfig(
+            method=self.speculative_method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            draft_model=self.draft_model or None,
+            max_batch_size=self.speculative_max_batch_size,
+        )
 
     @property
     def public_host(self) -> str:
@@ -103,6 +150,8 @@ class WorkerConfig:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             num_threads=self.num_threads or None,
+            tensor_parallel_size=self.tensor_parallel_size,
+            speculative=self.speculative_config(),
         )
 
     def describe(self) -> str:
@@ -131,10 +180,29 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("long_prefill_token_threshold", 512)))
     parser.add_argument("--no-prefix-caching", action="store_true",
                         default=_env("no_prefix_caching", "") not in ("", "0"))
-    parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)))
+    parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)),
+                        help="torch threads per process (per rank with tensor parallelism)")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        default=int(_env("tensor_parallel_size", 1)),
+                        help="split the model across this many ranks, one process each "
+                             "(NCCL on GPU, gloo on CPU); prefill and decode must match")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
+    parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
+                        help="decode: speculative decoding, 'ngram' (prompt lookup) or "
+                             "'draft' (a smaller model); off when empty")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        default=int(_env("num_speculative_tokens", 4)),
+                        help="decode: most tokens proposed per request and step; lowered per "
+                             "request by measured acceptance")
+    parser.add_argument("--draft-model", default=_env("draft_model", ""),
+                        help="decode: draft model folder (same tokenizer as --model) for "
+                             "--speculative-method draft")
+    parser.add_argument("--speculative-max-batch-size", type=int,
+                        default=int(_env("speculative_max_batch_size", 0)),
+                        help="decode: no speculation while more requests decode than this "
+                             "(0: speculate where measured throughput says it pays)")
     parser.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)),
                         help="HTTP port for /metrics, /health, /ready (0: free port, -1: off)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", _env("redis_url", "")),
@@ -174,8 +242,13 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
+        speculative_max_batch_size=args.speculative_max_batch_size,
         metrics_port=args.metrics_port,
         log_level=args.log_level,
         log_format=args.log_format,
