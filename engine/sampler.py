@@ -70,6 +70,17 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs
 
 
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each (non-greedy) row's token is drawn from: penalties, temperature,
+    then top-k/top-p/min-p, as float32 [rows, vocab]. Speculative verification needs it whole."""
+    logits = logits.float().clone()
+    for i, row in enumerate(rows):
+        if row.params.needs_penalties:
+            _apply_penalties(logits[i], row)
+    temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+    return _filter(logits / temps.unsqueeze(1), rows)
+
+
 def noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator(device=device)
     generator.manual_seed(hash((seed, position)) & _MASK63)

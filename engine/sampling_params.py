@@ -14,6 +14,8 @@ class SamplingParams:
     `logprobs=n` returns the sampled token's logprob plus the n most likely alternatives.
     `seed=None` means the engine draws a seed when the request is added, so the request's
     randomness is still a function of (seed, position) and survives moving between workers.
+    `disable_speculation` opts this request out of speculative decoding on an engine that
+    speculates (speculation changes the pace of generation, never its distribution).
     """
 
     max_tokens: int = 16
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    disable_speculation: bool = False
 
     MAX_LOGPROBS = 20
 

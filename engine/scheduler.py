@@ -35,6 +35,15 @@ def _order_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
+def _fit_proposals(request: Request, spec_token_ids: dict[str, list[int]] | None,
+                   room: int) -> list[int]:
+    """The proposals to verify for a request: only one that is decoding (one token without
+    KV), cut to the budget left after its own token."""
+    if not spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+        return []
+    return list(spec_token_ids.get(request.request_id, ())[: max(room, 0)])
+
+
 class Scheduler:
     """Owned by the engine thread."""
 
@@ -111,9 +120,13 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_token_ids: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """`spec_token_ids`: proposals per decoding request (speculative decoding). Each is
+        verified in this step if its slots fit the budget and the cache, shortened or
+        dropped otherwise; a proposal never causes a preemption."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        scheduled_spec: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
@@ -125,10 +138,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = _fit_proposals(request, spec_token_ids, budget - num_new)
+            num_new += len(spec)
             while True:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
                 if new_block_ids is not None:
                     break
+                if spec:  # no room to verify: decode one token rather than preempt for it
+                    num_new -= len(spec)
+                    spec = []
+                    continue
                 # Only requests not yet scheduled this step are candidates, so nothing
                 # already emitted has to be taken back.
                 victim = max(self.running[i:], key=_order_key)
@@ -139,6 +158,8 @@ class Scheduler:
             if new_block_ids is None:
                 continue  # this request was the victim; running[i] is now the next one
             num_scheduled[request.request_id] = num_new
+            if spec:
+                scheduled_spec[request.request_id] = spec
             budget -= num_new
             self._emit(request, new_block_ids, new_reqs, cached_reqs)
             i += 1
@@ -183,6 +204,7 @@ class Scheduler:
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=sum(ordered.values()),
             finished_request_ids=finished,
+            spec_token_ids=scheduled_spec,
             preempted_request_ids=preempted,
         )
 
@@ -238,7 +260,9 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
+            spec = sched.spec_token_ids.get(rid) if sched.spec_token_ids else None
+            if not spec:
+                request.num_computed_tokens += num_tokens
             sampled = result.sampled_token_ids.get(rid, ())
             logprobs = result.logprobs.get(rid, [])
             new_tokens: list[int] = []
@@ -250,6 +274,12 @@ class Scheduler:
             request.output_logprobs.extend(
                 (lp.logprob, lp.top) for lp in logprobs[: len(new_tokens)]
             )
+            if spec:
+                # Verified: KV stands for every token but the newest (the accepted run), not
+                # for the rejected proposals. The runner trims its block table by the same rule.
+                request.num_computed_tokens = request.num_tokens - 1
+                if not request.is_finished:
+                    self.kv.trim(request, request.num_computed_tokens)
             self.kv.cache_blocks(request)
             prompt_lps = result.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lps is None:

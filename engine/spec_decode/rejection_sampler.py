@@ -1,0 +1,147 @@
+"""Verification of proposed tokens against the target model's logits at every proposed
+position, keeping the output distribution exactly the target's.
+
+Deterministic proposals (n-gram, greedy drafts, any greedy request): each position is
+sampled as the plain sampler would (same penalties, filters and per-(seed, position) noise)
+and proposals are accepted while they equal those samples. For a proposal that is a point
+mass this *is* the standard rule (accept with probability p(x), else draw from p with x
+removed), and the text is the one the request would get without speculation.
+
+Draft-model proposals for temperature > 0 use the standard rule of Leviathan et al. / Chen
+et al.: accept x ~ q with probability min(1, p(x)/q(x)), on rejection draw from
+normalize(max(p - q, 0)), and after k acceptances draw a bonus token from p. The uniform draws
+come from their own (seed, position) stream, independent of the draft's and of the residual
+draw's, so the result does not depend on batch composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprobs
+from engine.sampler import Sampler, SamplingRow, noise_for, sampling_probs, top_logprobs
+from engine.sampling_params import SamplingParams
+
+_MASK63 = (1 << 63) - 1
+# Tags that separate the random streams derived from one (seed, position).
+ACCEPT_STREAM = 0xACCE
+DRAFT_STREAM = 0xD4AF
+
+
+def uniform_for(seed: int, position: int, device: torch.device) -> float:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash((seed, position, ACCEPT_STREAM)) & _MASK63)
+    return float(torch.rand(1, generator=generator, device=device))
+
+
+def draft_noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exponential noise for the draft's own sample at a position (independent of the
+    target's noise_for stream, as the rejection rule requires)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash((seed, position, DRAFT_STREAM)) & _MASK63)
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+@dataclass
+class VerifyItem:
+    """One request's verification: its logits rows are [last token, proposals...]."""
+
+    params: SamplingParams
+    seed: int
+    token_ids: list[int]  # accepted tokens so far (prompt + output)
+    num_prompt_tokens: int
+    proposals: list[int]
+    draft_probs: torch.Tensor | None = None  # [len(proposals), draft vocab], sampled drafts only
+
+    def rows(self) -> list[SamplingRow]:
+        """A sampling row per scored position; position i follows proposals[:i]."""
+        base = len(self.token_ids)
+        penalties = self.params.needs_penalties
+        return [
+            SamplingRow(
+                params=self.params, seed=self.seed, position=base + i,
+                token_ids=self.token_ids + self.proposals[:i] if penalties else self.token_ids,
+                num_prompt_tokens=self.num_prompt_tokens,
+            )
+            for i in range(len(self.proposals) + 1)
+        ]
+
+
+class RejectionSampler:
+    def __init__(self, sampler: Sampler | None = None) -> None:
+        self.sampler = sampler or Sampler()
+
+    def __call__(
+        self, logits: torch.Tensor, items: list[VerifyItem]
+    ) -> list[tuple[list[int], list[Logprobs]]]:
+        """logits: the items' rows back to back. Returns, per item, the tokens to append (the
+        accepted proposals then one token from the target) and their logprobs if asked."""
+        results: list[tuple[list[int], list[Logprobs]] | None] = [None] * len(items)
+        offsets, row = [], 0
+        for item in items:
+            offsets.append(row)
+            row += len(item.proposals) + 1
+        by_sampler = [i for i, it in enumerate(items)
+                      if it.draft_probs is None or it.params.greedy]
+        if by_sampler:
+            index = [r for i in by_sampler
+                     for r in range(offsets[i], offsets[i] + len(items[i].proposals) + 1)]
+            rows = [r for i in by_sampler for r in items[i].rows()]
+            tokens, logprobs = self.sampler(logits[index], rows)
+            at = 0
+            for i in by_sampler:
+                n = len(items[i].proposals) + 1
+                results[i] = _accept_matching(items[i].proposals, tokens[at : at + n],
+                                              logprobs[at : at + n])
+                at += n
+        for i, item in enumerate(items):
+            if results[i] is None:
+                n = len(item.proposals) + 1
+                results[i] = _rejection_sample(logits[offsets[i] : offsets[i] + n], item)
+        return results  # type: ignore[return-value]
+
+
+def _accept_matching(proposals, tokens, logprobs) -> tuple[list[int], list[Logprobs]]:
+    accepted = 0
+    while accepted < len(proposals) and tokens[accepted] == proposals[accepted]:
+        accepted += 1
+    kept = logprobs[: accepted + 1]
+    return tokens[: accepted + 1], [lp for lp in kept if lp is not None]
+
+
+def _rejection_sample(logits: torch.Tensor, item: VerifyItem) -> tuple[list[int], list[Logprobs]]:
+    """The standard rule for one request; logits: [k + 1, vocab]."""
+    device = logits.device
+    rows = item.rows()
+    p = sampling_probs(logits, rows)
+    vocab = p.shape[-1]
+    q = item.draft_probs.to(device=device, dtype=p.dtype)
+    if q.shape[-1] < vocab:  # a draft may have a smaller (prefix) vocabulary
+        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+    k = len(item.proposals)
+    proposed = torch.tensor(item.proposals, device=device)
+    steps = torch.arange(k, device=device)
+    p_x = p[steps, proposed].tolist()
+    q_x = q[steps, proposed].tolist()
+    tokens: list[int] = []
+    for i in range(k):
+        # Accept with probability min(1, p/q): u * q < p, no division.
+        if uniform_for(item.seed, rows[i].position, device) * q_x[i] < p_x[i]:
+            tokens.append(item.proposals[i])
+            continue
+        residual = (p[i] - q[i]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing left to correct
+            residual = p[i]
+        noise = noise_for(item.seed, rows[i].position, vocab, device)
+        tokens.append(int((residual / noise).argmax()))
+        break
+    else:
+        noise = noise_for(item.seed, rows[k].position, vocab, device)
+        tokens.append(int((p[k] / noise).argmax()))
+    logprobs: list[Logprobs] = []
+    if item.params.logprobs is not None:
+        raw = logits[: len(tokens)].float().log_softmax(-1)
+        logprobs = [top_logprobs(raw[i], t, item.params.logprobs) for i, t in enumerate(tokens)]
+    return tokens, logprobs
