@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 
 import grpc
@@ -108,6 +109,9 @@ class Worker:
         self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        if not cfg.worker_id:
+            # Derived from the bound port, so workers started with --port 0 stay distinct.
+            self.state.worker_id = f"{cfg.role}-{socket.gethostname()}-{self.port}"
         await self.server.start()
         metrics_at = "-"
         if cfg.metrics_port >= 0:

@@ -38,20 +38,48 @@ class GatewayConfig:
     max_body_bytes: int = 8 << 20
     stream_buffer_chunks: int = 64  # SSE chunks buffered per response before backpressure
     slow_client_timeout_s: float = 30.0  # a write blocked this long cuts the client off
-    max_inflight: int = 0  # requests in flight on this gateway (0: no limit) -> 503
-    max_inflight_per_key: int = 0  # per API key (0: no limit) -> 429
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_inflight: int = 0  # requests released to workers by this gateway (0: no limit); more wait
+    max_inflight_per_key: int = 0  # default max_concurrency of every tenant (0: no limit) -> 429
+    api_keys: tuple[str, ...] = ()  # the key secret: `tenant:key` or a bare key (its own tenant)
     socket_send_buffer: int = 0  # SO_SNDBUF of client connections (0: the OS default)
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
+    # Routing (services/gateway/router.py). With a Redis URL, workers are discovered from the
+    # registry (on top of any given by address) and prefix-cache events are followed.
+    redis_url: str = ""
+    registry_interval_s: float = 0.5
+    routing: str = "scored"  # scored | round_robin
+    decode_scorers: str = "free_kv=1,running_load=1"
+    prefill_scorers: str = "prefix_cache=1,queued_prefill=1"
+    local_prefill_tokens: int = 0  # uncached prompt part this short is prefilled on decode (0: off)
+    prefill_backlog_tokens: int = 8192  # all prefill workers this backed up -> decode prefills (0: off)
+    breaker_failures: int = 3  # consecutive RPC failures that take a worker out of rotation
+    breaker_open_s: float = 2.0  # before a trial request probes it again
+    # Admission (services/gateway/admission.py): tenants, quotas (shared via redis_url),
+    # fair queueing, the capacity rule for releasing queued requests, early rejection.
+    tenants_file: str = ""  # YAML; empty: no tenants file
+    quota_fail_mode: str = "open"  # Redis unreachable: open (local limits) | closed (503)
+    fairness: str = "vtc"  # vtc | round_robin | fcfs
+    output_token_weight: float = 2.0  # an output token's cost in the virtual token counter
+    ttft_target_s: float = 1.0  # predicted or waited past it -> 503 (0: off)
+    max_inflight_per_decode: int = 0  # released requests per routable decode worker (0: no limit)
+    kv_headroom: float = 0.0  # fraction of decode KV blocks kept free when releasing
+    max_prefill_queue_tokens: int = 0  # queued prompt tokens per prefill worker (0: no limit)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "tokenizer.json")):
             raise ValueError(f"--model {self.model!r} has no tokenizer.json")
         if self.worker and (self.prefill or self.decode):
             raise ValueError("use --worker (aggregated) or --prefill and --decode, not both")
-        if not self.worker and not (self.prefill and self.decode):
-            raise ValueError("give --prefill ADDR and --decode ADDR, or --worker ADDR")
+        if not self.redis_url and not self.worker and not (self.prefill and self.decode):
+            raise ValueError("give --redis-url URL, or --prefill ADDR and --decode ADDR, or "
+                             "--worker ADDR")
+        from services.gateway.routing_config import validate_routing
+
+        validate_routing(self)
+        from services.gateway.admission_config import validate_admission
+
+        validate_admission(self)
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
@@ -69,10 +97,12 @@ class GatewayConfig:
     def describe(self) -> str:
         values = asdict(self)
         values["api_keys"] = f"<{len(self.api_keys)} keys>"
+        values["redis_url"] = re.sub(r"//[^@/]*@", "//<credentials>@", self.redis_url)
         return " ".join(f"{k}={v}" for k, v in values.items())
 
 
-_ENV_NAMES = {"model": "SPLITSERVE_MODEL"}
+_ENV_NAMES = {"model": "SPLITSERVE_MODEL", "redis_url": "REDIS_URL",
+              "tenants_file": "SPLITSERVE_TENANTS_FILE"}
 
 
 def _env_name(field_name: str) -> str:
@@ -87,7 +117,17 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "worker": "aggregated (role both) worker addresses, comma-separated",
         "grpc_port": "gRPC front door port (-1: off, 0: any free port)",
         "max_body_bytes": "largest request body (e.g. 8MiB)",
-        "api_keys": "accepted API keys, comma-separated (none: no authentication)",
+        "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
+                    "tenant (none and no tenants file: no authentication)",
+        "tenants_file": "tenants YAML (weights, priorities, quotas; see README)",
+        "redis_url": "discover workers (and follow their prefix caches) in this Redis",
+        "routing": "scored (the scorers below) or round_robin (a baseline)",
+        "decode_scorers": "name=weight,... of free_kv, running_load, prefix_cache, queued_prefill",
+        "prefill_scorers": "name=weight,... (same scorers)",
+        "local_prefill_tokens": "prefill on the decode worker when at most this much of the "
+                                "prompt is uncached there (0: off)",
+        "prefill_backlog_tokens": "prefill on the decode worker when every prefill worker has "
+                                  "this many tokens queued, or none is up (0: off)",
     }
     for f in fields(GatewayConfig):
         flag = "--" + f.name.replace("_", "-")

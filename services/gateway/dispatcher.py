@@ -53,10 +53,9 @@ class _AttemptFailed(Exception):
 @dataclass
 class Dispatcher:
     router: Router
-    disaggregated: bool
+    disaggregated: bool = True  # False: never use a prefill worker, whatever the router says
     prefill_timeout_s: float = 120.0
     max_attempts: int = 2  # the first try and one invisible retry before any token is out
-    block_size: int = 16
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
@@ -77,6 +76,7 @@ class Dispatcher:
                 return
             except _AttemptFailed as failed:
                 code = failed.error.code()
+                failed.endpoint.record_failure(failed.error)
                 if emitted:
                     log.warning("request %s failed after tokens were sent: %s %s", request_id,
                                 code.name, failed.error.details())
@@ -90,27 +90,23 @@ class Dispatcher:
                          request_id, attempt, failed.endpoint.address, code.name,
                          "retrying" if attempt + 1 < self.max_attempts else "giving up")
                 # The retry prefers another worker, but uses the same one if it is the only
-                # one (the health poll, not one failed call, decides that a worker is gone).
+                # one (the health poll and the circuit breaker decide that a worker is gone).
                 tried.add(failed.endpoint.address)
                 last = failed
         raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
 
     async def _attempt(self, request_id, prompt, sampling, tried) -> AsyncIterator[TokenEvent]:
-        decode = self.router.choose_decode(exclude=tried)
-        if decode is None:
-            raise APIError.overloaded("No decode worker is available right now; retry.")
-        prefill = None
-        if self.disaggregated:
-            prefill = self.router.choose_prefill(exclude=tried)
-            if prefill is None:
-                raise APIError.overloaded("No prefill worker is available right now; retry.")
+        route = self.router.route(prompt, sampling.max_tokens, exclude=tried)
+        if route is None:
+            raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
+        decode, prefill = route.decode, route.prefill if self.disaggregated else None
         decode.outstanding += 1
-        decode.blocks_since_poll += -(-(len(prompt) + sampling.max_tokens) // self.block_size)
         try:
             if prefill is None:
                 flow = self._aggregated(decode, request_id, prompt, sampling)
             else:
-                flow = self._disaggregated(decode, prefill, request_id, prompt, sampling)
+                flow = self._disaggregated(decode, prefill, request_id, prompt, sampling,
+                                           len(prompt) - route.cached_tokens)
             async with aclosing(flow) as events:
                 async for event in events:
                     yield event
@@ -118,6 +114,7 @@ class Dispatcher:
             decode.outstanding -= 1
 
     async def _aggregated(self, decode, request_id, prompt, sampling) -> AsyncIterator[TokenEvent]:
+        """The decode (or role-both) worker runs the prompt itself."""
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             remote_prefill=False,
@@ -129,12 +126,13 @@ class Dispatcher:
         finally:
             call.cancel()
 
-    async def _disaggregated(self, decode, prefill, request_id, prompt, sampling):
+    async def _disaggregated(self, decode, prefill, request_id, prompt, sampling,
+                             uncached_tokens: int):
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             remote_prefill=True,
         ))
-        prefill_call = None
+        prefill_call = prefill_done = decode_next = None
         try:
             try:
                 async with asyncio.timeout(self.prefill_timeout_s):
@@ -149,13 +147,35 @@ class Dispatcher:
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 decode_kv_endpoint=reserved.reserved.kv_endpoint,
             ), timeout=self.prefill_timeout_s)
+            # Watch the decode stream while the prefill runs: a decode worker that dies now
+            # fails the attempt before its first token, so it is retried, not errored.
+            decode_next = asyncio.ensure_future(_read(call, decode))
+            prefill_done = asyncio.ensure_future(prefill_call)
             prefill.outstanding += 1
+            prefill.prefill_tokens_in_flight += uncached_tokens
             try:
-                response = await prefill_call
-            except grpc.aio.AioRpcError as exc:
-                raise _AttemptFailed(prefill, exc) from None
+                await asyncio.wait({prefill_done, decode_next}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 prefill.outstanding -= 1
+                prefill.prefill_tokens_in_flight -= uncached_tokens
+            if decode_next.done():
+                early = decode_next.result()  # an rpc error raises _AttemptFailed here
+                if early is None:
+                    raise _AttemptFailed(decode, _synthetic_error("decode stream ended early"))
+                if (not prefill_done.done() and early.HasField("delta")
+                        and early.delta.output_index == 0):
+                    # The decode worker recomputed the prompt and streams from the start on
+                    # its own: the prefill is not needed any more.
+                    prefill_call.cancel()
+                    async with aclosing(_decode_events(call, decode, 0, decode_next)) as events:
+                        async for event in events:
+                            yield event
+                    return
+            try:
+                response = await prefill_done
+            except grpc.aio.AioRpcError as exc:
+                raise _AttemptFailed(prefill, exc) from None
+            prefill.breaker.record_success()
             first = response.first_token
             yield TokenEvent(
                 token_ids=(first.token_id,),
@@ -163,23 +183,37 @@ class Dispatcher:
                 prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
                 num_cached_tokens=response.num_cached_tokens,
             )
-            async with aclosing(_decode_events(call, decode, next_index=1)) as events:
+            async with aclosing(_decode_events(call, decode, 1, decode_next)) as events:
                 async for event in events:
                     yield event
         finally:
             call.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
+            for task in (prefill_done, decode_next):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (prefill_done, decode_next) if t is not None),
+                                 return_exceptions=True)
 
 
-async def _decode_events(call, decode: WorkerEndpoint, next_index: int) -> AsyncIterator[TokenEvent]:
-    """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has."""
+async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
+                         pending: asyncio.Future | None = None) -> AsyncIterator[TokenEvent]:
+    """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has.
+    `pending` is a read already started on the stream; its message comes first."""
+    healthy = False
     while True:
-        message = await _read(call, decode)
+        if pending is not None:
+            message, pending = await pending, None
+        else:
+            message = await _read(call, decode)
         if message is None:
             raise _AttemptFailed(decode, _synthetic_error("decode stream ended before finishing"))
         if not message.HasField("delta"):
             continue
+        if not healthy:
+            healthy = True
+            decode.breaker.record_success()
         delta = message.delta
         skip = max(0, next_index - delta.output_index)
         token_ids = tuple(delta.token_ids[skip:])

@@ -9,12 +9,17 @@ import json
 import time
 from pathlib import Path
 
-from services.gateway.admission import Admission
+from services.gateway.admission import Ticket
+from services.gateway.admission_config import make_admission
+from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.config import GatewayConfig
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.preprocess import GenerationSpec, ModelLimits, Preprocessor
-from services.gateway.router import LeastLoadedRouter, Router
+from services.gateway.prefix_index import PrefixIndex
+from services.gateway.preprocess import ModelLimits, Preprocessor
+from services.gateway.registry_follower import RegistryFollower
+from services.gateway.router import Router
+from services.gateway.routing_config import make_router
 from services.gateway.text_stream import TextDelta, stream_text
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.worker_pool import WorkerPool
@@ -30,22 +35,32 @@ class Gateway:
             if (Path(config.model) / "config.json").is_file() else {}
         self._vocab_size = model_config.get("vocab_size") or self.tokenizer.backend.get_vocab_size()
         self._config_max_len = model_config.get("max_position_embeddings") or 2048
+        self.prefix_index = PrefixIndex()
         self.pool = WorkerPool(
             prefill_addresses=list(config.prefill), decode_addresses=list(config.decode),
             both_addresses=list(config.worker), poll_interval_s=config.health_interval_s,
+            new_breaker=lambda: CircuitBreaker(config.breaker_failures, config.breaker_open_s),
+            on_cache_lost=lambda e: self.prefix_index.forget_worker(e.worker_id, e.address),
         )
-        self.router = router or LeastLoadedRouter(self.pool)
+        self.router = router or make_router(config, self.pool, self.prefix_index)
+        self.registry = RegistryFollower(config.redis_url, self.pool, self.prefix_index,
+                                         config.registry_interval_s) if config.redis_url else None
+        self.draining = False  # SIGTERM: not ready, finishing the streams it has
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s)
-        self.admission = Admission(config.api_keys, config.max_inflight,
-                                   config.max_inflight_per_key)
+        self.admission = make_admission(config, self.pool)
         self.model_names = {config.model_name, config.model, str(Path(config.model).resolve())}
 
     async def start(self) -> None:
         await self.pool.start()
-        self.dispatcher.block_size = self.pool.block_size()
+        if self.registry is not None:
+            await self.registry.start()
+        await self.admission.start()
 
     async def close(self) -> None:
+        await self.admission.close()
+        if self.registry is not None:
+            await self.registry.close()
         await self.pool.close()
 
     @property
@@ -60,8 +75,10 @@ class Gateway:
         if model not in self.model_names:
             raise APIError.model_not_found(model, self.model_name)
 
-    def choice_streams(self, specs: list[GenerationSpec]):
-        return [stream_text(spec, self.dispatcher, self.tokenizer) for spec in specs]
+    def choice_streams(self, ticket: Ticket):
+        """One text stream per choice of an admitted request (`ticket.specs`)."""
+        dispatcher = ticket.metered(self.dispatcher)
+        return [stream_text(spec, dispatcher, self.tokenizer) for spec in ticket.specs]
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started,

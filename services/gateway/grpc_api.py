@@ -13,7 +13,7 @@ from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common import convert
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
-from services.gateway.text_stream import TextDelta, stream_text
+from services.gateway.text_stream import TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +25,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateTextRequest, context):
         gateway = self.gateway
         try:
-            key = gateway.admission.authenticate(_authorization(request, context))
+            tenant = gateway.admission.authenticate(_authorization(request, context))
             if request.model:
                 gateway.check_model(request.model)
             spec = self._spec(request)
-            ticket = gateway.admission.admit(key)
+            # Waits in the fair queue; a cancelled call gives its place up.
+            ticket = await gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids))
         except APIError as exc:
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             await context.abort(exc.grpc_code, exc.message)
-        stream = stream_text(spec, gateway.dispatcher, gateway.tokenizer)
+        spec = ticket.specs[0]  # max_tokens within the tenant's limit
+        (stream,) = gateway.choice_streams(ticket)
         timeout = gateway.config.slow_client_timeout_s
         try:
             try:

@@ -10,6 +10,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admission import Ticket
@@ -24,6 +25,7 @@ from services.gateway.streaming import (
     sse_events,
     until_disconnected,
 )
+from services.gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         workers = [{"address": e.address, "role": e.role, "routable": e.routable,
                     "kv_blocks_free": e.health.stats.kv_blocks_free if e.health else None}
                    for e in gateway.pool.endpoints]
-        if gateway.router.ready():
+        if gateway.router.ready() and not gateway.draining:
             return JSONResponse({"status": "ready", "workers": workers})
         error = APIError.overloaded("No prefill/decode worker pair is reachable yet.", 1)
         return JSONResponse({**error.body(), "workers": workers}, 503, headers=error.headers())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.admission.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -59,37 +66,43 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        key = gateway.admission.authenticate(request.headers.get("authorization"))
+        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
         req = parse_body(CompletionRequest, await _read_body(request, gateway.config.max_body_bytes))
         gateway.check_model(req.model)
         specs = gateway.preprocessor.completion(_request_id(request), req, gateway.limits())
         fmt = CompletionFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-        return await _serve(gateway, request, specs, fmt, req.stream, key, req.n)
+        return await _serve(gateway, request, specs, fmt, req.stream, tenant, req.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        key = gateway.admission.authenticate(request.headers.get("authorization"))
+        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
         req = parse_body(ChatCompletionRequest,
                          await _read_body(request, gateway.config.max_body_bytes))
         gateway.check_model(req.model)
         specs = gateway.preprocessor.chat(_request_id(request), req, gateway.limits())
         fmt = ChatFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-        return await _serve(gateway, request, specs, fmt, req.stream, key, req.n)
+        return await _serve(gateway, request, specs, fmt, req.stream, tenant, req.n)
 
     return app
 
 
-async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, key: str,
+async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, tenant: Tenant,
                  n: int) -> Response:
-    ticket = gateway.admission.admit(key)
     # Prompt tokens count once per prompt, however many choices (n) sample from it.
     prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
     headers = {"x-request-id": specs[0].request_id.rsplit("-", 1)[0]}
     try:
+        # Waits in the fair queue; a client that leaves meanwhile gives its place up.
+        ticket = await until_disconnected(
+            request.receive, gateway.admission.admit(tenant, specs, prompt_tokens))
+    except ClientDisconnected:
+        log.info("client disconnected while queued; request dropped")
+        return Response(status_code=499)
+    try:
         if stream:
             return await _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket,
                                        headers)
-        choices = await until_disconnected(request.receive, _collect(gateway, specs))
+        choices = await until_disconnected(request.receive, _collect(gateway, ticket))
     except ClientDisconnected:
         log.info("client disconnected before the response; request aborted")
         return Response(status_code=499)
@@ -108,7 +121,7 @@ async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, k
 async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Ticket,
                         headers) -> Response:
     try:
-        streams = gateway.choice_streams(specs)
+        streams = gateway.choice_streams(ticket)
         # Wait for the first token of every choice before committing to a 200, so that
         # failures before any token (after one invisible retry) still get a status code.
         firsts = await until_disconnected(request.receive, open_streams(streams))
@@ -124,14 +137,14 @@ async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Tic
     return SSEResponse(events, gateway.config.slow_client_timeout_s, headers, on_close=close)
 
 
-async def _collect(gateway: Gateway, specs) -> list[ChoiceResult]:
-    results = [ChoiceResult(spec.index) for spec in specs]
+async def _collect(gateway: Gateway, ticket: Ticket) -> list[ChoiceResult]:
+    results = [ChoiceResult(spec.index) for spec in ticket.specs]
 
     async def run(stream, result: ChoiceResult) -> None:
         async for delta in stream:
             result.add(delta)
 
-    streams = gateway.choice_streams(specs)
+    streams = gateway.choice_streams(ticket)
     tasks = [asyncio.ensure_future(run(s, r)) for s, r in zip(streams, results, strict=True)]
     try:
         await asyncio.gather(*tasks)

@@ -22,7 +22,7 @@ from splitserve.v1 import common_pb2
 
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.router import LeastLoadedRouter
+from services.gateway.router import ScoringRouter
 from services.gateway.worker_pool import WorkerPool
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=1, logprobs=0)
@@ -50,7 +50,7 @@ def run(decoders, prefills=(), consume=None):
                           decode_addresses=[d.address for d in decoders] if prefills else [],
                           both_addresses=[] if prefills else [d.address for d in decoders])
         await pool.poll_once()
-        dispatcher = Dispatcher(LeastLoadedRouter(pool), disaggregated=bool(prefills))
+        dispatcher = Dispatcher(ScoringRouter(pool), disaggregated=bool(prefills))
         events, error = [], None
         try:
             stream = dispatcher.generate("req", [5, 6, 7], SAMPLING)

@@ -1,0 +1,101 @@
+"""Which worker holds which prompt blocks in its prefix cache, for cache-aware routing.
+
+Two sources: the workers' own block-hash events (stored / evicted, followed from Redis),
+which are exact, and this gateway's routing history (blocks of prompts it sent to a worker),
+which fills in where events are missing: a worker that publishes none (no Redis), and the
+second or so before a worker's events for a just-routed prompt arrive. Owned by the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+
+class PrefixIndex:
+    """Invariants: `_holders[h]` and `_blocks[w]` mirror each other (events only); history
+    holds at most `history_blocks` (address, hash) entries, least recently routed dropped first."""
+
+    def __init__(self, history_blocks: int = 200_000, history_grace_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.history_blocks = history_blocks
+        self.history_grace_s = history_grace_s
+        self.clock = clock
+        self._holders: dict[int, set[str]] = defaultdict(set)  # block hash -> worker ids
+        self._blocks: dict[str, set[int]] = defaultdict(set)  # worker id -> block hashes
+        self._followed: set[str] = set()  # worker ids whose events have been seen
+        self._history: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self.events_applied = 0
+
+    # -- events (exact) -------------------------------------------------------------------
+
+    def apply_event(self, worker_id: str, kind: str, hashes: Iterable[int]) -> None:
+        """A worker stored or evicted these blocks (events are applied in stream order)."""
+        self._followed.add(worker_id)
+        held = self._blocks[worker_id]
+        if kind == "stored":
+            for h in hashes:
+                held.add(h)
+                self._holders[h].add(worker_id)
+        elif kind == "evicted":
+            for h in hashes:
+                held.discard(h)
+                holders = self._holders.get(h)
+                if holders is not None:
+                    holders.discard(worker_id)
+                    if not holders:
+                        del self._holders[h]
+        self.events_applied += 1
+
+    def is_followed(self, worker_id: str) -> bool:
+        return worker_id in self._followed
+
+    # -- routing history (fallback) ---------------------------------------------------------
+
+    def record_routed(self, address: str, hashes: Sequence[int]) -> None:
+        """This gateway sent a prompt with these block hashes to the worker at `address`."""
+        now = self.clock()
+        for h in hashes:
+            key = (address, h)
+            self._history[key] = now
+            self._history.move_to_end(key)
+        while len(self._history) > self.history_blocks:
+            self._history.popitem(last=False)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def matched_blocks(self, worker_id: str, address: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its chained hashes) the worker holds. For a
+        worker whose events are followed, history counts only while it is fresher than the
+        event lag (`history_grace_s`); otherwise it is all there is."""
+        followed = worker_id in self._followed
+        now = self.clock()
+        matched = 0
+        for h in hashes:
+            if worker_id not in self._holders.get(h, ()):
+                routed_at = self._history.get((address, h))
+                if routed_at is None or (followed and now - routed_at > self.history_grace_s):
+                    break
+            matched += 1
+        return matched
+
+    def num_blocks(self, worker_id: str) -> int:
+        """Blocks the worker's events say it holds."""
+        return len(self._blocks.get(worker_id, ()))
+
+    # -- membership -------------------------------------------------------------------------
+
+    def forget_worker(self, worker_id: str = "", address: str = "") -> None:
+        """The worker left or restarted with an empty cache: drop what is known about it."""
+        if worker_id:
+            self._followed.discard(worker_id)
+            for h in self._blocks.pop(worker_id, ()):
+                holders = self._holders.get(h)
+                if holders is not None:
+                    holders.discard(worker_id)
+                    if not holders:
+                        del self._holders[h]
+        if address:
+            for key in [k for k in self._history if k[0] == address]:
+                del self._history[key]

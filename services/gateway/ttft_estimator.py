@@ -1,0 +1,115 @@
+"""Predicts a request's time to first token before it is queued, so that one which cannot meet
+the TTFT target is rejected at once instead of after waiting. Owned by the event loop.
+
+TTFT = wait in the fair queue + service (release -> first token). The wait is the backlog ahead
+of the request divided by the rate the cluster takes work, measured only while requests are
+waiting (otherwise the release rate is the arrival rate, not the capacity); it is measured in
+requests and in prompt tokens, and the slower of the two governs, so the estimate holds
+whether decode slots or prefill compute is the bottleneck. The service time is an average of
+what released requests took to their first token.
+
+Before any backlog was measured, the drain rate is taken from Little's law (slots in use over
+the average request duration). And the estimate learns its own error: the 95th percentile of
+(actual - predicted) over recent requests is added, so that at most about one admitted request
+in twenty misses a target the plain estimate would have promised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class _Window:
+    busy_s: float = 0.0
+    requests: int = 0
+    tokens: int = 0
+
+
+class TTFTEstimator:
+    def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self.alpha = alpha
+        self._clock = clock
+        self.requests_per_s: float | None = None  # drain rate while backlogged
+        self.tokens_per_s: float | None = None
+        self.service_s: float | None = None  # release -> first token
+        self.duration_s: float | None = None  # release -> end
+        self._errors: deque[float] = deque(maxlen=200)  # actual - predicted TTFT, seconds
+        self._busy_since: float | None = None
+        self._window = _Window()
+
+    def backlog(self, waiting: bool) -> None:
+        """Whether requests are waiting; call when that may have changed."""
+        now = self._clock()
+        if waiting and self._busy_since is None:
+            self._busy_since = now
+        elif not waiting and self._busy_since is not None:
+            self._window.busy_s += now - self._busy_since
+            self._busy_since = None
+            self._close_window()
+
+    def released(self, prompt_tokens: int) -> None:
+        """A request left the queue. Counted only during a backlog: then the cluster, not the
+        arrivals, sets the pace."""
+        if self._busy_since is None:
+            return
+        self._window.requests += 1
+        self._window.tokens += prompt_tokens
+        now = self._clock()
+        self._window.busy_s += now - self._busy_since
+        self._busy_since = now
+        self._close_window()
+
+    def first_token(self, seconds: float, predicted_ttft: float | None = None,
+                    actual_ttft: float | None = None) -> None:
+        """A released request's first token, `seconds` after its release; with what its TTFT
+        was predicted to be and turned out to be, when it was predicted."""
+        self.service_s = _ewma(self.service_s, seconds, self.alpha)
+        if predicted_ttft is not None and actual_ttft is not None:
+            self._errors.append(actual_ttft - predicted_ttft)
+
+    def finished(self, seconds: float) -> None:
+        """A released request ended, `seconds` after its release."""
+        self.duration_s = _ewma(self.duration_s, seconds, self.alpha)
+
+    def estimate(self, requests_ahead: int, tokens_ahead: int, prompt_tokens: int,
+                 room_now: bool, slots_in_use: int = 0) -> float | None:
+        """Seconds to this request's first token (the plain estimate), or None before
+        anything was measured."""
+        service = self.service_s or 0.0
+        if room_now and requests_ahead == 0:
+            return service
+        rate = self.requests_per_s
+        if rate is None and self.duration_s and slots_in_use:
+            rate = slots_in_use / self.duration_s
+        if rate is None:
+            return None
+        wait = (requests_ahead + 1) / rate
+        if self.tokens_per_s:
+            wait = max(wait, (tokens_ahead + prompt_tokens) / self.tokens_per_s)
+        return wait + service
+
+    def margin(self, target_s: float) -> float:
+        """What to add to a plain estimate: its recent 95th-percentile error, within half the
+        target either way (0 until 20 requests were seen)."""
+        if len(self._errors) < 20:
+            return 0.0
+        ordered = sorted(self._errors)
+        error = ordered[int(0.95 * (len(ordered) - 1))]
+        return max(-target_s / 2, min(target_s / 2, error))
+
+    def _close_window(self) -> None:
+        window = self._window
+        if window.busy_s < self.window_s or window.requests == 0:
+            return
+        self.requests_per_s = _ewma(self.requests_per_s, window.requests / window.busy_s,
+                                    self.alpha)
+        self.tokens_per_s = _ewma(self.tokens_per_s, window.tokens / window.busy_s, self.alpha)
+        self._window = _Window()
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else (1 - alpha) * old + alpha * sample

@@ -1,0 +1,92 @@
+"""The capacity rule that releases queued requests (in flight, decode KV headroom, prefill
+backlog from worker stats) and the TTFT estimator behind early rejection."""
+
+from __future__ import annotations
+
+import pytest
+from admission_harness import FakeEndpoint, FakePool
+
+from services.gateway.capacity import CapacityRule, ClusterRoom
+from services.gateway.ttft_estimator import TTFTEstimator
+
+
+def test_in_flight_limits_per_gateway_and_per_decode_worker():
+    pool = FakePool(FakeEndpoint(role="decode"), FakeEndpoint(role="decode"))
+    room = ClusterRoom(CapacityRule(max_inflight=10, max_inflight_per_decode=2), pool)
+    assert room.has_room(3, 10, 1) and not room.has_room(4, 10, 1)
+    pool.endpoints[1].up = False  # one decode worker left: 2 in flight is its limit
+    assert not room.has_room(2, 10, 1)
+    assert not ClusterRoom(CapacityRule(max_inflight=3), pool).has_room(3, 10, 1)
+
+
+def test_nothing_in_flight_always_has_room():
+    pool = FakePool(FakeEndpoint(kv_free=0))
+    assert ClusterRoom(CapacityRule(max_inflight_per_decode=1), pool).has_room(0, 10**6, 10**6)
+
+
+def test_kv_headroom_counts_blocks_released_since_the_last_poll():
+    decode = FakeEndpoint(role="decode", kv_free=100, kv_total=100)
+    room = ClusterRoom(CapacityRule(kv_headroom=0.2), FakePool(decode))
+    assert room.has_room(1, 10, 80) and not room.has_room(1, 10, 81)
+    room.released(10, 50)  # not in the stats yet
+    assert room.has_room(1, 10, 30) and not room.has_room(1, 10, 31)
+    decode.set_stats(kv_free=50, kv_total=100)  # the poll now shows them
+    assert room.has_room(1, 10, 30) and not room.has_room(1, 10, 31)
+    decode.set_stats(kv_free=100, kv_total=100)  # they finished
+    assert room.has_room(1, 10, 80)
+
+
+def test_a_request_must_fit_in_one_decode_worker():
+    pool = FakePool(FakeEndpoint(role="decode", kv_free=60), FakeEndpoint(role="decode", kv_free=60))
+    room = ClusterRoom(CapacityRule(), pool)
+    assert room.has_room(1, 10, 60) and not room.has_room(1, 10, 61)
+
+
+def test_prefill_backlog_from_worker_stats_and_recent_releases():
+    prefill = FakeEndpoint(role="prefill", queued_prefill_tokens=300)
+    pool = FakePool(FakeEndpoint(role="decode"), prefill)
+    room = ClusterRoom(CapacityRule(max_prefill_queue_tokens=512), pool)
+    assert room.has_room(1, 100, 1)
+    room.released(212, 1)
+    assert not room.has_room(1, 100, 1)  # 300 queued + 212 sent since the poll
+    prefill.set_stats(kv_free=0, queued_prefill_tokens=0)
+    assert room.has_room(1, 100, 1)
+
+
+def test_no_available_worker_releases_at_once_to_fail_fast():
+    pool = FakePool(FakeEndpoint(role="decode"))
+    pool.endpoints[0].up = False
+    assert ClusterRoom(CapacityRule(max_inflight_per_decode=1), pool).has_room(5, 10, 10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_drain_rate_is_measured_only_while_requests_wait():
+    clock = Clock()
+    estimator = TTFTEstimator(window_s=0.5, alpha=1.0, clock=clock)
+    for _ in range(20):  # no backlog: arrivals set the pace, nothing is learned
+        clock.now += 0.01
+        estimator.released(100)
+    assert estimator.requests_per_s is None
+    estimator.backlog(True)
+    for _ in range(10):  # backlogged: 10 requests of 100 tokens in 1 s
+        clock.now += 0.1
+        estimator.released(100)
+    assert estimator.requests_per_s == pytest.approx(10.0)
+    assert estimator.tokens_per_s == pytest.approx(1000.0)
+
+
+def test_estimate_uses_the_slower_of_requests_and_tokens():
+    estimator = TTFTEstimator()
+    assert estimator.estimate(3, 300, 100, room_now=False) is None  # nothing measured yet
+    estimator.requests_per_s, estimator.tokens_per_s, estimator.service_s = 10.0, 1000.0, 0.05
+    assert estimator.estimate(0, 0, 100, room_now=True) == pytest.approx(0.05)
+    assert estimator.estimate(3, 300, 100, room_now=False) == pytest.approx(0.45)
+    # Long prompts ahead: tokens, not request count, bound the wait.
+    assert estimator.estimate(3, 3000, 1000, room_now=False) == pytest.approx(4.05)

@@ -1,0 +1,165 @@
+"""Fairness between tenants, on real processes: a small random model behind a gateway whose
+in-flight limit is small enough that requests queue and the fair queue decides the order.
+
+A flooding tenant (10x its share) leaves a modest tenant of equal weight its served-token share
+and its time to first token; weights 2:1 split served tokens 2:1 when both are backlogged.
+The flood runs from its own process, on and off in turns, so that the modest tenant's "alone"
+and "with the flood" samples come from the same minutes of the same machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from gateway_processes import REPO_ROOT, start_gateway, start_worker
+from tenant_load import tenants_file
+
+from bench.fairness import TenantLoad, run_closed
+from bench.loadgen.metrics import percentile
+
+# Slow enough per token that the workers, not the gateway or the load generator, are what the
+# in-flight limit rations; still built in a second.
+SMALL_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 1024,
+               "head_dim": 32}
+INFLIGHT = 8
+PROMPT, OUTPUT = 32, 128
+ON_S, OFF_S, PERIODS = 10.0, 6.0, 3
+SETTLE_S = 2.0  # after each switch, before samples count
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from splitserve_cli.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("small-llama"), arch="llama", seed=0,
+                            **SMALL_MODEL)
+
+
+@pytest.fixture(scope="module")
+def small_workers(small_model):
+    workers = [start_worker(small_model, "prefill"), start_worker(small_model, "decode")]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+def fair_gateway(small_model, small_workers, tmp_path):
+    started = []
+
+    def start(tenants: dict[str, dict]):
+        prefill, decode = small_workers
+        gateway = start_gateway(small_model, "--prefill", prefill.address, "--decode",
+                                decode.address, "--tenants-file", tenants_file(tmp_path, tenants),
+                                "--max-inflight-per-decode", str(INFLIGHT))
+        started.append(gateway)
+        return f"http://{gateway.address}"
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+def _served_tokens(text: str, tenant: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("splitserve_gateway_served_tokens_total{") and f'tenant="{tenant}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _served_in_windows(url: str, start_at: float, windows, tenants) -> dict[str, float]:
+    """Tokens each tenant was served within the (begin, end) windows (seconds from start_at)."""
+    served = dict.fromkeys(tenants, 0.0)
+    async with httpx.AsyncClient(timeout=10) as client:
+        for begin, end in windows:
+            marks = []
+            for at in (begin, end):
+                await asyncio.sleep(max(0.0, start_at + at - time.time()))
+                marks.append((await client.get(f"{url}/metrics")).text)
+            for tenant in tenants:
+                served[tenant] += _served_tokens(marks[1], tenant) - _served_tokens(marks[0], tenant)
+    return served
+
+
+def _capacity(url: str, model: str) -> float:
+    """Requests per second the gateway serves with every slot busy (closed loop)."""
+    records = asyncio.run(run_closed(url, model, [TenantLoad("a", 1, PROMPT, OUTPUT)],
+                                     2 * INFLIGHT, 4.0))
+    return sum(r.ok for r in records) / 4.0
+
+
+def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_gateway,
+                                                                        small_model):
+    """B keeps INFLIGHT / 2 requests going (its share of the slots at equal weights); A floods
+    at ten times its share, on and off in turns. B's samples with and without the flood come
+    from the same stretch of time, so machine noise hits both alike."""
+    url = fair_gateway({"a": {"weight": 1}, "b": {"weight": 1}})
+    flood_rate = 10 * 0.5 * _capacity(url, small_model.name)  # ten times A's share
+    period = ON_S + OFF_S
+    duration = period * PERIODS
+    start_at = time.time() + 3.0  # the flood process needs a moment to start
+    flood = subprocess.Popen(
+        [sys.executable, "-m", "bench.fairness", "offer", url, small_model.name, "a",
+         str(flood_rate), str(PROMPT), str(OUTPUT), str(duration), str(ON_S), str(OFF_S),
+         str(start_at)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    steady = TenantLoad("b", 1, PROMPT, OUTPUT)
+    on_windows = [(p * period + SETTLE_S, p * period + ON_S) for p in range(PERIODS)]
+
+    async def scenario():
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(
+            run_closed(url, small_model.name, [steady], INFLIGHT // 2, duration),
+            _served_in_windows(url, start_at, on_windows, ("a", "b")))
+
+    try:
+        records, served = asyncio.run(scenario())
+        flood_out = flood.communicate(timeout=120)[0]
+    finally:
+        flood.kill()
+
+    def flooded(record) -> bool:
+        return SETTLE_S <= record.start_s % period < ON_S
+
+    def alone(record) -> bool:
+        return ON_S + SETTLE_S <= record.start_s % period
+
+    with_flood = [r.ttft_s for r in records if r.ok and flooded(r)]
+    by_itself = [r.ttft_s for r in records if r.ok and alone(r)]
+    refused = [r for r in records if not r.ok]
+    share = served["b"] / (served["a"] + served["b"])
+    p99_flood, p99_alone = percentile(with_flood, 99), percentile(by_itself, 99)
+    report = (f"flood {flood_rate:.0f} req/s ({flood_out.strip()[:120]}); b share {share:.0%}, "
+              f"b ttft p99 {p99_flood:.3f}s with the flood vs {p99_alone:.3f}s alone (p50 "
+              f"{percentile(with_flood, 50):.3f}s vs {percentile(by_itself, 50):.3f}s, "
+              f"{len(with_flood)} and {len(by_itself)} samples), {len(refused)} b refused")
+    assert share >= 0.40, report
+    assert p99_flood <= 2 * p99_alone, report
+    assert not refused, report
+
+
+def test_weights_two_to_one_split_served_tokens_two_to_one(fair_gateway, small_model):
+    url = fair_gateway({"heavy": {"weight": 2}, "light": {"weight": 1}})
+    loads = [TenantLoad("heavy", 1, PROMPT, OUTPUT), TenantLoad("light", 1, PROMPT, OUTPUT)]
+    start_at = time.time()
+
+    async def scenario():
+        # Both tenants keep more requests outstanding than the in-flight limit: both backlogged.
+        return await asyncio.gather(
+            run_closed(url, small_model.name, loads, INFLIGHT, 16.0),
+            _served_in_windows(url, start_at, [(4.0, 16.0)], ("heavy", "light")))
+
+    _, served = asyncio.run(scenario())
+    ratio = served["heavy"] / served["light"]
+    assert ratio == pytest.approx(2.0, rel=0.10), served

@@ -1,0 +1,171 @@
+"""The scoring router over synthetic workers: weighted scorers per pool, round-robin among
+ties, prefix-aware prefill placement, conditional disaggregation, model-version pairing and
+workers out of rotation."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from splitserve.v1 import common_pb2
+from synthetic_workers import StaticPool, worker
+
+from engine.block_pool import hash_prompt_blocks
+from services.gateway.config import GatewayConfig
+from services.gateway.prefix_index import PrefixIndex
+from services.gateway.router import ScoringRouter
+from services.gateway.scorers import (
+    DEFAULT_DECODE_WEIGHTS,
+    DEFAULT_PREFILL_WEIGHTS,
+    build_scorers,
+    parse_weights,
+)
+
+SYSTEM = list(range(1000, 1256))  # a 256-token shared prefix: 16 blocks
+
+
+def prompt(user: int, length: int = 32) -> list[int]:
+    return SYSTEM + [user] * length
+
+
+def router(*endpoints, index=None, **kw) -> ScoringRouter:
+    return ScoringRouter(StaticPool(*endpoints), index or PrefixIndex(), **kw)
+
+
+def test_decode_goes_to_the_worker_with_free_blocks_and_little_running():
+    full = worker("full", kv_blocks_free=100)
+    busy = worker("busy", running=9)
+    good = worker("good", kv_blocks_free=900, running=1)
+    route = router(full, busy, good).route(prompt(1), 16)
+    assert route.decode is good and route.prefill is None
+
+
+def test_ties_go_round_robin_and_reservations_spread_the_next_ones():
+    decoders = [worker(f"d{i}") for i in range(3)]
+    r = router(*decoders)
+    chosen = [r.route(prompt(i), 16).decode.address for i in range(6)]
+    assert sorted(chosen) == ["d0", "d0", "d1", "d1", "d2", "d2"]
+
+
+def test_weights_from_config_decide_which_signal_wins():
+    roomy_but_busy = worker("roomy", kv_blocks_free=1000, running=4)
+    idle_but_full = worker("idle", kv_blocks_free=300)
+    index = PrefixIndex()
+    by_kv = router(roomy_but_busy, idle_but_full, index=index,
+                   decode_scorers=build_scorers("free_kv=1", index))
+    by_load = router(roomy_but_busy, idle_but_full, index=index,
+                     decode_scorers=build_scorers("free_kv=0.1,running_load=1", index))
+    assert by_kv.route(prompt(1), 8).decode is roomy_but_busy
+    assert by_load.route(prompt(1), 8).decode is idle_but_full
+
+
+def test_weights_parse_with_clear_errors():
+    assert parse_weights("free_kv=1, running_load=0.5") == (("free_kv", 1.0), ("running_load", 0.5))
+    assert parse_weights("prefix_cache") == (("prefix_cache", 1.0),)
+    with pytest.raises(ValueError, match="unknown scorer 'freekv'"):
+        parse_weights("freekv=1")
+    with pytest.raises(ValueError, match="not a number"):
+        parse_weights("free_kv=lots")
+
+
+def test_config_defaults_are_the_scorers_defaults_and_bad_values_are_refused(tiny_llama_dir):
+    config = GatewayConfig(model=str(tiny_llama_dir), redis_url="redis://127.0.0.1:1/0")
+    assert (config.decode_scorers, config.prefill_scorers) == (DEFAULT_DECODE_WEIGHTS,
+                                                               DEFAULT_PREFILL_WEIGHTS)
+    for bad, message in (({"routing": "random"}, "--routing"),
+                         ({"prefill_scorers": "nope=1"}, "--prefill-scorers"),
+                         ({"local_prefill_tokens": -1}, "--local-prefill-tokens"),
+                         ({"breaker_failures": 0}, "--breaker-failures"),
+                         ({"redis_url": "localhost:6379"}, "--redis-url")):
+        with pytest.raises(ValueError, match=message):
+            GatewayConfig(model=str(tiny_llama_dir), decode=("d:1",), prefill=("p:1",), **bad)
+    with pytest.raises(ValueError, match="--redis-url URL, or --prefill"):
+        GatewayConfig(model=str(tiny_llama_dir))
+
+
+def test_prefill_goes_where_the_prefix_is_cached_until_its_queue_outweighs_it():
+    index = PrefixIndex()
+    warm, cold = worker("warm", "prefill"), worker("cold", "prefill")
+    index.apply_event(warm.worker_id, "stored", hash_prompt_blocks(SYSTEM, 16))
+    r = router(worker("d"), warm, cold, index=index)
+    route = r.route(prompt(7), 8)
+    assert route.prefill is warm and route.cached_tokens == 256
+    # Queued work ahead of it beyond the 256 tokens it would save: the cold worker wins.
+    warm.health.stats.queued_prefill_tokens = 400
+    warm.prefill_tokens_since_poll = 0
+    assert r.route(prompt(8), 8).prefill is cold
+
+
+def test_without_events_the_routing_history_keeps_a_prefix_group_together():
+    a, b = worker("a", "prefill"), worker("b", "prefill")
+    r = router(worker("d"), a, b)
+    first = r.route(prompt(1), 8).prefill
+    for _ in range(3):
+        # Each poll resets what was sent since; the history stays.
+        a.prefill_tokens_since_poll = b.prefill_tokens_since_poll = 0
+        assert r.route(prompt(2), 8).prefill is first
+
+
+def test_a_short_uncached_part_is_prefilled_on_the_decode_worker():
+    index = PrefixIndex()
+    decode = worker("d")
+    index.apply_event(decode.worker_id, "stored", hash_prompt_blocks(SYSTEM, 16))
+    r = router(decode, worker("p", "prefill"), index=index, local_prefill_tokens=40)
+    local = r.route(prompt(1, length=40), 8)  # 256 cached on the decode worker, 40 new
+    assert local.prefill is None and local.reason.startswith("local")
+    remote = r.route(list(range(2000, 2041)), 8)  # 41 tokens, none cached
+    assert remote.prefill is not None
+    off = router(decode, worker("p", "prefill"), index=index, local_prefill_tokens=0)
+    assert off.route(prompt(1, length=40), 8).prefill is not None
+
+
+def test_backed_up_or_missing_prefill_workers_send_the_prompt_to_decode():
+    p1 = worker("p1", "prefill", queued_prefill_tokens=5000)
+    p2 = worker("p2", "prefill", queued_prefill_tokens=6000)
+    r = router(worker("d"), p1, p2, prefill_backlog_tokens=4096)
+    assert r.route(prompt(1), 8).reason == "local: every prefill worker is backed up"
+    p2.health.stats.queued_prefill_tokens = 100
+    assert r.route(prompt(1), 8).prefill is p2
+    p1.reachable = p2.reachable = False
+    assert r.route(prompt(1), 8).reason == "local: no prefill worker available"
+    assert r.ready()
+    strict = router(worker("d"), worker("p", "prefill", status=common_pb2.HealthResponse.DRAINING),
+                    prefill_backlog_tokens=0)
+    assert strict.route(prompt(1), 8) is None and not strict.ready()
+
+
+def test_prefill_and_decode_are_paired_by_model_version():
+    old_d, new_d = worker("old-d", model="m-v1"), worker("new-d", model="m-v2", running=3)
+    old_p, new_p = worker("old-p", "prefill", model="m-v1"), worker("new-p", "prefill", model="m-v2")
+    r = router(old_d, new_d, old_p, new_p)
+    for _ in range(4):
+        route = r.route(prompt(3), 8)
+        assert route.prefill.model == route.decode.model
+
+
+def test_draining_unreachable_and_open_circuit_workers_get_nothing():
+    draining = worker("draining", status=common_pb2.HealthResponse.DRAINING, kv_blocks_free=1000)
+    gone = worker("gone", kv_blocks_free=1000)
+    gone.reachable = False
+    broken = worker("broken", kv_blocks_free=1000)
+    for _ in range(3):
+        broken.breaker.record_failure(grpc.StatusCode.UNAVAILABLE)
+    ok = worker("ok", kv_blocks_free=10)
+    r = router(draining, gone, broken, ok)
+    assert {r.route(prompt(i), 8).decode.address for i in range(5)} == {"ok"}
+
+
+def test_a_retry_avoids_the_worker_tried_unless_it_is_the_only_one():
+    d1, d2 = worker("d1", kv_blocks_free=900), worker("d2", kv_blocks_free=100)
+    r = router(d1, d2)
+    assert r.route(prompt(1), 8, exclude={"d1"}).decode is d2
+    alone = router(d1)
+    assert alone.route(prompt(1), 8, exclude={"d1"}).decode is d1
+
+
+def test_round_robin_baseline_ignores_cache_and_load():
+    index = PrefixIndex()
+    warm, cold = worker("warm", "prefill"), worker("cold", "prefill")
+    index.apply_event(warm.worker_id, "stored", hash_prompt_blocks(SYSTEM, 16))
+    r = router(worker("d"), warm, cold, index=index, decode_scorers=[], prefill_scorers=[])
+    chosen = [r.route(prompt(i), 8).prefill.address for i in range(4)]
+    assert chosen == ["warm", "cold", "warm", "cold"]

@@ -1,0 +1,94 @@
+"""kill -9 of workers under traffic, behind a gateway that discovers them in Redis: a decode
+worker's streams end with an error event while every other stream completes and new requests
+go to the survivor; a prefill worker's queued requests are retried on the other one and
+succeed. Request ids are unique per attempt, so nothing runs twice."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from registry_cluster import Cluster, routable, stream_completion, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny model with a long context: long prompts and long streams stay cheap."""
+    from splitserve_cli.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), arch="llama", seed=0,
+                            max_position_embeddings=2048)
+
+
+@pytest.fixture
+def cluster(long_model, redis_server):
+    cluster = Cluster(long_model, redis_server)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_kill_9_of_a_decode_worker_mid_stream(cluster, long_model):
+    cluster.start(("--num-kv-blocks", "512"), p1="prefill", p2="prefill", d1="decode",
+                  d2="decode")
+    gateway = cluster.gateway()
+    url = f"http://{gateway.address}"
+    wait_until(lambda: len(routable(gateway)) == 4, what="four workers routable")
+    d1, d2 = cluster.workers["d1"], cluster.workers["d2"]
+
+    started = [threading.Event() for _ in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream_completion, url, long_model.name, [20 + i] * 24, 700,
+                               started[i]) for i in range(6)]
+        for event in started:
+            assert event.wait(60), "a stream never started"
+        on_d1 = d1.health().stats.running
+        assert on_d1 and d2.health().stats.running, "streams were not spread over both decoders"
+        cluster.stop("d1", signal.SIGKILL)
+        results = [s.result() for s in streams]
+
+    errored = [r for r in results if r[1] == "error"]
+    assert len(errored) == on_d1, results
+    for status, _finish, error, chunks in errored:
+        assert status == 200 and chunks > 0 and error and "failed" in error
+    for status, finish, error, chunks in results:
+        if finish != "error":
+            assert (status, finish, error, chunks) == (200, "length", None, chunks) and chunks > 0
+
+    steps_before = d2.health().stats.steps
+    with ThreadPoolExecutor(4) as pool:
+        after = list(pool.map(lambda i: stream_completion(url, long_model.name, [90 + i] * 24, 8),
+                              range(4)))
+    assert [(r[0], r[1]) for r in after] == [(200, "length")] * 4
+    assert d2.health().stats.steps > steps_before
+    wait_until(lambda: d1.address not in routable(gateway), timeout=10,
+               what="the dead decode worker out of rotation")
+
+
+def test_kill_9_of_a_prefill_worker_retries_its_queued_requests(cluster, long_model):
+    # A 16-token step budget stretches each 1000-token prompt over ~60 steps: a queue forms.
+    cluster.start(("--num-kv-blocks", "512", "--max-num-batched-tokens", "16",
+                   "--long-prefill-token-threshold", "16"), p1="prefill", p2="prefill")
+    cluster.start(("--num-kv-blocks", "1200"), d1="decode")
+    gateway = cluster.gateway()
+    url = f"http://{gateway.address}"
+    wait_until(lambda: len(routable(gateway)) == 3, what="three workers routable")
+    p1 = cluster.workers["p1"]
+
+    prompts = [[(i * 37 + j) % 700 + 3 for j in range(1000)] for i in range(10)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = [pool.submit(stream_completion, url, long_model.name, p, 6) for p in prompts]
+        p1.wait_for(lambda h: h.stats.waiting >= 2, timeout=30, what="requests queued on p1")
+        cluster.stop("p1", signal.SIGKILL)
+        results = [r.result() for r in results]
+
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(prompts)
+    retried = [line for line in gateway.lines if "failed before its first token" in line]
+    assert retried, "no request was queued on the killed worker"
+    assert all("retrying" in line for line in retried), retried
