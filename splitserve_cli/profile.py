@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=512)
     parser.add_argument("--no-worker-start", action="store_true",
                         help="skip timing a real worker process from spawn to READY")
+    parser.add_argument("--without-contention", action="store_true",
+                        help="write each point divided by the CPU contention it met (from the "
+                             "kernel's schedstat): for sizing replicas that will own their cores "
+                             "from a measurement on a shared host")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         measure_worker_start=not args.no_worker_start, repeats=2 if args.quick else 3,
     )
     profile = measure_profile(settings)
+    if args.without_contention:
+        profile = profile.without_contention()
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0

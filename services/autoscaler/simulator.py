@@ -28,9 +28,11 @@ class SimSettings:
     kv_bandwidth_bytes_per_s: float = 2e9  # prefill -> decode KV hand-off
     startup_s: float | None = None  # None: the profile's worker start-up
     drain_tail_s: float = 600.0  # after the trace ends, how long requests may still finish
-    # Replays a machine whose speed changed over time (a shared host): a step of `role`
-    # starting at t takes slowdown(role, t) times the profile's time. None: the profile's.
+    # Replays a machine whose speed changed over time (a shared host): while slowdown(role, t)
+    # is k, a `role` step progresses at 1/k of the profile's speed; the factor is read once per
+    # slowdown_step_s. None: the profile's speed throughout.
     slowdown: Callable[[str, float], float] | None = None
+    slowdown_step_s: float = 1.0
 
 
 @dataclass(eq=False)
@@ -318,8 +320,18 @@ class ClusterSim:
                 self._decode_done, replica)
 
     def _scaled(self, role: str, seconds: float) -> float:
-        slowdown = self.settings.slowdown
-        return seconds if slowdown is None else seconds * slowdown(role, self.now)
+        """Wall time of a step of `seconds` of profile time starting now (see SimSettings)."""
+        slowdown, step = self.settings.slowdown, self.settings.slowdown_step_s
+        if slowdown is None:
+            return seconds
+        t, left = self.now, seconds
+        while True:
+            factor = max(slowdown(role, t), 1e-9)
+            segment = (t // step + 1) * step - t
+            if left * factor <= segment:
+                return t + left * factor - self.now
+            left -= segment / factor
+            t += segment
 
     def _decode_done(self, replica: SimReplica) -> None:
         if replica.state == "failed":

@@ -121,7 +121,7 @@ class Worker:
                 is_ready=lambda: self.engine_loop.healthy and not self.state.draining,
             )
             self.status_server.start()
-            metrics_at = f"{cfg.host}:{self.status_server.port}"
+            metrics_at = f"{cfg.public_host}:{self.status_server.port}"
         log.info(
             "worker ready role=%s id=%s grpc=%s:%d kv_endpoint=%s kv_blocks=%d dtype=%s",
             cfg.role, self.state.worker_id, cfg.host, self.port, kv_endpoint or "-",

@@ -1,0 +1,42 @@
+"""Reading worker stats: from the Redis registry (a real redis-server), and from a worker's
+Prometheus text (the exposition WorkerMetrics produces), mapped to the same keys."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import redis
+from prometheus_client import generate_latest
+
+from services.autoscaler.sources import RegistrySource, parse_worker_metrics
+from services.common.metrics import WorkerMetrics
+from services.common.registry import WORKER_KEY, WorkerInfo
+
+STATS = {"running": 3, "waiting": 1, "waiting_for_kv": 2, "kv_blocks_total": 500,
+         "kv_blocks_free": 420, "queued_prefill_tokens": 96, "prefix_queries": 10,
+         "prefix_hits": 0, "preemptions": 0, "steps": 77, "computed_tokens": 12345}
+
+
+def test_prometheus_text_maps_to_registry_stats():
+    metrics = WorkerMetrics("decode", "d1")
+    metrics.engine_loop = SimpleNamespace(stats=STATS, healthy=True)
+    parsed = parse_worker_metrics(generate_latest(metrics.registry).decode())
+    for key in ("running", "waiting", "waiting_for_kv", "kv_blocks_total", "kv_blocks_free",
+                "queued_prefill_tokens", "steps", "computed_tokens"):
+        assert parsed[key] == STATS[key], key
+
+
+def test_registry_source_lists_live_workers(redis_server):
+    client = redis.Redis.from_url(redis_server)
+    info = WorkerInfo("d1", "decode", "127.0.0.1:1", "127.0.0.1:2", "m", 16, 2048,
+                      stats=STATS, updated=time.time())
+    client.set(WORKER_KEY + "d1", info.to_json(), px=5000)
+    client.set("unrelated", "x")
+    source = RegistrySource(redis_server)
+    try:
+        assert source.workers() == [info]
+        client.delete(WORKER_KEY + "d1")
+        assert source.workers() == []
+    finally:
+        source.close()
