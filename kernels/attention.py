@@ -30,6 +30,56 @@ class AttentionMetadata:
     # decode_attention_mask(decode_seq_lens, decode_max_seq_len), built once per step rather
     # than once per layer; built on the fly when None.
     decode_attn_mask: torch.Tensor | None = None
+    # The decode rows cut into groups of similar context length (plan_decode_groups), each
+    # attended on its own: then only a group's longest context sets its padding, not the
+    # batch's. None: one group, described by the decode_* fields above.
+    decode_groups: list[DecodeGroup] | None = None
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the batch and their attention inputs."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, blocks of the longest context] int64
+    seq_lens: torch.Tensor | None  # None when every context is max_seq_len long
+    max_seq_len: int
+    attn_mask: torch.Tensor | None  # decode_attention_mask(seq_lens, max_seq_len)
+
+
+# A group closes when the next context is this much shorter than the group's longest and the
+# group has MIN_GROUP_ROWS rows: padding then wastes at most ~25% of a group's attention,
+# against ~45% for one group on a batch of prompts of 128 to 512 tokens.
+GROUP_LENGTH_RATIO = 0.75
+MIN_GROUP_ROWS = 4
+
+
+def plan_decode_groups(
+    seq_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> list[DecodeGroup]:
+    """Cut decode rows, sorted by decreasing context length, into groups (see above)."""
+    groups = []
+    start = 0
+    while start < len(seq_lens):
+        longest = seq_lens[start]
+        end = start + 1
+        while end < len(seq_lens) and (
+            end - start < MIN_GROUP_ROWS or seq_lens[end] > GROUP_LENGTH_RATIO * longest
+        ):
+            end += 1
+        width = -(-longest // block_size)
+        tables = torch.tensor(
+            [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[start:end]],
+            dtype=torch.long, device=device,
+        )
+        lens = mask = None
+        if seq_lens[end - 1] < longest:
+            lens = torch.tensor(seq_lens[start:end], dtype=torch.long, device=device)
+            mask = decode_attention_mask(lens, longest)
+        groups.append(DecodeGroup(start, end, tables, lens, longest, mask))
+        start = end
+    return groups
 
 
 def store_kv(
@@ -131,17 +181,13 @@ def paged_attention(
     query: [tokens, heads, D]; key/value: [tokens, kv_heads, D] -> [tokens, heads, D]."""
     store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
-    if not meta.prefill_seqs:
-        return paged_decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_max_seq_len, scale, meta.decode_attn_mask,
-        )
+    groups = meta.decode_groups
+    if not meta.prefill_seqs and (groups is None or len(groups) == 1):
+        return _attend_decode(query, k_cache, v_cache, groups[0] if groups else meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_decode:
-        out[:num_decode] = paged_decode_attention(
-            query[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_seq_lens, meta.decode_max_seq_len, scale, meta.decode_attn_mask,
-        )
+    for group in groups or ([meta] if num_decode else []):
+        start, end = (group.start, group.end) if groups else (0, num_decode)
+        out[start:end] = _attend_decode(query[start:end], k_cache, v_cache, group, scale)
     for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables):
         end = start + q_len
         if ctx_len == q_len:
@@ -152,3 +198,16 @@ def paged_attention(
             v = gather_blocks(v_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
         out[start:end] = prefill_attention(query[start:end], k, v, scale)
     return out
+
+
+def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetadata, scale):
+    """paged_decode_attention over one decode group, or over all decode rows of `meta`."""
+    if isinstance(group, DecodeGroup):
+        return paged_decode_attention(
+            query, k_cache, v_cache, group.block_tables, group.seq_lens, group.max_seq_len,
+            scale, group.attn_mask,
+        )
+    return paged_decode_attention(
+        query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens,
+        group.decode_max_seq_len, scale, group.decode_attn_mask,
+    )

@@ -22,8 +22,8 @@ _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification
 
 @dataclass
 class _Acceptance:
-    accepted: float = 2.0  # prior: two of three accepted, so new requests start at k_max
-    rejected: float = 1.0
+    accepted: float = 4.0  # prior: four of five accepted, so a new request starts at k = 7
+    rejected: float = 1.0  # (capped to k_max) and needs a few rejections to come down
     skipped: int = 0
 
     @property
@@ -68,39 +68,35 @@ class AdaptiveK:
 
 
 @dataclass
-class _Arm:
-    """Exponentially weighted tokens and seconds of the steps taken with one choice."""
+class _Range:
+    """What one batch-size range has measured: the gain of speculating, as an average of
+    log(tokens/s with) - log(tokens/s without) over paired samples."""
 
-    steps: int = 0
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.steps += 1
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    speculate: bool = True  # the current choice
+    recent_rate: float | None = None  # tokens/s of the latest steps made with the choice
+    log_gain: float = 0.0
+    samples: int = 0
+    ticks: int = 0
 
 
 class BatchGate:
     """Whether a step with `n` decoding requests speculates. Off above `max_batch_size`
     (0: no fixed limit). With `adaptive`, each batch-size range (1, 2-3, 4-7, 8-15, ...)
-    keeps the measured output tokens per second of pure decode steps with and without
-    speculation and picks the better, trying the other one every `explore_every` steps so a
-    change of workload is noticed."""
+    measures whether speculation pays: every `explore_every` steps one step goes the other
+    way, and its output tokens per second, against the steps just before it, is a paired
+    sample of the gain. Pairing steps that are close in time keeps the comparison fair when
+    the machine's speed drifts (other load, longer contexts); `margin` keeps the choice
+    from flapping on noise."""
 
-    def __init__(self, max_batch_size: int = 0, adaptive: bool = True, min_steps: int = 4,
-                 explore_every: int = 16, decay: float = 0.9) -> None:
+    def __init__(self, max_batch_size: int = 0, adaptive: bool = True, min_samples: int = 4,
+                 explore_every: int = 16, margin: float = 0.05, decay: float = 0.8) -> None:
         self.max_batch_size = max_batch_size
         self.adaptive = adaptive
-        self.min_steps = min_steps
+        self.min_samples = min_samples
         self.explore_every = explore_every
+        self.margin = margin
         self.decay = decay
-        self._arms: dict[tuple[int, bool], _Arm] = {}
-        self._ticks: dict[int, int] = {}
+        self._ranges: dict[int, _Range] = {}
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -111,25 +107,35 @@ class BatchGate:
             return False
         if not self.adaptive:
             return True
-        bucket = self.bucket(n)
-        on = self._arms.get((bucket, True))
-        off = self._arms.get((bucket, False))
-        if on is None or on.steps < self.min_steps:
-            return True
-        if off is None or off.steps < self.min_steps:
-            return False
-        tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
-        better = on.rate >= off.rate
-        return not better if tick % self.explore_every == 0 else better
+        r = self._ranges.setdefault(self.bucket(n), _Range())
+        r.ticks += 1
+        # Sample quickly at first (every other step), then every explore_every steps.
+        every = 2 if r.samples < self.min_samples else self.explore_every
+        explore = r.recent_rate is not None and r.ticks % every == 0
+        return r.speculate != explore
 
     def observe(self, n: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A pure decode step of `n` requests produced `num_tokens` in `seconds`."""
-        if not self.adaptive or n <= 0:
+        if not self.adaptive or n <= 0 or seconds <= 0 or num_tokens <= 0:
             return
-        arm = self._arms.setdefault((self.bucket(n), speculated), _Arm())
-        arm.add(num_tokens, seconds, self.decay)
+        r = self._ranges.get(self.bucket(n))
+        if r is None:
+            return
+        rate = num_tokens / seconds
+        if speculated == r.speculate:
+            r.recent_rate = rate if r.recent_rate is None else 0.5 * r.recent_rate + 0.5 * rate
+            return
+        if r.recent_rate is None:
+            return
+        gain = math.log(rate / r.recent_rate) * (1 if speculated else -1)
+        r.log_gain = gain if r.samples == 0 else self.decay * r.log_gain + (1 - self.decay) * gain
+        r.samples += 1
+        flip = r.log_gain < -self.margin if r.speculate else r.log_gain > self.margin
+        if flip and r.samples >= self.min_samples:
+            r.speculate = not r.speculate
+            r.recent_rate = rate  # the step just measured was made with the new choice
 
     def snapshot(self) -> dict[str, float]:
-        """Measured tokens/s per (range, choice), for logs and benchmarks."""
-        return {f"{'on' if on else 'off'}@{1 << (b - 1)}+": arm.rate
-                for (b, on), arm in sorted(self._arms.items())}
+        """Measured speedup of speculating per batch range (exp of the mean log gain)."""
+        return {f"{1 << (b - 1)}+": round(math.exp(r.log_gain), 3)
+                for b, r in sorted(self._ranges.items()) if r.samples}

@@ -244,6 +244,8 @@ class Admission:
     def _drop(self, ticket: Ticket) -> None:
         self.queue.remove(ticket)
         ticket.done = True
+        self.estimator.missed(ticket.predicted_ttft_s, time.monotonic() - ticket.arrival
+                              + (self.estimator.service_s or 0.0))
         self.quotas.release(ticket.lease, 0)
         retry = max(1, math.ceil(self.ttft_target_s))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(

@@ -71,6 +71,11 @@ class TTFTEstimator:
         if predicted_ttft is not None and actual_ttft is not None:
             self._errors.append(actual_ttft - predicted_ttft)
 
+    def missed(self, predicted_ttft: float | None, at_least: float) -> None:
+        """A request dropped from the queue, late: its TTFT would have been `at_least`."""
+        if predicted_ttft is not None:
+            self._errors.append(at_least - predicted_ttft)
+
     def finished(self, seconds: float) -> None:
         """A released request ended, `seconds` after its release."""
         self.duration_s = _ewma(self.duration_s, seconds, self.alpha)
@@ -82,14 +87,22 @@ class TTFTEstimator:
         service = self.service_s or 0.0
         if room_now and requests_ahead == 0:
             return service
-        rate = self.requests_per_s
+        rate, tokens_rate = self.requests_per_s, self.tokens_per_s
         if rate is None and self.duration_s and slots_in_use:
             rate = slots_in_use / self.duration_s
         if rate is None:
             return None
+        # A backlog that has drained slower than usual for a whole window (a stall) counts
+        # now, not when the window closes.
+        busy = self._window.busy_s + (self._clock() - self._busy_since
+                                      if self._busy_since is not None else 0.0)
+        if busy >= self.window_s:
+            rate = min(rate, max(self._window.requests, 0.5) / busy)
+            if tokens_rate:
+                tokens_rate = min(tokens_rate, max(self._window.tokens, 1) / busy)
         wait = (requests_ahead + 1) / rate
-        if self.tokens_per_s:
-            wait = max(wait, (tokens_ahead + prompt_tokens) / self.tokens_per_s)
+        if tokens_rate:
+            wait = max(wait, (tokens_ahead + prompt_tokens) / tokens_rate)
         return wait + service
 
     def margin(self, target_s: float) -> float:

@@ -144,6 +144,7 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
               f"b ttft p99 {p99_flood:.3f}s with the flood vs {p99_alone:.3f}s alone (p50 "
               f"{percentile(with_flood, 50):.3f}s vs {percentile(by_itself, 50):.3f}s, "
               f"{len(with_flood)} and {len(by_itself)} samples), {len(refused)} b refused")
+    print(report)  # shown with -s, and on failure
     assert share >= 0.40, report
     assert p99_flood <= 2 * p99_alone, report
     assert not refused, report
@@ -162,4 +163,5 @@ def test_weights_two_to_one_split_served_tokens_two_to_one(fair_gateway, small_m
 
     _, served = asyncio.run(scenario())
     ratio = served["heavy"] / served["light"]
+    print(f"served tokens {served}: heavy/light {ratio:.2f}")
     assert ratio == pytest.approx(2.0, rel=0.10), served
