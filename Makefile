@@ -28,7 +28,7 @@ export TORCHINDUCTOR_COMPILE_THREADS := 1
 export HF_HUB_OFFLINE := 1
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: help install protos model redis test run bench lint clean distclean
+.PHONY: help install protos model redis test run bench bench-engine lint clean distclean
 
 help: ## list these verbs (default)
 	@echo "usage: make VERB"
@@ -69,7 +69,10 @@ test: install model redis ## run the test suite (PYTEST_ARGS="-k x" to narrow it
 run: install model ## start gateway + prefill + decode locally with the default model
 	$(VENV)/bin/splitserve up
 
-bench: install model ## quick engine throughput benchmark
+bench: install model ## quick serving comparison vs transformers serve (tiny model, ~3 min)
+	$(PY) -m bench.compare --quick
+
+bench-engine: install model ## quick offline engine throughput vs transformers (SmolLM2)
 	$(PY) bench/engine_throughput.py --quick
 
 lint: install ## ruff check
