@@ -163,7 +163,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], names: list[str], max
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     tag = time.monotonic_ns()
     ids = {f"{tag}-{i}": name for i, name in enumerate(names)}
-    for rid, prompt in zip(ids, prompts):
+    for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     # Prefill (and first tokens) untimed: speculation only changes the decode phase.

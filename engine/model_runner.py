@@ -244,7 +244,8 @@ class ModelRunner:
             ))
         sampled: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[Logprobs]] = {}
-        for (rid, _, n), (tokens, lps) in zip(verify_rows, self.rejection_sampler(logits, items)):
+        verified = self.rejection_sampler(logits, items)
+        for (rid, _, n), (tokens, lps) in zip(verify_rows, verified, strict=True):
             state = self.requests[rid]
             state.num_computed_tokens -= n - len(tokens)
             del state.block_ids[-(-state.num_computed_tokens // self.block_size) :]

@@ -69,31 +69,44 @@ class AdaptiveK:
 
 @dataclass
 class _Range:
-    """What one batch-size range has measured: the gain of speculating, as an average of
-    log(tokens/s with) - log(tokens/s without) over paired samples."""
+    """What one batch-size range has measured. The gain of speculating is kept as an average
+    of log(tokens/s with) - log(tokens/s without) over paired samples."""
 
     speculate: bool = True  # the current choice
-    recent_rate: float | None = None  # tokens/s of the latest steps made with the choice
+    # Decayed sums over the latest steps made with the current choice (the pair's baseline).
+    tokens: float = 0.0
+    seconds: float = 0.0
+    # The exploration burst under way: steps still to take, and what the taken ones made.
+    burst_left: int = 0
+    burst_tokens: float = 0.0
+    burst_seconds: float = 0.0
+    since_burst: int = 0
     log_gain: float = 0.0
     samples: int = 0
-    ticks: int = 0
 
 
 class BatchGate:
     """Whether a step with `n` decoding requests speculates. Off above `max_batch_size`
     (0: no fixed limit). With `adaptive`, each batch-size range (1, 2-3, 4-7, 8-15, ...)
-    measures whether speculation pays: every `explore_every` steps one step goes the other
-    way, and its output tokens per second, against the steps just before it, is a paired
-    sample of the gain. Pairing steps that are close in time keeps the comparison fair when
-    the machine's speed drifts (other load, longer contexts); `margin` keeps the choice
-    from flapping on noise."""
+    measures whether speculation pays: now and then a short burst of steps goes the other
+    way, and its output tokens per second against the steps just before it is one paired
+    sample of the gain. Pairing steps close in time keeps the comparison fair while the
+    machine's speed drifts (other load, growing contexts); bursts of several steps and sums
+    rather than per-step rates keep a verification's all-or-nothing acceptance from biasing
+    it. Bursts are frequent while the gain is unknown or small, rare once it is clear, and
+    `margin` keeps the choice from flapping on noise."""
 
-    def __init__(self, max_batch_size: int = 0, adaptive: bool = True, min_samples: int = 4,
-                 explore_every: int = 16, margin: float = 0.05, decay: float = 0.8) -> None:
+    def __init__(self, max_batch_size: int = 0, adaptive: bool = True, min_samples: int = 3,
+                 burst: int = 2, explore_every: int = 16, confident_every: int = 64,
+                 confident_log_gain: float = 0.3, margin: float = 0.05,
+                 decay: float = 0.7) -> None:
         self.max_batch_size = max_batch_size
         self.adaptive = adaptive
         self.min_samples = min_samples
+        self.burst = burst
         self.explore_every = explore_every
+        self.confident_every = confident_every
+        self.confident_log_gain = confident_log_gain
         self.margin = margin
         self.decay = decay
         self._ranges: dict[int, _Range] = {}
@@ -102,38 +115,54 @@ class BatchGate:
     def bucket(n: int) -> int:
         return n.bit_length()
 
+    def _interval(self, r: _Range) -> int:
+        if r.samples < self.min_samples:
+            return 2 * self.burst
+        if abs(r.log_gain) >= self.confident_log_gain:
+            return self.confident_every
+        return self.explore_every
+
     def allow(self, n: int) -> bool:
         if n <= 0 or (self.max_batch_size and n > self.max_batch_size):
             return False
         if not self.adaptive:
             return True
         r = self._ranges.setdefault(self.bucket(n), _Range())
-        r.ticks += 1
-        # Sample quickly at first (every other step), then every explore_every steps.
-        every = 2 if r.samples < self.min_samples else self.explore_every
-        explore = r.recent_rate is not None and r.ticks % every == 0
-        return r.speculate != explore
+        if r.burst_left > 0:
+            r.burst_left -= 1
+            return not r.speculate
+        r.since_burst += 1
+        if r.seconds > 0 and r.since_burst > self._interval(r):
+            r.since_burst = 0
+            r.burst_left = self.burst - 1
+            r.burst_tokens = r.burst_seconds = 0.0
+            return not r.speculate
+        return r.speculate
 
     def observe(self, n: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A pure decode step of `n` requests produced `num_tokens` in `seconds`."""
-        if not self.adaptive or n <= 0 or seconds <= 0 or num_tokens <= 0:
+        if not self.adaptive or n <= 0 or seconds <= 0:
             return
         r = self._ranges.get(self.bucket(n))
         if r is None:
             return
-        rate = num_tokens / seconds
         if speculated == r.speculate:
-            r.recent_rate = rate if r.recent_rate is None else 0.5 * r.recent_rate + 0.5 * rate
+            r.tokens = self.decay * r.tokens + num_tokens
+            r.seconds = self.decay * r.seconds + seconds
             return
-        if r.recent_rate is None:
+        r.burst_tokens += num_tokens
+        r.burst_seconds += seconds
+        if r.burst_left > 0 or r.seconds <= 0 or r.burst_tokens <= 0 or r.tokens <= 0:
             return
-        gain = math.log(rate / r.recent_rate) * (1 if speculated else -1)
-        r.log_gain = gain if r.samples == 0 else self.decay * r.log_gain + (1 - self.decay) * gain
+        ratio = (r.burst_tokens / r.burst_seconds) / (r.tokens / r.seconds)
+        gain = math.log(ratio) * (1 if speculated else -1)
+        r.log_gain = gain if r.samples == 0 else 0.75 * r.log_gain + 0.25 * gain
         r.samples += 1
         flip = r.log_gain < -self.margin if r.speculate else r.log_gain > self.margin
         if flip and r.samples >= self.min_samples:
             r.speculate = not r.speculate
-            r.recent_rate = rate  # the step just measured was made with the new choice
+            # The burst just measured was made with the new choice: it is the new baseline.
+            r.tokens, r.seconds = r.burst_tokens, r.burst_seconds
 
     def snapshot(self) -> dict[str, float]:
         """Measured speedup of speculating per batch range (exp of the mean log gain)."""

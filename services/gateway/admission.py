@@ -183,7 +183,7 @@ class Admission:
     def _check_on_time(self, ticket: Ticket) -> None:
         if not self.ttft_target_s:
             return
-        requests, tokens = self.queue.ahead(ticket.tenant, ticket.prompt_tokens)
+        requests, tokens = self.queue.ahead(ticket.tenant)
         room = requests == 0 and (
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))

@@ -18,6 +18,7 @@ Owned by the gateway's event loop.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +41,7 @@ class _TenantQueue:
     tenant: Tenant
     entries: deque = field(default_factory=deque)
     tokens: int = 0  # prompt tokens queued
+    cost: float = 0.0  # what its queued requests will add to its counter, weight aside
 
 
 class FairQueue:
@@ -74,6 +76,7 @@ class FairQueue:
             self._turn.append(tenant.name)
         queue.entries.append(entry)
         queue.tokens += entry.prompt_tokens
+        queue.cost += self._cost(entry)
         self._len += 1
         self.tokens += entry.prompt_tokens
 
@@ -114,6 +117,7 @@ class FairQueue:
         except ValueError:
             return False
         queue.tokens -= entry.prompt_tokens
+        queue.cost -= self._cost(entry)
         self._len -= 1
         self.tokens -= entry.prompt_tokens
         if not queue.entries:
@@ -130,23 +134,25 @@ class FairQueue:
             self.running.pop(entry.tenant.name, None)
 
     def within_share(self, entry: Queued, limit: int) -> bool:
-        """Whether `entry` keeps its tenant within its weighted share of `limit` in-flight
-        slots, shared with the tenants of its priority class that are waiting or running, and
-        (vtc) the tenant's counter is within one such request of the least counter waiting in
-        its class: the policy would serve it about now anyway, so it need not wait for the
-        limit, and the counters' spread stays bounded by a request. Never with fcfs, nor while
-        a higher class waits; round robin weighs tenants alike."""
+        """Whether `entry`, the one request its tenant has waiting, keeps the tenant within
+        its weighted share of `limit` in-flight slots (shared with the tenants of its priority
+        class that are waiting or running) and (vtc) the tenant's counter is within one such
+        request of the least counter waiting in its class: the policy would serve it about now
+        anyway, so it need not wait for the limit, and the counters' spread stays bounded by a
+        request. A tenant with more waiting is backlogged: the policy's order alone decides.
+        Never with fcfs, nor while a higher class waits; round robin weighs tenants alike."""
         tenant, slots = entry.tenant, entry.slots
         if self.policy == "fcfs" or not limit:
+            return False
+        if self.queued(tenant.name) > 1:  # backlogged: the policy's order alone decides
             return False
         if any(q.tenant.priority > tenant.priority for q in self._queues.values()):
             return False
         if self.policy == "vtc":
             others = [self.counters.get(q.tenant.name, 0.0) for q in self._queues.values()
                       if q.tenant.priority == tenant.priority and q.tenant.name != tenant.name]
-            cost = (entry.prompt_tokens
-                    + self.output_weight * entry.max_output_tokens) / tenant.weight
-            if others and self.counters.get(tenant.name, 0.0) > min(others) + cost:
+            if others and (self.counters.get(tenant.name, 0.0)
+                           > min(others) + self._cost(entry) / tenant.weight):
                 return False
         active = {name: t for name, (t, _) in self.running.items()}
         active.update((q.tenant.name, q.tenant) for q in self._queues.values())
@@ -163,32 +169,35 @@ class FairQueue:
         """The oldest request of each tenant (per tenant, also the first to expire)."""
         return [q.entries[0] for q in self._queues.values()]
 
-    def ahead(self, tenant: Tenant, prompt_tokens: int) -> tuple[int, int]:
-        """(requests, prompt tokens) the policy would release before a new request of `tenant`
-        with `prompt_tokens` joined now: the backlog it would wait behind."""
+    def ahead(self, tenant: Tenant) -> tuple[int, int]:
+        """(requests, prompt tokens) the policy would release before a request of `tenant`
+        that joined now: the backlog it would wait behind. For vtc, another tenant is served
+        until its counter passes where ours will stand, each of its requests counted at its
+        full eventual charge (prompt plus weighted max_tokens)."""
         if self.policy == "fcfs":
             return self._len, self.tokens
         requests = tokens = 0
         own = self._queues.get(tenant.name)
         own_count = len(own.entries) if own else 0
-        own_tokens = own.tokens if own else 0
         start = self.counters.get(tenant.name, 0.0) if own else self._lifted(tenant)
-        finish = start + (own_tokens + prompt_tokens) / tenant.weight
+        target = start + (own.cost if own else 0.0) / tenant.weight
         for queue in self._queues.values():
-            if queue.tenant.priority > tenant.priority:
-                requests, tokens = requests + len(queue.entries), tokens + queue.tokens
-            elif queue is own:
-                requests, tokens = requests + own_count, tokens + own_tokens
-            elif queue.tenant.priority == tenant.priority:
-                count = len(queue.entries)
-                if self.policy == "round_robin":
-                    served = min(count, own_count + 1)
-                else:  # served until its counter passes ours
-                    room = (finish - self.counters.get(queue.tenant.name, 0.0)) * queue.tenant.weight
-                    served = min(count, max(0, round(room * count / max(1, queue.tokens))))
-                requests += served
-                tokens += queue.tokens * served // max(1, count)
+            count = len(queue.entries)
+            if queue.tenant.priority > tenant.priority or queue is own:
+                served = count
+            elif queue.tenant.priority < tenant.priority:
+                continue
+            elif self.policy == "round_robin":
+                served = min(count, own_count + 1)
+            else:
+                gap = (target - self.counters.get(queue.tenant.name, 0.0)) * queue.tenant.weight
+                served = min(count, max(0, math.ceil(gap * count / max(1.0, queue.cost))))
+            requests += served
+            tokens += queue.tokens * served // max(1, count)
         return requests, tokens
+
+    def _cost(self, entry: Queued) -> float:
+        return entry.prompt_tokens + self.output_weight * entry.max_output_tokens
 
     def _running(self, name: str) -> int:
         return self.running.get(name, (None, 0))[1]

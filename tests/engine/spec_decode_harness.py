@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 from engine_harness import Collected, absorb, make_engine
 
@@ -17,24 +16,6 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Proposals, Proposer
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """These tests run thousands of tiny tensor ops; on a loaded two-core machine a second
-    intra-op thread makes each of them tens of times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft for tiny_llama_dir: same tokenizer, other random weights (seed 1)."""
-    from splitserve_cli.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), arch="llama", seed=1)
 
 
 def spec_engine(model_dir: Path, method: str = "ngram", k: int = 4, draft: Path | None = None,

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import pytest
 from engine_harness import add_all, assert_no_leak, drive, make_engine, random_prompts
-from spec_decode_harness import (  # noqa: F401 - fixtures: one_torch_thread, tiny_draft_dir
+from spec_decode_harness import (
     draft_pool_is_free,
     drive_checked,
-    one_torch_thread,
     spec_engine,
-    tiny_draft_dir,
 )
 
 from engine.kv_cache_manager import KVCacheManager

@@ -5,6 +5,8 @@ one unrelated to it (almost nothing accepted), and SmolLM2 copying a text."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_harness import (
     Collected,
@@ -15,13 +17,11 @@ from engine_harness import (
     make_engine,
     random_prompts,
 )
-from spec_decode_harness import (  # noqa: F401 - fixtures: one_torch_thread, tiny_draft_dir
+from spec_decode_harness import (
     ScriptedProposer,
     draft_pool_is_free,
     drive_checked,
-    one_torch_thread,
     spec_engine,
-    tiny_draft_dir,
 )
 
 from engine.sampling_params import SamplingParams
@@ -238,7 +238,30 @@ def test_smollm2_copying_a_text_gives_the_same_greedy_output_with_ngram(smollm2_
     stats = engine.stats()
     # Copying is what n-gram speculation is for: most proposals are kept.
     assert stats["spec_accepted_tokens"] > 0.5 * stats["spec_proposed_tokens"] > 10
+    # Again with a stop token that came in the middle of a verified run: the request ends
+    # on it, and the accepted tokens after it never reach the caller.
+    copy = results["copy"]
+    index = _inside_a_run(copy)
+    stop = copy.token_ids[index]
+    engine.add_request("copy-stop", prompts["copy"], dataclasses.replace(
+        params, stop_token_ids=(stop,)))
+    stopped = drive_checked(engine)["copy-stop"]
+    assert stopped.token_ids == copy.token_ids[: index + 1]
+    assert stopped.finish_reason == "stop"
     assert_no_leak(engine)
+
+
+def _inside_a_run(result: Collected) -> int:
+    """Output index of a token that first appears inside (not at the end of) a step's delta
+    of three or more tokens."""
+    start = 0
+    for out in result.outputs:
+        n = len(out.new_token_ids)
+        for i in range(start + 1, start + n - 1):
+            if n >= 3 and result.token_ids[i] not in result.token_ids[:i]:
+                return i
+        start += n
+    raise AssertionError("no verified run of three tokens with a new token inside it")
 
 
 def _assert_same_or_near_tie(ref: Collected, ours: Collected) -> None:

@@ -151,7 +151,7 @@ def test_gate_steps_down_in_the_batch_range_where_speculation_is_slower():
     large = _run_gate(gate, 32, rate_on=300.0, rate_off=400.0, steps=100)
     assert sum(small[20:]) / 80 > 0.9
     # Off in the large range, but still trying speculation now and then.
-    assert 0 < sum(large[20:]) / 80 < 0.1
+    assert 0 < sum(large[20:]) / 80 < 0.15
     # 3 decoding requests share 2's range (2-3), where speculation pays.
     assert gate.allow(3)
 
@@ -174,6 +174,54 @@ def test_gate_is_not_fooled_by_the_machine_slowing_down_or_by_noise():
     choices = _run_gate(gate, 1, rate_on=30.0, rate_off=39.0, steps=600,
                         load=lambda step: 0.25 + 0.75 * step / 600, noise=0.4, seed=4)
     assert sum(choices[50:]) / 550 < 0.15
+
+
+def _simulate(gate: BatchGate | None, always: bool, n: int, on_step, off_step, steps: int,
+              seed: int) -> float:
+    """Tokens per second over `steps` decode steps whose (tokens, seconds) come from
+    on_step/off_step(rng), with +-30% noise per step and the machine slowing 2x over the run;
+    `gate` None means always `always`."""
+    import random
+
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for step in range(steps):
+        on = gate.allow(n) if gate is not None else always
+        made, took = on_step(rng) if on else off_step(rng)
+        took *= (1 + step / steps) * rng.uniform(0.7, 1.3)
+        if gate is not None:
+            gate.observe(n, on, made, took)
+        tokens += made
+        seconds += took
+    return tokens / seconds
+
+
+def _verify_step(accept_all: float, k: int, cost: float, batch: int = 1):
+    """A verification's (tokens, seconds) per request: all k proposals kept with probability
+    accept_all, else none; `cost` is its time relative to a plain 0.09 s step."""
+    def step(rng):
+        per = [(k + 1) if rng.random() < accept_all else 1 for _ in range(batch)]
+        return sum(per), 0.09 * cost
+    return step
+
+
+def test_gate_keeps_most_of_speculations_gain_on_realistic_steps():
+    # Batch 1 copying: 60% of verifications keep all 4 proposals, a verification costs 1.7x.
+    on, off = _verify_step(0.6, 4, 1.7), (lambda rng: (1, 0.09))
+    for seed in range(3):
+        best = _simulate(None, True, 1, on, off, 800, seed)
+        got = _simulate(BatchGate(), True, 1, on, off, 800, seed)
+        assert got > 0.9 * best, (seed, got, best)
+
+
+def test_gate_keeps_most_of_plain_decodings_speed_where_speculation_loses():
+    # Batch 16 chat: 25% of verifications keep their one proposal, a verification costs 2x.
+    on = _verify_step(0.25, 1, 2.0, batch=16)
+    off = lambda rng: (16, 0.09)  # noqa: E731
+    for seed in range(3):
+        best = _simulate(None, False, 16, on, off, 800, seed)
+        got = _simulate(BatchGate(), True, 16, on, off, 800, seed)
+        assert got > 0.9 * best, (seed, got, best)
 
 
 # -- configuration ----------------------------------------------------------------------------

@@ -8,20 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import add_all, assert_no_leak, drive, make_engine, random_prompts
-from spec_decode_harness import (  # noqa: F401 - fixtures: one_torch_thread, tiny_draft_dir
+from spec_decode_harness import (
     ScriptedProposer,
     chi_square_pvalue,
     draft_pool_is_free,
     drive_checked,
-    one_torch_thread,
     spec_engine,
-    tiny_draft_dir,
 )
 
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem, draft_noise_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem, draft_noise_for
 
 # Each test draws from fixed seeds, so it passes or fails the same way every run; at this
 # level a correct sampler fails one chi-square in a thousand seed sets.
@@ -76,6 +74,7 @@ def small_vocab_models(tmp_path_factory):
     import shutil
 
     from safetensors.torch import load_file, save_file
+
     from splitserve_cli.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("vocab32")

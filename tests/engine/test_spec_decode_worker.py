@@ -91,8 +91,9 @@ def test_speculating_decode_worker_streams_the_plain_engines_tokens(tiny_llama_d
         metrics = _scrape(decode)
         proposed = metrics['splitserve_spec_proposed_tokens_total{role="decode"}']
         accepted = metrics['splitserve_spec_accepted_tokens_total{role="decode"}']
-        # Two speculating requests: 19 decoded tokens each, in steps of up to 1 + 3.
-        assert accepted == proposed and proposed >= 2 * 12
+        # The worker's gate measures whether speculation pays (some steps go without), but
+        # every proposal it made was accepted.
+        assert accepted == proposed > 0
         assert metrics['splitserve_kv_blocks_used{role="decode"}'] == 0
     finally:
         decode.kill()

@@ -144,12 +144,12 @@ def test_ahead_counts_only_what_the_policy_serves_first(policy):
     queue = FairQueue(policy)
     for _ in range(10):
         queue.push(Req(A, prompt_tokens=100))
-    requests, tokens = queue.ahead(B, 10)
+    requests, tokens = queue.ahead(B)
     if policy == "fcfs":
         assert (requests, tokens) == (10, 1000)
     else:  # a newcomer waits behind at most one of A's requests, not A's whole backlog
         assert requests <= 1 and tokens <= 100
-    assert queue.ahead(A, 100) == (10, 1000)  # A waits behind its own backlog
+    assert queue.ahead(A) == (10, 1000)  # A waits behind its own backlog
 
 
 def test_weighted_shares_hold_under_continuous_backlog():

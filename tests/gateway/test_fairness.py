@@ -28,6 +28,10 @@ SMALL_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 
                "head_dim": 32}
 INFLIGHT = 8
 PROMPT, OUTPUT = 32, 128
+# B: a steady load of long-prompt, short-answer requests (its TTFT is its own prefill, as for
+# real prompts; on a small shared CPU the TTFT of tiny prompts is scheduling noise), fewer in
+# flight than its share of the slots: a modest load that fairness must leave alone.
+STEADY_PROMPT, STEADY_OUTPUT, STEADY_CLIENTS = 384, 16, INFLIGHT // 2 - 1
 ON_S, OFF_S, PERIODS = 10.0, 6.0, 3
 SETTLE_S = 2.0  # after each switch, before samples count
 
@@ -102,9 +106,9 @@ def _capacity(url: str, model: str) -> float:
 
 def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_gateway,
                                                                         small_model):
-    """B keeps INFLIGHT / 2 requests going (its share of the slots at equal weights); A floods
-    at ten times its share, on and off in turns. B's samples with and without the flood come
-    from the same stretch of time, so machine noise hits both alike."""
+    """B keeps a few short requests going, fewer than its share of the slots; A floods at ten
+    times its share, on and off in turns. B's samples with and without the flood come from the
+    same stretch of time, so machine noise hits both alike."""
     url = fair_gateway({"a": {"weight": 1}, "b": {"weight": 1}})
     flood_rate = 10 * 0.5 * _capacity(url, small_model.name)  # ten times A's share
     period = ON_S + OFF_S
@@ -114,13 +118,13 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
         [sys.executable, "-m", "bench.fairness", "offer", url, small_model.name, "a",
          str(flood_rate), str(PROMPT), str(OUTPUT), str(duration), str(ON_S), str(OFF_S),
          str(start_at)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-    steady = TenantLoad("b", 1, PROMPT, OUTPUT)
+    steady = TenantLoad("b", 1, STEADY_PROMPT, STEADY_OUTPUT)
     on_windows = [(p * period + SETTLE_S, p * period + ON_S) for p in range(PERIODS)]
 
     async def scenario():
         await asyncio.sleep(max(0.0, start_at - time.time()))
         return await asyncio.gather(
-            run_closed(url, small_model.name, [steady], INFLIGHT // 2, duration),
+            run_closed(url, small_model.name, [steady], STEADY_CLIENTS, duration),
             _served_in_windows(url, start_at, on_windows, ("a", "b")))
 
     try:
@@ -148,6 +152,13 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
     assert share >= 0.40, report
     assert p99_flood <= 2 * p99_alone, report
     assert not refused, report
+    # The admission-level reason: B never waited behind A's flood in the fair queue.
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    waited = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("splitserve_gateway_queue_wait_seconds_")
+              and 'tenant="b"' in line and "_bucket" not in line}
+    assert waited["splitserve_gateway_queue_wait_seconds_sum"] <= (
+        0.005 * waited["splitserve_gateway_queue_wait_seconds_count"]), waited
 
 
 def test_weights_two_to_one_split_served_tokens_two_to_one(fair_gateway, small_model):
