@@ -4,8 +4,8 @@ text, edit given code) and on open chat.
 
 Run from the repo root:  .venv/bin/python bench/specdec.py [--quick] [--draft-model DIR]
 Greedy decoding, EOS honoured (each request stops where the model does, the same with and
-without speculation). Modes run interleaved, prompt by prompt, so drift in the machine's load
-hits them alike. Results go to stdout and bench/results/specdec.json.
+without speculation). The modes' engines run the same requests in lockstep, one step each in
+turn, so drift in the machine's load hits them alike; only decode steps are timed. Results go to stdout and bench/results/specdec.json.
 """
 
 from __future__ import annotations
@@ -157,44 +157,72 @@ def build_engine(args, spec: SpeculativeConfig | None) -> LLMEngine:
     return LLMEngine(config)
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], names: list[str], max_tokens: int,
-              measure: Measure) -> None:
-    """Run prompts together; time from the step after all first tokens to the end."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    tag = time.monotonic_ns()
-    ids = {f"{tag}-{i}": name for i, name in enumerate(names)}
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    # Prefill (and first tokens) untimed: speculation only changes the decode phase.
-    while any(not t for t in tokens.values()):
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    before = engine.stats()
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    measure.seconds += time.perf_counter() - start
-    after = engine.stats()
-    measure.tokens += sum(len(t) - 1 for t in tokens.values())
-    for key, attr in (("spec_proposed_tokens", "proposed"), ("spec_accepted_tokens", "accepted"),
-                      ("spec_verifications", "verifications")):
-        if key in after:
-            setattr(measure, attr, getattr(measure, attr) + after[key] - before[key])
-    for rid, name in ids.items():
-        measure.outputs[name] = tokens[rid]
+class Run:
+    """One mode's batch of requests on its engine, stepped one step at a time."""
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]], names: list[str],
+                 max_tokens: int) -> None:
+        self.engine = engine
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        tag = time.monotonic_ns()
+        self.names = {f"{tag}-{i}": name for i, name in enumerate(names)}
+        for rid, prompt in zip(self.names, prompts, strict=True):
+            engine.add_request(rid, prompt, params)
+        self.tokens: dict[str, list[int]] = {rid: [] for rid in self.names}
+        self.seconds = 0.0
+        self.before: dict[str, float] = {}
+
+    def prefill(self) -> None:
+        """Untimed: speculation only changes the decode phase."""
+        while any(not t for t in self.tokens.values()):
+            self._absorb(self.engine.step())
+        self.before = self.engine.stats()
+
+    def step(self) -> bool:
+        """One timed step; False once every request has finished."""
+        if not self.engine.has_unfinished():
+            return False
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.seconds += time.perf_counter() - start
+        self._absorb(outputs)
+        return True
+
+    def _absorb(self, outputs) -> None:
+        for out in outputs:
+            self.tokens[out.request_id].extend(out.new_token_ids)
+
+    def add_to(self, measure: Measure) -> None:
+        after = self.engine.stats()
+        measure.seconds += self.seconds
+        measure.tokens += sum(len(t) - 1 for t in self.tokens.values())
+        for key, attr in (("spec_proposed_tokens", "proposed"),
+                          ("spec_accepted_tokens", "accepted"),
+                          ("spec_verifications", "verifications")):
+            if key in after:
+                setattr(measure, attr, getattr(measure, attr) + after[key] - self.before[key])
+        for rid, name in self.names.items():
+            measure.outputs[name] = self.tokens[rid]
 
 
 def run_cell(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int,
              max_tokens: int) -> dict[str, Measure]:
+    """Every mode runs the same groups of `batch` prompts in lockstep, one step of each in
+    turn, so changes in the machine's load hit every mode alike."""
     measures = {mode: Measure() for mode in engines}
     names = [f"q{i}" for i in range(len(prompts))]
     for first in range(0, len(prompts), batch):
         group = slice(first, first + batch)
-        for mode, engine in engines.items():  # interleaved: the same load for every mode
-            run_batch(engine, prompts[group], names[group], max_tokens, measures[mode])
-        print(f"    {first + batch}/{len(prompts)} prompts: " + ", ".join(
+        runs = {mode: Run(engine, prompts[group], names[group], max_tokens)
+                for mode, engine in engines.items()}
+        for run in runs.values():
+            run.prefill()
+        active = list(runs.values())
+        while active:
+            active = [run for run in active if run.step()]
+        for mode, run in runs.items():
+            run.add_to(measures[mode])
+        print(f"    {min(first + batch, len(prompts))}/{len(prompts)} prompts: " + ", ".join(
             f"{m} {x.tokens_per_s:.1f} tok/s" for m, x in measures.items()), flush=True)
     return measures
 

@@ -22,7 +22,7 @@ def build_proposer(config: SpeculativeConfig, engine: EngineConfig, target: Mode
                    runner, num_blocks: int) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
-    if getattr(engine, "tensor_parallel_size", 1) > 1:
+    if engine.tensor_parallel_size > 1:  # ranks 1..N-1 would need the draft's distributions
         raise ValueError("a draft model is not supported with tensor parallelism yet; "
                          "use --speculative-method ngram")
     from engine.spec_decode.draft import DraftModelProposer
@@ -32,6 +32,9 @@ def build_proposer(config: SpeculativeConfig, engine: EngineConfig, target: Mode
 
 
 class Speculator:
+    """The proposer, the policy (k per request, the batch gate) and the counters that
+    engine.stats() exports as spec_*; LLMEngine.step calls propose, then observe."""
+
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer

@@ -28,7 +28,7 @@ def _decode_batch(seq_lens: list[int], seed: int = 0):
     query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=generator)
     key = torch.randn(len(seq_lens), KV_HEADS, HEAD_DIM, generator=generator)
     value = torch.randn(len(seq_lens), KV_HEADS, HEAD_DIM, generator=generator)
-    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, seq_lens)]
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, seq_lens, strict=True)]
     width = max(widths)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
