@@ -1,15 +1,16 @@
 """Fairness between tenants of one gateway: served-token shares, TTFT p50/p99 per tenant, reject
 rates and goodput under three queueing policies (FCFS, per-tenant round robin by request count,
 the virtual token counter) on the same mixed workload: tenant `long` sends long prompts,
-tenant `short` short ones, both more than their share, with equal weights.
+tenant `short` short ones, together more than the cluster serves, with equal weights.
 
     python -m bench.fairness                      # small random model, about 2 minutes
-    python -m bench.fairness --duration 30 --json bench/results/fairness.json
+    python -m bench.fairness --duration 20 --json bench/results/fairness.json
 
 Real processes: one prefill and one decode worker, and a gateway per policy in front of them
 with a small in-flight limit, so that requests queue and the policy decides the order. The
 load is open-loop (Poisson arrivals per tenant); the same seed gives the same arrivals.
-The pieces (`TenantLoad`, `run_loads`, `summarize`, `Cluster`) serve the fairness tests too.
+The pieces (`TenantLoad`, `run_loads`, `run_closed`, `summarize`) serve the fairness tests
+too, and `python -m bench.fairness offer ...` runs one tenant's load from its own process.
 """
 
 from __future__ import annotations
@@ -224,6 +225,12 @@ class Cluster:
         flags = ["--num-kv-blocks", "512"]
         self.workers = [start_worker("prefill", self.model, *flags),
                         start_worker("decode", self.model, *flags)]
+        # First requests set up the KV channel between the workers: not part of any policy.
+        warm = self.gateway()
+        asyncio.run(run_closed(warm.url, self.model.name,
+                               [TenantLoad("anonymous", 1, 64, 8)], 4, 3.0))
+        warm.stop()
+        self.gateways.remove(warm)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -306,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per policy")
     parser.add_argument("--inflight", type=int, default=4, help="--max-inflight-per-decode")
     parser.add_argument("--ttft-target-s", type=float, default=1.0)
-    parser.add_argument("--long", default="8:384:32",
+    parser.add_argument("--long", default="6:384:32",
                         help="tenant `long`: rate:prompt_len:output_len (req/s, tokens)")
-    parser.add_argument("--short", default="16:32:32", help="tenant `short`: the same")
+    parser.add_argument("--short", default="12:32:32", help="tenant `short`: the same")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")

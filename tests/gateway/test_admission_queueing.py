@@ -208,3 +208,56 @@ def test_a_request_larger_than_the_rule_still_runs_alone():
         return True
 
     assert run(scenario)
+
+
+def test_a_tenant_back_from_idle_gets_its_share_of_slots_without_waiting():
+    async def scenario():
+        admission = make_admission(A, B, rule=CapacityRule(max_inflight=4))
+        running = [await admission.admit(A, [spec()], 10) for _ in range(4)]  # A holds them all
+        waiting = [asyncio.create_task(admission.admit(A, [spec()], 10)) for _ in range(3)]
+        await settle()
+        b1 = await asyncio.wait_for(admission.admit(B, [spec()], 10), 1)  # at once: owed
+        b2 = await asyncio.wait_for(admission.admit(B, [spec()], 10), 1)  # its share is 2
+        b3 = asyncio.create_task(admission.admit(B, [spec()], 10))
+        await settle()
+        over_limit = admission.inflight
+        b3_waits = not b3.done()
+        running[0].release()  # 5 in flight: still over the limit, nothing is released
+        await settle()
+        a_waits = all(not t.done() for t in waiting) and not b3.done()
+        for ticket in [*running, b1, b2]:
+            ticket.release()
+        for task in [*waiting, b3]:
+            task.cancel()
+        await asyncio.gather(*waiting, b3, return_exceptions=True)
+        return over_limit, b3_waits, a_waits
+
+    assert run(scenario) == (6, True, True)
+
+
+def test_owed_slots_stop_at_the_share_then_the_policy_decides():
+    async def scenario():
+        admission = make_admission(A, B, rule=CapacityRule(max_inflight=2))
+        running = [await admission.admit(A, [spec()], 10) for _ in range(2)]
+        a_waiting = [asyncio.create_task(admission.admit(A, [spec()], 10)) for _ in range(2)]
+        b_waiting = [asyncio.create_task(admission.admit(B, [spec()], 10)) for _ in range(3)]
+        await settle()
+        # B's first request was owed its one slot; its others wait like A's.
+        state = (admission.inflight, [t.done() for t in b_waiting])
+        running[0].release()  # back at the limit: nothing more is released
+        await settle()
+        still = [t.done() for t in [*a_waiting, *b_waiting]]
+        running[1].release()  # under it: the policy picks A (B was lifted to A's level, then served)
+        await settle()
+        picked = [t.done() for t in [*a_waiting, *b_waiting]]
+        for task in [*a_waiting, *b_waiting]:
+            if task.done():
+                task.result().release()
+            task.cancel()
+        await asyncio.gather(*a_waiting, *b_waiting, return_exceptions=True)
+        return state, still, picked
+
+    state, still, picked = run(scenario)
+    assert state == (3, [True, False, False])
+    assert still == [False, False, True, False, False]
+    assert picked == [True, False, True, False, False]

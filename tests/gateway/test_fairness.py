@@ -31,8 +31,8 @@ PROMPT, OUTPUT = 32, 128
 # B: a steady load of long-prompt, short-answer requests (its TTFT is its own prefill, as for
 # real prompts; on a small shared CPU the TTFT of tiny prompts is scheduling noise), fewer in
 # flight than its share of the slots: a modest load that fairness must leave alone.
-STEADY_PROMPT, STEADY_OUTPUT, STEADY_CLIENTS = 384, 16, INFLIGHT // 2 - 1
-ON_S, OFF_S, PERIODS = 10.0, 6.0, 3
+STEADY_PROMPT, STEADY_OUTPUT, STEADY_CLIENTS = 448, 16, INFLIGHT // 2 - 1
+ON_S, OFF_S, PERIODS = 10.0, 6.0, 4
 SETTLE_S = 2.0  # after each switch, before samples count
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from chart_render import RELEASE, SCENARIOS, render_scenario
 FULLNAME = f"{RELEASE}-splitserve"
 # Interfaces the chart is designed for but the process does not read yet (drop them when it does).
 PENDING = {
-    "gateway": {"SPLITSERVE_TENANTS_FILE", "REDIS_URL"},
+    "gateway": {"REDIS_URL"},
     "worker": set(),
 }
 
