@@ -82,7 +82,7 @@ async def run_phase(decode_addr, prefill_addr, args, injections: int, tag: str) 
         await asyncio.sleep(args.quiet_window_s)
     window_end = time.perf_counter()
     await asyncio.gather(*steady)
-    gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if window_start <= b <= window_end]
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if window_start <= b <= window_end]
     return {"itl_ms": gaps_summary(gaps), "inject_ttft_s": ttfts, "samples": len(gaps)}
 
 

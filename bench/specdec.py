@@ -138,6 +138,8 @@ class Measure:
     proposed: int = 0
     accepted: int = 0
     verifications: int = 0
+    steps: int = 0  # timed decode steps
+    gated: int = 0  # of which the batch gate kept plain
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -170,6 +172,7 @@ class Run:
             engine.add_request(rid, prompt, params)
         self.tokens: dict[str, list[int]] = {rid: [] for rid in self.names}
         self.seconds = 0.0
+        self.steps = 0
         self.before: dict[str, float] = {}
 
     def prefill(self) -> None:
@@ -185,6 +188,7 @@ class Run:
         start = time.perf_counter()
         outputs = self.engine.step()
         self.seconds += time.perf_counter() - start
+        self.steps += 1
         self._absorb(outputs)
         return True
 
@@ -195,10 +199,12 @@ class Run:
     def add_to(self, measure: Measure) -> None:
         after = self.engine.stats()
         measure.seconds += self.seconds
+        measure.steps += self.steps
         measure.tokens += sum(len(t) - 1 for t in self.tokens.values())
         for key, attr in (("spec_proposed_tokens", "proposed"),
                           ("spec_accepted_tokens", "accepted"),
-                          ("spec_verifications", "verifications")):
+                          ("spec_verifications", "verifications"),
+                          ("spec_gated_steps", "gated")):
             if key in after:
                 setattr(measure, attr, getattr(measure, attr) + after[key] - self.before[key])
         for rid, name in self.names.items():
@@ -291,17 +297,20 @@ def main() -> int:
                                                 if m.verifications else None),
                     "decode_tokens": m.tokens, "seconds": round(m.seconds, 2),
                     "outputs_identical": f"{same}/{len(base.outputs)}",
+                    "gated_steps": (round(m.gated / m.steps, 3)
+                                    if mode != "off" and m.steps else None),
                 })
     print()
     header = (f"{'workload':8} {'batch':>5} {'mode':13} {'tok/s':>8} {'speedup':>8} "
-              f"{'accept':>7} {'tok/verif':>9} {'same out':>9}")
+              f"{'accept':>7} {'tok/verif':>9} {'same out':>9} {'gated':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
         tpv = "-" if r["tokens_per_verification"] is None else f"{r['tokens_per_verification']:.2f}"
         print(f"{r['workload']:8} {r['batch']:>5} {r['mode']:13} {r['tokens_per_s']:>8.1f} "
-              f"{r['speedup']:>7.2f}x {acc:>7} {tpv:>9} {r['outputs_identical']:>9}")
+              f"{r['speedup']:>7.2f}x {acc:>7} {tpv:>9} {r['outputs_identical']:>9} "
+              f"{'-' if r['gated_steps'] is None else format(r['gated_steps'], '.0%'):>6}")
     gate = engines["ngram"].speculator.gate.snapshot()
     print(f"\nmeasured speedup of speculating, per batch range, as the adaptive ngram engine's "
           f"gate saw it: {gate}")

@@ -101,6 +101,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank)
+    # CPU decode attention: "cpp" reads K/V in place from the paged cache (kernels/cpu, built
+    # on first use), "torch" is the reference (gather, then SDPA); "auto": cpp if it builds.
+    cpu_attention: str = "auto"
     # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
     tensor_parallel_size: int = 1
 

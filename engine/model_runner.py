@@ -18,6 +18,7 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
+from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups
 
 
@@ -45,6 +46,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()
+        self.native_decode = self._use_native_decode()
         self.model = load_model(model_config, self.dtype, self.device)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
@@ -59,6 +61,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, CachedRequestState] = {}
+
+    def _use_native_decode(self) -> bool:
+        choice = self.config.cpu_attention
+        if choice not in ("auto", "torch", "cpp"):
+            raise ValueError(f"unknown cpu_attention {choice!r} (choose auto, torch or cpp)")
+        if self.device.type != "cpu" or choice == "torch":
+            return False
+        if cpu_kernels.load():
+            return True
+        if choice == "cpp":
+            raise ValueError("cpu_attention 'cpp' was asked for but the C++ kernels did not build")
+        return False
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -174,7 +188,9 @@ class ModelRunner:
         dev = self.device
         max_decode_len = max(decode_lens, default=0)
         decode_seq_lens = None
-        if decode_lens and min(decode_lens) < max_decode_len:  # else nothing to mask (batch 1)
+        # The reference needs no lengths when nothing is masked (batch 1); the C++ kernel
+        # always takes them, and reads each context at its own length: no groups needed.
+        if decode_lens and (self.native_decode or min(decode_lens) < max_decode_len):
             decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -185,7 +201,8 @@ class ModelRunner:
             prefill_seqs=prefill_seqs,
             prefill_block_tables=[t.to(dev) for t in prefill_tables],
             decode_groups=plan_decode_groups(decode_lens, decode_tables, bs, dev)
-            if decode_lens else None,
+            if decode_lens and not self.native_decode else None,
+            native_decode=self.native_decode,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -218,7 +235,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, rows)
         sampled: dict[str, list[int]] = verified[0]
         out_logprobs: dict[str, list[Logprobs]] = verified[1]
-        for (rid, _), token, lp in zip(sample_rows, tokens, logprobs):
+        for (rid, _), token, lp in zip(sample_rows, tokens, logprobs, strict=False):
             self.requests[rid].token_ids.append(token)
             sampled[rid] = [token]
             if lp is not None:

@@ -126,5 +126,5 @@ def top_logprobs(row_logprobs: torch.Tensor, token: int, n: int) -> Logprobs:
     top: dict[int, float] = {}
     if n:
         values, ids = row_logprobs.topk(n)
-        top = dict(zip(ids.tolist(), values.tolist()))
+        top = dict(zip(ids.tolist(), values.tolist(), strict=False))
     return Logprobs(logprob=float(chosen), rank=rank, top=top)

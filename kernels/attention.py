@@ -34,6 +34,9 @@ class AttentionMetadata:
     # attended on its own: then only a group's longest context sets its padding, not the
     # batch's. None: one group, described by the decode_* fields above.
     decode_groups: list[DecodeGroup] | None = None
+    # Decode rows through torch.ops.splitserve_cpu.paged_decode_attention (kernels/cpu), which
+    # reads the paged cache in place; needs decode_seq_lens.
+    native_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def paged_attention(
     for group in groups or ([meta] if num_decode else []):
         start, end = (group.start, group.end) if groups else (0, num_decode)
         out[start:end] = _attend_decode(query[start:end], k_cache, v_cache, group, scale)
-    for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables):
+    for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables, strict=True):
         end = start + q_len
         if ctx_len == q_len:
             k, v = key[start:end], value[start:end]
@@ -202,6 +205,10 @@ def paged_attention(
 
 def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetadata, scale):
     """paged_decode_attention over one decode group, or over all decode rows of `meta`."""
+    if isinstance(group, AttentionMetadata) and group.native_decode:
+        return torch.ops.splitserve_cpu.paged_decode_attention(
+            query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens, scale
+        )
     if isinstance(group, DecodeGroup):
         return paged_decode_attention(
             query, k_cache, v_cache, group.block_tables, group.seq_lens, group.max_seq_len,

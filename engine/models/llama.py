@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # once, not once per layer
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -12,9 +12,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.spec_decode.adaptive_k import AdaptiveK
+from engine.spec_decode.batch_gate import BatchGate
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.policy import AdaptiveK, BatchGate
 from engine.spec_decode.proposer import Proposals, Proposer
 
 
@@ -43,6 +44,7 @@ class Speculator:
         self.num_proposed_tokens = 0  # scheduled for verification
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # (request, step) pairs verified
+        self.num_gated_steps = 0  # steps with decoding requests the batch gate kept plain
         self._step_batch = 0  # decoding requests when this step's proposals were made
         self._step_speculated = False
 
@@ -55,6 +57,7 @@ class Speculator:
         self._step_batch = len(decoding)
         self._step_speculated = self.gate.allow(len(decoding))
         if not self._step_speculated:
+            self.num_gated_steps += bool(decoding)
             return None
         wanted = {}
         for request in decoding:
@@ -91,7 +94,8 @@ class Speculator:
         num_spec = sum(len(t) for t in sched.spec_token_ids.values())
         if num_requests and sched.total_num_scheduled_tokens == num_requests + num_spec:
             produced = sum(len(t) for t in result.sampled_token_ids.values())
-            self.gate.observe(self._step_batch, self._step_speculated, produced, seconds)
+            self.gate.observe(self._step_batch, self._step_speculated, produced, seconds,
+                              num_spec)
 
     def release(self, request_ids: Iterable[str]) -> None:
         self.proposer.release(list(request_ids))
@@ -101,4 +105,5 @@ class Speculator:
             "spec_proposed_tokens": self.num_proposed_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
             "spec_verifications": self.num_verifications,
+            "spec_gated_steps": self.num_gated_steps,
         }

@@ -140,11 +140,11 @@ def _delta(out: RequestOutput, prompt: list[int]) -> decode_pb2.TokenDelta:
     )
     if out.new_logprobs:
         delta.logprobs.extend(
-            convert.logprob_to_pb(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)
+            convert.logprob_to_pb(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)
         )
     if out.prompt_logprobs is not None:
         delta.prompt_logprobs.extend(
-            convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, out.prompt_logprobs)
+            convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, out.prompt_logprobs, strict=False)
         )
     if out.finished:
         delta.usage.CopyFrom(

@@ -103,7 +103,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if out.prompt_logprobs is not None:
             response.prompt_logprobs.extend(
-                convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, out.prompt_logprobs)
+                convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, out.prompt_logprobs, strict=False)
             )
         return response
 

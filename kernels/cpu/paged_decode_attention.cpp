@@ -1,0 +1,252 @@
+// Paged decode attention on CPU: one query token per sequence, K and V read once, in place,
+// from the paged cache (no gather into a padded copy), float32 accumulation.
+// Reference and oracle: kernels/attention.py paged_decode_attention.
+//
+// query [B, heads, D]; k_cache/v_cache [blocks, block_size, kv_heads, D] (contiguous);
+// block_tables [B, >= cdiv(len, block_size)] int64; seq_lens [B] int64 -> [B, heads, D].
+// Query head h reads KV head h / (heads / kv_heads), as transformers' repeat_kv does.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;  // partial sums per dot product: one AVX-512 register of floats
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &widened, sizeof(float));
+  }
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), written so the compiler
+// vectorizes it: 2^n * 2^f with n = round(x / ln 2), |f| <= 1/2, 2^f by its Taylor series to
+// degree 6 (relative error below 2e-7); underflows to 0 below -87.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = (y - n) * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof(float));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0.0f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+#ifdef __AVX512F__
+// 16 values widened to float: the hot loops below hold a 64-wide head in four registers.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The head_dim == 64 case (SmolLM2, Llama 3.2 1B uses 64 too): q, the accumulators and one
+// K/V row in registers, scores written once, K and V each read once.
+template <typename scalar_t, int kGroup>
+void decode_task_d64(const float* q /* [kGroup, 64], scaled */, const scalar_t* k_data,
+                     const scalar_t* v_data, const int64_t* table, int64_t len, int64_t block_size,
+                     int64_t block_stride, int64_t token_stride, int64_t head_offset, float* scores,
+                     float* out /* [kGroup, 64] */) {
+  __m512 qv[kGroup][4];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* k = k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+    __m512 kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = load16(k + c * 16);
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < 4; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) {
+    float* s = scores + g * len;
+    float max = s[0];
+    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
+    for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) sum += s[t];
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+  __m512 acc[kGroup][4];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* v = v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+    __m512 vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
+}
+#endif
+
+template <typename scalar_t>
+void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                   at::Tensor& out) {
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const scalar_t* q_data = query.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  const int64_t q_stride_b = query.stride(0), q_stride_h = query.stride(1);
+  const int64_t token_stride = kv_heads * dim;  // within a block
+  const int64_t block_stride = block_size * token_stride;
+
+  // One task per (sequence, KV head): its query heads share every K/V row read.
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), acc(group * dim), row(dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+      const int64_t len = lens[b];
+      scores.assign(group * len, 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        to_float(q_data + b * q_stride_b + (kvh * group + g) * q_stride_h, q.data() + g * dim, dim);
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<float>(scale);
+      }
+#ifdef __AVX512F__
+      if (dim == 64 && (group == 1 || group == 2 || group == 3 || group == 4)) {
+        const int64_t* table = tables + b * table_width;
+        const int64_t offset = kvh * dim;
+        switch (group) {
+          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
+          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
+          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
+          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          scalar_t* o = out_data + (b * heads + kvh * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[g * dim + d]);
+        }
+        continue;
+      }
+#endif
+      // Scores, token by token.
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[b * table_width + t / block_size];
+        to_float(k_data + block * block_stride + (t % block_size) * token_stride + kvh * dim, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q.data() + g * dim, row.data(), dim);
+      }
+      // Softmax per query head, in place.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        float max = s[0];
+        for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
+        for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; ++t) sum += s[t];
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      // Weighted sum of V rows.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[b * table_width + t / block_size];
+        to_float(v_data + block * block_stride + (t % block_size) * token_stride + kvh * dim, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* o = out_data + (b * heads + kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[g * dim + d]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "query [B, heads, D] and caches [blocks, block_size, kv_heads, D] expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "head_dim mismatch or query heads not a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(seq_lens.size(0) == query.size(0) && block_tables.size(0) == query.size(0),
+              "one block table and one length per query");
+  at::Tensor tables = block_tables.contiguous();
+  at::Tensor lens = seq_lens.contiguous();
+  TORCH_CHECK(lens.numel() == 0 || lens.min().item<int64_t>() >= 1, "every sequence needs a token");
+  TORCH_CHECK(lens.numel() == 0 ||
+                  lens.max().item<int64_t>() <= tables.size(1) * k_cache.size(1),
+              "a sequence is longer than its block table");
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      decode_kernel<scalar_t>(query, k_cache, v_cache, tables, lens, scale, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
