@@ -202,6 +202,19 @@ def copy_bandwidth_gbs(nbytes: int = 512 << 20, reps: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def read_bandwidth_gbs(nbytes: int = 512 << 20, reps: int = 7) -> float:
+    """GB/s of only reading a large tensor (a float32 sum), median: a copy also writes as many
+    bytes as it reads, so this is the stricter floor for a step that only reads weights."""
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters a decode step reads; tied embeddings count once."""
     seen: dict[int, int] = {}
@@ -318,17 +331,25 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = engine.runner.dtype
     print(f"splitserve engine ready in {time.perf_counter() - start:.1f}s, {engine.kv.num_blocks} KV blocks",
           flush=True)
-    bandwidth = copy_bandwidth_gbs()
     wbytes = weight_bytes(engine.runner.model)
-    floor_ms = wbytes / (bandwidth * 1e9) * 1e3
-    print(f"copy bandwidth {bandwidth:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms/token",
-          flush=True)
-    results: dict = {"dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_gbs": bandwidth,
-                     "weight_bytes": wbytes, "decode_floor_ms": floor_ms}
-
     print("splitserve: batch-1 decode", flush=True)
     splitserve_decode_ms(engine, decode_prompt, 8)  # warm-up
-    b1 = [splitserve_decode_ms(engine, decode_prompt, cfg.decode_tokens) for _ in range(cfg.decode_repeats)]
+    # The bandwidth is sampled between the decode runs, so that both see the same machine
+    # (on a shared host either drifts by tens of percent over a minute).
+    copies, b1 = [copy_bandwidth_gbs()], []
+    for _ in range(cfg.decode_repeats):
+        b1.append(splitserve_decode_ms(engine, decode_prompt, cfg.decode_tokens))
+        copies.append(copy_bandwidth_gbs())
+    bandwidth = statistics.median(copies)
+    reads = read_bandwidth_gbs()
+    floor_ms = wbytes / (bandwidth * 1e9) * 1e3
+    print(f"copy bandwidth {bandwidth:.1f} GB/s (samples {', '.join(f'{c:.1f}' for c in copies)}); "
+          f"weights {wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms/token; read bandwidth {reads:.1f} GB/s",
+          flush=True)
+    results: dict = {"dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_gbs": bandwidth,
+                     "copy_bandwidth_samples_gbs": copies, "read_bandwidth_gbs": reads,
+                     "weight_bytes": wbytes, "decode_floor_ms": floor_ms,
+                     "decode_read_floor_ms": wbytes / (reads * 1e9) * 1e3}
     results["splitserve_decode_ms"] = statistics.median(b1)
     results["splitserve_decode_ms_runs"] = b1
     print("splitserve: offline throughput", flush=True)
@@ -396,6 +417,9 @@ def print_table(report: dict) -> None:
     print("batch-1 decode (prompt 128), ms/token")
     print(f"  copy-bandwidth floor:  {r['decode_floor_ms']:.1f} ms "
           f"({r['weight_bytes'] / 1e6:.0f} MB weights / {r['copy_bandwidth_gbs']:.1f} GB/s)")
+    if "decode_read_floor_ms" in r:
+        print(f"  read-bandwidth floor:  {r['decode_read_floor_ms']:.1f} ms "
+              f"({r['read_bandwidth_gbs']:.1f} GB/s: reading only, the stricter bound)")
     print(f"  splitserve:            {r['splitserve_decode_ms']:.1f} ms "
           f"({r['splitserve_decode_ms'] / r['decode_floor_ms']:.2f}x the floor)")
     if "hf_generate_decode_ms" in r:

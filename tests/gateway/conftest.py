@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_workers import FakeServer
 from gateway_processes import ServiceProcess, Stack, start_gateway, start_worker
 
 
@@ -67,3 +68,18 @@ def gateway_factory(tiny_llama_dir: Path) -> Iterator:
     yield start
     for gateway in started:
         gateway.stop()
+
+
+@pytest.fixture
+def servers():
+    """start(servicer) -> a scripted gRPC worker (fake_workers.FakeServer), stopped after the test."""
+    started: list[FakeServer] = []
+
+    def start(servicer) -> FakeServer:
+        server = FakeServer(servicer)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

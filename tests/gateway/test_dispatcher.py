@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from fake_workers import (
     FIRST_TOKEN,
     FakeDecode,
     FakePrefill,
-    FakeServer,
     exhausted,
     fails_after,
     hangs,
@@ -26,20 +24,6 @@ from services.gateway.router import ScoringRouter
 from services.gateway.worker_pool import WorkerPool
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=1, logprobs=0)
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(servicer) -> FakeServer:
-        server = FakeServer(servicer)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def run(decoders, prefills=(), consume=None):

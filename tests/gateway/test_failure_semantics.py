@@ -9,22 +9,8 @@ import json
 import httpx
 import openai
 import pytest
-from fake_workers import FakeDecode, FakeServer, fails_after, hangs, streams
+from fake_workers import FakeDecode, fails_after, hangs, streams
 from gateway_processes import openai_client
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(servicer) -> FakeServer:
-        server = FakeServer(servicer)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ import asyncio
 import time
 
 import grpc
-import pytest
-from fake_workers import FIRST_TOKEN, FakeDecode, FakePrefill, FakeServer, reserved, streams
+from fake_workers import FIRST_TOKEN, FakeDecode, FakePrefill, reserved, streams
 from splitserve.v1 import common_pb2
 
 from services.gateway.circuit_breaker import BreakerState, CircuitBreaker
@@ -19,20 +18,6 @@ from services.gateway.router import ScoringRouter
 from services.gateway.worker_pool import WorkerPool
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=4, seed=1)
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(servicer) -> FakeServer:
-        server = FakeServer(servicer)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def dies_after_reserving(request, context, fake):
