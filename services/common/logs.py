@@ -9,8 +9,10 @@ import logging
 import sys
 import time
 
-_EXTRA_FIELDS = ("request_id", "tenant", "worker_id", "outcome", "status", "ttft_s",
-                 "e2e_s", "prompt_tokens", "completion_tokens", "queue_s", "route")
+_EXTRA_FIELDS = ("request_id", "tenant", "worker_id", "api", "outcome", "reason", "status",
+                 "queue_s", "ttft_s", "e2e_s", "prompt_tokens", "completion_tokens",
+                 "cached_tokens", "decode_worker", "prefill_worker", "route", "trace_id",
+                 "prompt")
 
 
 class JsonFormatter(logging.Formatter):

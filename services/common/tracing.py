@@ -19,7 +19,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
-    SimpleSpanProcessor,
     SpanExporter,
     SpanExportResult,
 )
@@ -80,7 +79,10 @@ def setup_tracing(service: str) -> bool:
     elif exporter == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     if trace_file:
-        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        # Batched like the others, off the request path: a span costs an append to a queue,
+        # and a background thread writes them out within half a second.
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(trace_file),
+                                                       schedule_delay_millis=500))
     trace.set_tracer_provider(provider)
     _configured = True
     return True
@@ -102,8 +104,13 @@ def context_from_grpc(context) -> object:
     return propagate.extract(carrier)
 
 
-def grpc_metadata() -> list[tuple[str, str]]:
-    """Metadata carrying the current trace context to the next hop."""
+def grpc_metadata(span: trace.Span | None = None) -> list[tuple[str, str]]:
+    """Metadata carrying `span`'s trace context (default: the current one) to the next hop."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=trace.set_span_in_context(span) if span else None)
     return list(carrier.items())
+
+
+def context_from_headers(headers) -> object:
+    """The caller's trace context from HTTP headers (`traceparent`, `tracestate`)."""
+    return propagate.extract(headers)

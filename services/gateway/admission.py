@@ -230,7 +230,8 @@ class Admission:
         self.inflight += ticket.slots
         ticket.released_at = now
         self.room.released(ticket.prompt_tokens, ticket.blocks)
-        self.metrics.queue_wait.labels(ticket.tenant.name).observe(now - ticket.arrival)
+        self.metrics.queue_wait.labels(self.metrics.model, ticket.tenant.name).observe(
+            now - ticket.arrival)
         if not ticket._ready.done():
             ticket._ready.set_result(None)
 
@@ -271,13 +272,15 @@ class Admission:
         self._drain()
 
     def _first_token(self, ticket: Ticket) -> None:
-        self.metrics.ttft.labels(ticket.tenant.name).observe(ticket.first_token_at - ticket.arrival)
+        self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
+            ticket.first_token_at - ticket.arrival)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
                                    ticket.first_token_at - ticket.arrival)
 
     def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
         self.metrics.rejected.labels(tenant.name, reason).inc()
+        error.rejected_by = reason
         return error
 
     async def _tick(self) -> None:

@@ -17,6 +17,7 @@ class AdmissionMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.admission = None  # set by Admission; read at scrape time
+        self.model = ""  # the served model's name, set by the gateway (label of the latencies)
         self.admitted = Counter(
             "splitserve_gateway_admitted_requests", "Requests admitted (quota taken, queued).",
             ["tenant"], registry=self.registry)
@@ -29,11 +30,11 @@ class AdmissionMetrics:
             "splitserve_gateway_served_tokens", "Tokens served, by tenant and kind.",
             ["tenant", "kind"], registry=self.registry)
         self.ttft = Histogram(
-            "splitserve_gateway_ttft_seconds", "Arrival to first token, per tenant.", ["tenant"],
-            buckets=TTFT_BUCKETS, registry=self.registry)
+            "splitserve_gateway_ttft_seconds", "Arrival to first token, per tenant.",
+            ["model", "tenant"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.queue_wait = Histogram(
-            "splitserve_gateway_queue_wait_seconds", "Time in the fair queue.", ["tenant"],
-            buckets=TTFT_BUCKETS, registry=self.registry)
+            "splitserve_gateway_queue_wait_seconds", "Time in the fair queue.",
+            ["model", "tenant"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.registry.register(_StateCollector(self))
 
 

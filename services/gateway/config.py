@@ -44,6 +44,8 @@ class GatewayConfig:
     socket_send_buffer: int = 0  # SO_SNDBUF of client connections (0: the OS default)
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
+    log_format: str = "json"  # json | text
+    log_prompts: bool = False  # debug: prompt text in the access log
     # Routing (services/gateway/router.py). With a Redis URL, workers are discovered from the
     # registry (on top of any given by address) and prefix-cache events are followed.
     redis_url: str = ""
@@ -83,6 +85,8 @@ class GatewayConfig:
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.log_format not in ("json", "text"):
+            raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
             raise ValueError("--stream-buffer-chunks must be >= 1")
 
@@ -128,13 +132,25 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                                 "prompt is uncached there (0: off)",
         "prefill_backlog_tokens": "prefill on the decode worker when every prefill worker has "
                                   "this many tokens queued, or none is up (0: off)",
+        "log_format": "json (one object per line) or text",
+        "log_prompts": "debug: write prompt text into the access log (true/false)",
     }
     for f in fields(GatewayConfig):
         flag = "--" + f.name.replace("_", "-")
         default = os.environ.get(_env_name(f.name))
-        parser.add_argument(flag, default=default, metavar=f.name.upper(),
+        more = {"nargs": "?", "const": "true"} if f.type == "bool" else {}
+        parser.add_argument(flag, default=default, metavar=f.name.upper(), **more,
                             help=f"{helps.get(f.name, '')} (env {_env_name(f.name)}; "
                                  f"default {f.default!r})".strip())
+
+
+def _parse_bool(name: str, raw) -> bool:
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"--{name.replace('_', '-')}: expected true or false, got {raw!r}")
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -151,6 +167,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
             values[f.name] = int(raw)
         elif f.type == "float":
             values[f.name] = float(raw)
+        elif f.type == "bool":
+            values[f.name] = _parse_bool(f.name, raw)
         else:
             values[f.name] = str(raw)
     return GatewayConfig(**values)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -21,7 +22,7 @@ from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from engine.outputs import Logprobs
 from services.common import convert
 from services.gateway.errors import APIError, from_worker_error
-from services.gateway.router import Router
+from services.gateway.router import Route, Router
 from services.gateway.worker_pool import WorkerEndpoint
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,30 @@ class TokenEvent:
     error: str | None = None
 
 
+class AttemptObserver(Protocol):
+    """Who watches one request's attempts (request_record.RequestRecord): where each went,
+    what its prefill reported, and the trace context its worker RPCs carry."""
+
+    grpc_metadata: Sequence[tuple[str, str]]
+
+    def routed(self, route: Route, attempt: int) -> None: ...
+
+    def prefilled(self, kv_bytes: int, cached_tokens: int) -> None: ...
+
+
+class _Unobserved:
+    grpc_metadata: Sequence[tuple[str, str]] = ()
+
+    def routed(self, route: Route, attempt: int) -> None:
+        pass
+
+    def prefilled(self, kv_bytes: int, cached_tokens: int) -> None:
+        pass
+
+
+_UNOBSERVED = _Unobserved()
+
+
 @dataclass
 class _AttemptFailed(Exception):
     """An RPC of one attempt failed; `endpoint` is the worker whose call failed."""
@@ -59,6 +84,7 @@ class Dispatcher:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
+        observer: AttemptObserver = _UNOBSERVED,
     ) -> AsyncIterator[TokenEvent]:
         """Tokens of one request. Raises APIError if it fails before any token came back;
         after that a failure is one final event with finish_reason "error"."""
@@ -69,7 +95,7 @@ class Dispatcher:
             attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
             try:
                 async with aclosing(self._attempt(attempt_id, prompt_token_ids, sampling,
-                                                  tried)) as events:
+                                                  tried, attempt, observer)) as events:
                     async for event in events:
                         emitted = True
                         yield event
@@ -95,30 +121,33 @@ class Dispatcher:
                 last = failed
         raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
 
-    async def _attempt(self, request_id, prompt, sampling, tried) -> AsyncIterator[TokenEvent]:
+    async def _attempt(self, request_id, prompt, sampling, tried, attempt: int,
+                       observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
         route = self.router.route(prompt, sampling.max_tokens, exclude=tried)
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
+        observer.routed(route, attempt)
         decode, prefill = route.decode, route.prefill if self.disaggregated else None
         decode.outstanding += 1
         try:
             if prefill is None:
-                flow = self._aggregated(decode, request_id, prompt, sampling)
+                flow = self._aggregated(decode, request_id, prompt, sampling, observer)
             else:
                 flow = self._disaggregated(decode, prefill, request_id, prompt, sampling,
-                                           len(prompt) - route.cached_tokens)
+                                           len(prompt) - route.cached_tokens, observer)
             async with aclosing(flow) as events:
                 async for event in events:
                     yield event
         finally:
             decode.outstanding -= 1
 
-    async def _aggregated(self, decode, request_id, prompt, sampling) -> AsyncIterator[TokenEvent]:
+    async def _aggregated(self, decode, request_id, prompt, sampling,
+                          observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
         """The decode (or role-both) worker runs the prompt itself."""
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             remote_prefill=False,
-        ))
+        ), metadata=observer.grpc_metadata)
         try:
             async with aclosing(_decode_events(call, decode, next_index=0)) as events:
                 async for event in events:
@@ -127,11 +156,11 @@ class Dispatcher:
             call.cancel()
 
     async def _disaggregated(self, decode, prefill, request_id, prompt, sampling,
-                             uncached_tokens: int):
+                             uncached_tokens: int, observer: AttemptObserver):
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             remote_prefill=True,
-        ))
+        ), metadata=observer.grpc_metadata)
         prefill_call = prefill_done = decode_next = None
         try:
             try:
@@ -146,7 +175,7 @@ class Dispatcher:
             prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 decode_kv_endpoint=reserved.reserved.kv_endpoint,
-            ), timeout=self.prefill_timeout_s)
+            ), timeout=self.prefill_timeout_s, metadata=observer.grpc_metadata)
             # Watch the decode stream while the prefill runs: a decode worker that dies now
             # fails the attempt before its first token, so it is retried, not errored.
             decode_next = asyncio.ensure_future(_read(call, decode))
@@ -176,6 +205,7 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 raise _AttemptFailed(prefill, exc) from None
             prefill.breaker.record_success()
+            observer.prefilled(response.kv_bytes, response.num_cached_tokens)
             first = response.first_token
             yield TokenEvent(
                 token_ids=(first.token_id,),

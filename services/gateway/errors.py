@@ -16,6 +16,7 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after_s: int | None = None
+    rejected_by: str | None = None  # admission's reason when it refused the request (a metric label)
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"

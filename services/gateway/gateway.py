@@ -18,6 +18,7 @@ from services.gateway.errors import APIError
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.preprocess import ModelLimits, Preprocessor
 from services.gateway.registry_follower import RegistryFollower
+from services.gateway.request_record import RequestObserver, RequestRecord
 from services.gateway.router import Router
 from services.gateway.routing_config import make_router
 from services.gateway.text_stream import TextDelta, stream_text
@@ -49,6 +50,10 @@ class Gateway:
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s)
         self.admission = make_admission(config, self.pool)
+        metrics = self.admission.metrics
+        metrics.model = config.model_name
+        # Request metrics join admission's registry: one /metrics for the whole gateway.
+        self.observer = RequestObserver(config.model_name, metrics.registry, config.log_prompts)
         self.model_names = {config.model_name, config.model, str(Path(config.model).resolve())}
 
     async def start(self) -> None:
@@ -75,10 +80,13 @@ class Gateway:
         if model not in self.model_names:
             raise APIError.model_not_found(model, self.model_name)
 
-    def choice_streams(self, ticket: Ticket):
-        """One text stream per choice of an admitted request (`ticket.specs`)."""
-        dispatcher = ticket.metered(self.dispatcher)
-        return [stream_text(spec, dispatcher, self.tokenizer) for spec in ticket.specs]
+    def choice_streams(self, ticket: Ticket, record: RequestRecord):
+        """One text stream per choice of an admitted request (`ticket.specs`), observed by
+        the request's record."""
+        record.admitted(ticket.arrival, ticket.released_at)
+        dispatcher = ticket.metered(record.dispatching(self.dispatcher))
+        return record.observe([stream_text(spec, dispatcher, self.tokenizer)
+                               for spec in ticket.specs])
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started,

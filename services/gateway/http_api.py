@@ -13,10 +13,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common import tracing
 from services.gateway.admission import Ticket
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.request_record import RequestRecord
 from services.gateway.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
 from services.gateway.streaming import (
     ClientDisconnected,
@@ -66,45 +68,74 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
-        req = parse_body(CompletionRequest, await _read_body(request, gateway.config.max_body_bytes))
-        gateway.check_model(req.model)
-        specs = gateway.preprocessor.completion(_request_id(request), req, gateway.limits())
-        fmt = CompletionFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-        return await _serve(gateway, request, specs, fmt, req.stream, tenant, req.n)
+        record = _begin(gateway, request)
+        try:
+            tenant = gateway.admission.authenticate(request.headers.get("authorization"))
+            record.authenticated(tenant.name)
+            req = parse_body(CompletionRequest,
+                             await _read_body(request, gateway.config.max_body_bytes))
+            gateway.check_model(req.model)
+            specs = gateway.preprocessor.completion(record.request_id, req, gateway.limits())
+            fmt = CompletionFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+            return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
+        except BaseException as exc:
+            _failed(record, exc)
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
-        req = parse_body(ChatCompletionRequest,
-                         await _read_body(request, gateway.config.max_body_bytes))
-        gateway.check_model(req.model)
-        specs = gateway.preprocessor.chat(_request_id(request), req, gateway.limits())
-        fmt = ChatFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-        return await _serve(gateway, request, specs, fmt, req.stream, tenant, req.n)
+        record = _begin(gateway, request)
+        try:
+            tenant = gateway.admission.authenticate(request.headers.get("authorization"))
+            record.authenticated(tenant.name)
+            req = parse_body(ChatCompletionRequest,
+                             await _read_body(request, gateway.config.max_body_bytes))
+            gateway.check_model(req.model)
+            specs = gateway.preprocessor.chat(record.request_id, req, gateway.limits())
+            fmt = ChatFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+            return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
+        except BaseException as exc:
+            _failed(record, exc)
+            raise
 
     return app
 
 
-async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, tenant: Tenant,
-                 n: int) -> Response:
+def _begin(gateway: Gateway, request: Request) -> RequestRecord:
+    return gateway.observer.begin("http", _request_id(request),
+                                  tracing.context_from_headers(request.headers))
+
+
+def _failed(record: RequestRecord, exc: BaseException) -> None:
+    """Records a request that ended in an exception (no-op if it was recorded already)."""
+    if isinstance(exc, asyncio.CancelledError):
+        record.client_gone(499)
+    else:
+        record.finish(exc.status if isinstance(exc, APIError) else 500, exc)
+
+
+async def _serve(gateway: Gateway, request: Request, record: RequestRecord, specs, fmt,
+                 stream: bool, tenant: Tenant, n: int) -> Response:
     # Prompt tokens count once per prompt, however many choices (n) sample from it.
     prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
-    headers = {"x-request-id": specs[0].request_id.rsplit("-", 1)[0]}
+    record.prompt(prompt_tokens, lambda: gateway.tokenizer.decode(specs[0].prompt_token_ids))
+    headers = {"x-request-id": record.request_id}
     try:
         # Waits in the fair queue; a client that leaves meanwhile gives its place up.
         ticket = await until_disconnected(
             request.receive, gateway.admission.admit(tenant, specs, prompt_tokens))
     except ClientDisconnected:
         log.info("client disconnected while queued; request dropped")
+        record.client_gone(499)
         return Response(status_code=499)
     try:
         if stream:
-            return await _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket,
+            return await _serve_stream(gateway, request, record, fmt, prompt_tokens, ticket,
                                        headers)
-        choices = await until_disconnected(request.receive, _collect(gateway, ticket))
+        choices = await until_disconnected(request.receive, _collect(gateway, ticket, record))
     except ClientDisconnected:
         log.info("client disconnected before the response; request aborted")
+        record.client_gone(499)
         return Response(status_code=499)
     finally:
         if not stream:
@@ -115,13 +146,14 @@ async def _serve(gateway: Gateway, request: Request, specs, fmt, stream: bool, t
                        code="worker_failed")
     body = fmt.response(choices, usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
                                        max(c.num_cached_tokens for c in choices)))
+    record.finish(200)
     return JSONResponse(body, headers=headers)
 
 
-async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Ticket,
-                        headers) -> Response:
+async def _serve_stream(gateway, request, record: RequestRecord, fmt, prompt_tokens,
+                        ticket: Ticket, headers) -> Response:
     try:
-        streams = gateway.choice_streams(ticket)
+        streams = gateway.choice_streams(ticket, record)
         # Wait for the first token of every choice before committing to a 200, so that
         # failures before any token (after one invisible retry) still get a status code.
         firsts = await until_disconnected(request.receive, open_streams(streams))
@@ -130,21 +162,25 @@ async def _serve_stream(gateway, request, specs, fmt, prompt_tokens, ticket: Tic
         raise
     events = sse_events(streams, firsts, fmt, prompt_tokens, gateway.config.stream_buffer_chunks)
 
-    async def close() -> None:
+    async def close(ended: str) -> None:
         ticket.release()
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        if ended == "client_disconnected":
+            record.client_gone(200)
+        else:
+            record.finish(200, cancelled=None if ended == "complete" else ended)
 
     return SSEResponse(events, gateway.config.slow_client_timeout_s, headers, on_close=close)
 
 
-async def _collect(gateway: Gateway, ticket: Ticket) -> list[ChoiceResult]:
+async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord) -> list[ChoiceResult]:
     results = [ChoiceResult(spec.index) for spec in ticket.specs]
 
     async def run(stream, result: ChoiceResult) -> None:
         async for delta in stream:
             result.add(delta)
 
-    streams = gateway.choice_streams(ticket)
+    streams = gateway.choice_streams(ticket, record)
     tasks = [asyncio.ensure_future(run(s, r)) for s, r in zip(streams, results, strict=True)]
     try:
         await asyncio.gather(*tasks)

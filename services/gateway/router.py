@@ -34,6 +34,19 @@ class Route:
     reason: str  # why the prompt is prefilled where it is (logs, tests)
     cached_tokens: int = 0  # of the prompt, on the worker that prefills it (estimate)
 
+    @property
+    def reason_label(self) -> str:
+        """`reason` as a bounded metric label: aggregated, disaggregated, local_short_prompt,
+        local_no_prefill_worker or local_prefill_backlog."""
+        return _REASON_LABELS.get(self.reason) or (
+            "local_short_prompt" if self.reason.startswith("local") else self.reason)
+
+
+_REASON_LABELS = {
+    "local: no prefill worker available": "local_no_prefill_worker",
+    "local: every prefill worker is backed up": "local_prefill_backlog",
+}
+
 
 class Router(Protocol):
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,

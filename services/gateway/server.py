@@ -11,6 +11,8 @@ import socket
 import grpc
 import uvicorn
 
+from services.common.logs import setup_logging
+from services.common.tracing import setup_tracing, shutdown_tracing
 from services.gateway import grpc_api
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
@@ -97,8 +99,12 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("gateway", config.log_level, config.log_format)
     log.info("config %s", config.describe())
-    asyncio.run(serve(config))
+    tracing = setup_tracing("splitserve-gateway")
+    try:
+        asyncio.run(serve(config))
+    finally:
+        if tracing:
+            shutdown_tracing()
     return 0

@@ -121,13 +121,15 @@ async def sse_events(
 
 
 class SSEResponse(Response):
-    """An ASGI response that writes `events` and gives up on a client that does not read."""
+    """An ASGI response that writes `events` and gives up on a client that does not read.
+    `on_close` learns how it ended: "complete", "client_disconnected", "slow_client" or
+    "failed"."""
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], write_timeout_s: float,
                  headers: dict[str, str] | None = None,
-                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_close: Callable[[str], Awaitable[None]] | None = None) -> None:
         # Not Response.__init__: there is no body to render; __call__ streams instead.
         self.status_code = 200
         self.background = None
@@ -144,6 +146,7 @@ class SSEResponse(Response):
         writer = asyncio.ensure_future(self._write(send, headers))
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         done: set = set()
+        ended = "failed"
         try:
             done, _ = await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -151,14 +154,19 @@ class SSEResponse(Response):
                 task.cancel()
             await asyncio.gather(writer, watcher, return_exceptions=True)
             await self.events.aclose()
+            if writer not in done:
+                ended = "client_disconnected" if done else "failed"
+            elif not writer.cancelled() and writer.exception() is None:
+                ended = "complete" if writer.result() else "slow_client"
             if self.on_close is not None:  # also when `events` never started
-                await self.on_close()
-        if writer not in done:
+                await self.on_close(ended)
+        if ended == "client_disconnected":
             log.info("client disconnected mid-stream; request aborted")
         elif not writer.cancelled() and writer.exception() is not None:
             log.error("stream failed", exc_info=writer.exception())
 
-    async def _write(self, send, headers) -> None:
+    async def _write(self, send, headers) -> bool:
+        """False when the client was cut off for not reading."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for chunk in self.events:
             message = {"type": "http.response.body", "body": chunk, "more_body": True}
@@ -171,5 +179,6 @@ class SSEResponse(Response):
             except TimeoutError:
                 log.warning("client read nothing for %.1fs; cutting it off and aborting the "
                             "request", self.write_timeout_s)
-                return
+                return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True

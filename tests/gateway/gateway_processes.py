@@ -4,6 +4,7 @@ SPLITSERVE_READY line, stopped by their handle (never by name)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ WORKER_FLAGS = ["--num-threads", "1", "--num-kv-blocks", "256"]
 class ServiceProcess:
     """A splitserve child process; its merged output is kept for failure messages."""
 
-    def __init__(self, name: str, args: list[str]) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self.lines: list[str] = []
         self.ready_line = ""
@@ -31,6 +32,7 @@ class ServiceProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "splitserve_cli.main", *args], cwd=REPO_ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            env={**os.environ, **env} if env else None,
         )
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -28,8 +28,8 @@ def panel(dashboard: dict, title: str) -> dict:
 
 @pytest.mark.parametrize(
     "title, histogram",
-    [("Time to first token", "splitserve_ttft_seconds_bucket"),
-     ("Inter-token latency", "splitserve_itl_seconds_bucket")],
+    [("Time to first token", "splitserve_gateway_ttft_seconds_bucket"),
+     ("Inter-token latency", "splitserve_gateway_itl_seconds_bucket")],
 )
 def test_latency_panels_show_p50_p90_p99(dashboard: dict, title: str, histogram: str) -> None:
     shown = panel(dashboard, title)
@@ -47,11 +47,13 @@ def test_latency_panels_show_p50_p90_p99(dashboard: dict, title: str, histogram:
 @pytest.mark.parametrize(
     "title, needles",
     [
-        ("Queue depth", ["splitserve_queue_depth"]),
+        ("Queue depth", ["splitserve_gateway_queued_requests", "splitserve_worker_waiting_requests"]),
         ("KV cache usage", ["splitserve_kv_blocks_used", "/", "splitserve_kv_blocks_total"]),
-        ("Rejections by reason", ["sum by (reason)", "rate(splitserve_requests_rejected_total"]),
+        ("Rejections by reason",
+         ["sum by (reason)", "rate(splitserve_gateway_rejected_requests_total"]),
         ("KV transfer bandwidth", ["rate(splitserve_kv_transfer_bytes_total"]),
-        ("Tokens per tenant", ["sum by (tenant, kind)", "rate(splitserve_tokens_total"]),
+        ("Tokens per tenant",
+         ["sum by (tenant, kind)", "rate(splitserve_gateway_served_tokens_total"]),
     ],
 )
 def test_operational_panels_query_their_metrics(dashboard: dict, title: str, needles: list) -> None:
@@ -68,11 +70,13 @@ def test_queries_are_well_formed_and_filtered_by_namespace(dashboard: dict) -> N
                 assert expr.count(opening) == expr.count(closing), expr
             for selector in re.findall(r"splitserve_\w+\{([^}]*)\}", expr):
                 assert selector == 'namespace=~"$namespace"', expr
+            # Names the processes export (tests/gateway/test_observability.py scrapes them).
             assert set(re.findall(r"splitserve_\w+", expr)) <= {
-                "splitserve_ttft_seconds_bucket", "splitserve_itl_seconds_bucket",
-                "splitserve_queue_depth", "splitserve_kv_blocks_used",
-                "splitserve_kv_blocks_total", "splitserve_requests_rejected_total",
-                "splitserve_kv_transfer_bytes_total", "splitserve_tokens_total"}
+                "splitserve_gateway_ttft_seconds_bucket", "splitserve_gateway_itl_seconds_bucket",
+                "splitserve_gateway_queued_requests", "splitserve_worker_waiting_requests",
+                "splitserve_kv_blocks_used", "splitserve_kv_blocks_total",
+                "splitserve_gateway_rejected_requests_total",
+                "splitserve_kv_transfer_bytes_total", "splitserve_gateway_served_tokens_total"}
 
 
 def test_layout_has_unique_ids_and_no_overlapping_panels(dashboard: dict) -> None:

@@ -1,0 +1,48 @@
+"""Prometheus metrics of requests as the gateway serves them: token latencies, end-to-end time,
+outcomes, routing decisions and client disconnects. Admission's own series (TTFT, queue wait,
+queue depth, in-flight, tokens per tenant, rejections) live in admission_metrics.py; both share
+one registry, the one `/metrics` serves.
+
+Updated on the gateway's event loop only. Label values are bounded: `tenant` comes from the
+tenants file (or is "anonymous"/"unknown"), `reason` from fixed sets, `worker` from the pool.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0,
+               60.0, 120.0)
+OUTCOMES = ("finished", "cancelled", "rejected", "error")
+
+
+class RequestMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model", "tenant"]
+        self.itl = Histogram(
+            "splitserve_gateway_itl_seconds",
+            "Inter-token latency: the gap before each output token after the first.",
+            labels, buckets=LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram(
+            "splitserve_gateway_time_per_output_token_seconds",
+            "Per choice: (last token - first token) / (output tokens - 1).",
+            labels, buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram(
+            "splitserve_gateway_e2e_latency_seconds",
+            "Arrival to the last token of a finished request.",
+            labels, buckets=E2E_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "splitserve_gateway_requests",
+            "Requests by outcome (finished, cancelled, rejected, error) and reason.",
+            ["model", "tenant", "outcome", "reason"], registry=registry)
+        self.routing = Counter(
+            "splitserve_gateway_routing_decisions",
+            "Workers chosen per attempt, by role, worker address and placement reason.",
+            ["role", "worker", "reason"], registry=registry)
+        self.disconnects = Counter(
+            "splitserve_gateway_client_disconnects",
+            "Clients that left before the end of their response, by stage "
+            "(queued, before_first_token, after_first_token).",
+            ["model", "tenant", "stage"], registry=registry)
