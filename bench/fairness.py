@@ -66,10 +66,12 @@ def tenants_yaml(loads: Sequence[TenantLoad], **settings) -> str:
 
 async def run_loads(url: str, model: str, loads: Sequence[TenantLoad], duration_s: float,
                     seed: int = 0, drain_s: float = 30.0, vocab: int = 700,
-                    on_off: tuple[float, float] | None = None) -> list[RequestRecord]:
+                    on_off: tuple[float, float] | None = None,
+                    steady: bool = False) -> list[RequestRecord]:
     """Offer every load for `duration_s`; returns one record per request sent (status
     `http_429`/`http_503` for refusals, `timeout` if still open `drain_s` after the end).
-    With `on_off` = (on, off) seconds, the loads pause in the off part of each period."""
+    With `on_off` = (on, off) seconds, the loads pause in the off part of each period.
+    `steady` sends at exact intervals of 1/rate instead of Poisson arrivals."""
     target = Target(url, model)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     loop = asyncio.get_running_loop()
@@ -82,7 +84,7 @@ async def run_loads(url: str, model: str, loads: Sequence[TenantLoad], duration_
             rng = np.random.default_rng([seed, index])
             at, n = 0.0, 0
             while True:
-                at += rng.exponential(1.0 / load.rate)
+                at += 1.0 / load.rate if steady else rng.exponential(1.0 / load.rate)
                 if at >= duration_s:
                     return
                 if on_off is not None and at % sum(on_off) >= on_off[0]:

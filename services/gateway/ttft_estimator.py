@@ -101,8 +101,12 @@ class TTFTEstimator:
             if tokens_rate:
                 tokens_rate = min(tokens_rate, max(self._window.tokens, 1) / busy)
         wait = (requests_ahead + 1) / rate
-        if tokens_rate:
-            wait = max(wait, (tokens_ahead + prompt_tokens) / tokens_rate)
+        if tokens_rate and tokens_ahead:
+            # Only the prompts ahead: the rate is what was released while backlogged, so it is
+            # the prefill rate only when prefill was the bottleneck; when slots were, it is the
+            # backlog's own prompts per second and would make any long prompt look late.
+            # The request's own prefill is part of the service time.
+            wait = max(wait, tokens_ahead / tokens_rate)
         return wait + service
 
     def margin(self, target_s: float) -> float:

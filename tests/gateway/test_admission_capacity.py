@@ -89,4 +89,7 @@ def test_estimate_uses_the_slower_of_requests_and_tokens():
     assert estimator.estimate(0, 0, 100, room_now=True) == pytest.approx(0.05)
     assert estimator.estimate(3, 300, 100, room_now=False) == pytest.approx(0.45)
     # Long prompts ahead: tokens, not request count, bound the wait.
-    assert estimator.estimate(3, 3000, 1000, room_now=False) == pytest.approx(4.05)
+    assert estimator.estimate(3, 3000, 1000, room_now=False) == pytest.approx(3.05)
+    # A long prompt of its own with nothing ahead waits for a slot, not for a token rate
+    # measured on others' (perhaps short) prompts: its prefill is in the service time.
+    assert estimator.estimate(0, 0, 5000, room_now=False) == pytest.approx(0.15)
