@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import httpx
 import pytest
 from engine_harness import drive, make_engine
 
 from engine.sampling_params import SamplingParams
 from services.common.worker_config import add_worker_arguments, worker_config_from_args
+from tests.metrics_text import scrape_worker
 
 
 def _config(model_dir, *flags: str, role: str = "decode"):
@@ -52,16 +52,6 @@ def test_bad_flags_stop_the_worker_with_a_clear_message(tiny_llama_dir, flags, m
         _config(tiny_llama_dir, *flags)
 
 
-def _scrape(worker) -> dict[str, float]:
-    text = httpx.get(f"http://{worker.metrics_address}/metrics", timeout=5).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
 def test_speculating_decode_worker_streams_the_plain_engines_tokens(tiny_llama_dir):
     from splitserve_cli.processes import start_worker
     from tests.services.flows import aggregated, disaggregated, greedy
@@ -88,7 +78,7 @@ def test_speculating_decode_worker_streams_the_plain_engines_tokens(tiny_llama_d
         outputs = asyncio.run(run())
         assert dict(zip(prompts, outputs, strict=True)) == expected
         decode.wait_for(lambda h: h.stats.running == 0, what="idle")
-        metrics = _scrape(decode)
+        metrics = scrape_worker(decode)
         proposed = metrics['splitserve_spec_proposed_tokens_total{role="decode"}']
         accepted = metrics['splitserve_spec_accepted_tokens_total{role="decode"}']
         # The worker's gate measures whether speculation pays (some steps go without), but

@@ -18,6 +18,7 @@ from gateway_processes import ServiceProcess
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from splitserve_cli.processes import WorkerProcess, start_worker
+from tests.metrics_text import scrape
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -236,16 +237,6 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
 def series(name: str, **labels: str) -> str:
     """A sample's name as the text format writes it (labels sorted by name)."""
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def families(url: str) -> set[str]:

@@ -9,19 +9,10 @@ import httpx
 import pytest
 
 from splitserve_cli.processes import start_worker
+from tests.metrics_text import scrape_worker as scrape
 from tests.services.flows import disaggregated, greedy
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def scrape(worker) -> dict[str, float]:
-    text = httpx.get(f"http://{worker.metrics_address}/metrics", timeout=5).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def test_worker_metrics_follow_served_requests(tiny_llama_dir):
