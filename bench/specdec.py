@@ -2,10 +2,12 @@
 without speculation, at batch 1 and batch 16, on a copy-heavy workload (rewrite or fix a given
 text, edit given code) and on open chat.
 
-Run from the repo root:  .venv/bin/python bench/specdec.py [--quick] [--draft-model DIR]
+Run from the repo root:
+  .venv/bin/python bench/specdec.py --workloads copy --draft-layers 8   (and --workloads chat)
 Greedy decoding, EOS honoured (each request stops where the model does, the same with and
 without speculation). The modes' engines run the same requests in lockstep, one step each in
-turn, so drift in the machine's load hits them alike; only decode steps are timed. Results go to stdout and bench/results/specdec.json.
+turn, so drift in the machine's load hits them alike; only decode steps are timed. Results go
+to stdout and bench/results/specdec/<workloads>.json.
 """
 
 from __future__ import annotations
@@ -151,6 +153,33 @@ class Measure:
         return self.accepted / self.proposed if self.proposed else None
 
 
+def build_layer_draft(target: str, num_layers: int, out: Path) -> Path:
+    """A draft for `target` made of its first `num_layers` layers, its final norm and its
+    (tied) head: the same tokenizer by construction, no download. The only SmolLM2 on this
+    machine is the target itself, and this is the cheapest draft that shares its vocabulary."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            kept[name] = f.get_tensor(name)
+    config = json.loads((Path(target) / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for file in Path(target).glob("*"):
+        if file.name.startswith("tokenizer") or file.name == "generation_config.json":
+            (out / file.name).write_bytes(file.read_bytes())
+    save_file(kept, str(out / "model.safetensors"))
+    return out
+
+
 def build_engine(args, spec: SpeculativeConfig | None) -> LLMEngine:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, num_threads=args.threads, seed=0,
@@ -240,10 +269,43 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+def plot(results_dir: Path) -> Path:
+    """One bar per (workload, batch, mode) of every results JSON in `results_dir`: speedup
+    over the plain engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for f in sorted(results_dir.glob("*.json")) if "quick" not in f.name
+            for r in json.loads(f.read_text())["rows"] if r["mode"] != "off"]
+    cells = sorted({(r["workload"], r["batch"]) for r in rows}, key=lambda c: (c[0] != "copy", c))
+    modes = sorted({r["mode"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        speed = {(r["workload"], r["batch"]): r["speedup"] for r in rows if r["mode"] == mode}
+        ax.bar([c + i * width for c in range(len(cells))], [speed.get(c, 0) for c in cells],
+               width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))],
+                  [f"{w}, batch {b}" for w, b in cells])
+    ax.set_ylabel("decode tokens/s vs plain")
+    ax.set_title("Speculative decoding on SmolLM2-135M (CPU, 1 thread)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = results_dir / "speedup.png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(_ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--draft-model", default="", help="also measure this draft model")
+    parser.add_argument("--draft-layers", type=int, default=0,
+                        help="also measure a draft made of the target's first N layers "
+                             "(built under /tmp on first use)")
     parser.add_argument("--dtype", default="auto")
     # One thread: on a shared two-core machine a second intra-op thread makes steps slower
     # and far noisier (a SmolLM2 decode step went from ~90 ms to 130-820 ms).
@@ -255,10 +317,19 @@ def main() -> int:
     parser.add_argument("--batch1-prompts", type=int, default=8,
                         help="prompts per workload at batch 1 (each runs alone)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
-    parser.add_argument("--out", default=str(_ROOT / "bench" / "results" / "specdec.json"))
+    parser.add_argument("--out", default="",
+                        help="results JSON (default bench/results/specdec/<workloads>.json)")
+    parser.add_argument("--plot", action="store_true",
+                        help="only plot the results JSONs in bench/results/specdec/")
     args = parser.parse_args()
+    if args.plot:
+        print(f"plot written to {plot(_ROOT / 'bench' / 'results' / 'specdec')}")
+        return 0
     if args.quick:
         args.max_tokens, args.batch1_prompts = 64, 3
+    if not args.out:
+        name = args.workloads.replace(",", "-") + ("-quick" if args.quick else "")
+        args.out = str(_ROOT / "bench" / "results" / "specdec" / f"{name}.json")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -270,6 +341,9 @@ def main() -> int:
         "ngram-forced": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k,
                                           adaptive_batch=False),
     }
+    if args.draft_layers and not args.draft_model:
+        draft_dir = Path("/tmp") / f"splitserve-draft-{Path(args.model).name}-{args.draft_layers}l"
+        args.draft_model = str(build_layer_draft(args.model, args.draft_layers, draft_dir))
     if args.draft_model:
         modes["draft"] = SpeculativeConfig(method="draft", num_speculative_tokens=args.k,
                                            draft_model=args.draft_model)

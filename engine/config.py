@@ -104,6 +104,10 @@ class EngineConfig:
     # CPU decode attention: "cpp" reads K/V in place from the paged cache (kernels/cpu, built
     # on first use), "torch" is the reference (gather, then SDPA); "auto": cpp if it builds.
     cpu_attention: str = "auto"
+    # CPU linear layers in bfloat16 with few rows (decode): "cpp" reads each weight row once for
+    # all rows with AVX-512 BF16 dot products (kernels/linear.py), "torch" is torch's mm;
+    # "auto": cpp where the CPU has avx512_bf16 and the kernels build.
+    cpu_linear: str = "auto"
     # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
     tensor_parallel_size: int = 1
 

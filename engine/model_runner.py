@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
+from engine.layers.linear import use_small_m_linear
 from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
@@ -20,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups
+from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ModelRunner:
             keep_freed_memory()
         self.native_decode = self._use_native_decode()
         self.model = load_model(model_config, self.dtype, self.device)
+        self.small_m_linear = self._use_small_m_linear()
+        use_small_m_linear(self.model, SMALL_M_MAX_ROWS if self.small_m_linear else 0)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
         self.num_blocks = self._num_blocks()
@@ -72,6 +76,19 @@ class ModelRunner:
             return True
         if choice == "cpp":
             raise ValueError("cpu_attention 'cpp' was asked for but the C++ kernels did not build")
+        return False
+
+    def _use_small_m_linear(self) -> bool:
+        choice = self.config.cpu_linear
+        if choice not in ("auto", "torch", "cpp"):
+            raise ValueError(f"unknown cpu_linear {choice!r} (choose auto, torch or cpp)")
+        if self.device.type != "cpu" or choice == "torch":
+            return False
+        if self.dtype == torch.bfloat16 and small_m_linear_available():
+            return True
+        if choice == "cpp":
+            raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
+                             "and the C++ kernels built")
         return False
 
     def _num_blocks(self) -> int:
@@ -139,11 +156,20 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         bs = self.block_size
+        spec = sched.spec_token_ids
+        # With the C++ kernel a verification's k + 1 queries are decode rows too, one per
+        # position, each reading its own context length: no gather and no causal mask.
+        verify_as_decode = self.native_decode and bool(spec)
+
+        def as_decode(rid: str, n: int) -> bool:
+            return n == 1 or (verify_as_decode and rid in spec)
+
         # Single-token requests first, longest context first: they take the batched decode
         # path, in groups of similar context length (plan_decode_groups).
         order = sorted(
             sched.num_scheduled_tokens.items(),
-            key=lambda kv: (kv[1] != 1, -self.requests[kv[0]].num_computed_tokens if kv[1] == 1 else 0),
+            key=lambda kv: (not as_decode(*kv),
+                            -self.requests[kv[0]].num_computed_tokens if as_decode(*kv) else 0),
         )
         input_ids: list[int] = []
         positions: list[int] = []
@@ -154,7 +180,6 @@ class ModelRunner:
         prefill_tables: list[torch.Tensor] = []
         sample_rows: list[tuple[str, int]] = []  # (request id, row in hidden)
         prompt_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
-        spec = sched.spec_token_ids
         verify_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
         for rid, n in order:
             state = self.requests[rid]
@@ -168,9 +193,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             blocks = state.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                decode_tables.append(blocks)
-                decode_lens.append(end)
+            if as_decode(rid, n):
+                decode_tables.extend([blocks] * n)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 prefill_seqs.append((row0, n, end))
                 prefill_tables.append(torch.tensor(blocks, dtype=torch.long))

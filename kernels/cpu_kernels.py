@@ -18,9 +18,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode_attention.cpp", "small_m_linear.cpp")]
 # Vector instructions per torch CPU capability. The capability is part of the build's name,
-# so a cache shared between machines never hands one CPU code built for another.
+# so a cache shared between machines never hands one CPU code built for another. (The AVX-512
+# BF16 code in small_m_linear.cpp is compiled for its own functions only and chosen at run time.)
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp
+from kernels.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +39,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; only the rows needed for sampling are passed in,
     and the vocab shards are gathered only then."""
 
+    small_m_max_rows = 0  # see engine.layers.linear.use_small_m_linear
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.small_m_max_rows)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

@@ -3,15 +3,16 @@
 Column-parallel layers split output features, row-parallel layers split input features and
 all-reduce their output. Each parameter carries a `weight_loader` that takes the full
 checkpoint tensor and keeps this rank's shard, so no rank materialises the whole model.
+The matmul is kernels.linear.linear: torch's, or the C++ small-M kernel for decode on CPU.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp
+from kernels.linear import linear
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -20,7 +21,19 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def use_small_m_linear(model: nn.Module, max_rows: int) -> int:
+    """Send the model's linear layers' inputs of at most `max_rows` rows to the C++ small-M
+    kernel (0: none); the caller has checked it suits the weights (kernels/linear.py).
+    Returns the number of layers set."""
+    layers = [m for m in model.modules() if hasattr(m, "small_m_max_rows")]
+    for layer in layers:
+        layer.small_m_max_rows = max_rows
+    return len(layers)
+
+
 class ColumnParallelLinear(nn.Module):
+    small_m_max_rows = 0  # see use_small_m_linear
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         tp = get_tp()
@@ -40,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_m_max_rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -88,6 +101,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    small_m_max_rows = 0  # see use_small_m_linear
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         tp = get_tp()
@@ -108,6 +123,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.small_m_max_rows))
         # The bias is added once, after the reduction.
         return out if self.bias is None else out + self.bias

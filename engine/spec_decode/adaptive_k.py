@@ -14,7 +14,9 @@ from dataclasses import dataclass
 # rate to the k-th power, for independent acceptances) stays above this.
 MIN_ACCEPT_CHANCE = 0.2
 # Requests whose acceptance earns them k = 0 still try one token every this many steps,
-# so a request that turns copy-like later is noticed.
+# so a request that turns copy-like later is noticed. They all probe on the same steps: a
+# draft model's forward costs about the same for one request as for the whole batch (its
+# weights are read either way), so staggered probes would run the draft on most steps.
 PROBE_EVERY = 8
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification
 
@@ -23,7 +25,6 @@ _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification
 class _Acceptance:
     accepted: float = 4.0  # prior: four of five accepted, so a new request starts at k = 7
     rejected: float = 1.0  # (capped to k_max) and needs a few rejections to come down
-    skipped: int = 0
 
     @property
     def rate(self) -> float:
@@ -39,6 +40,11 @@ class AdaptiveK:
         self.k_max = k_max
         self.adaptive = adaptive
         self._stats: dict[str, _Acceptance] = {}
+        self._step = 0
+
+    def start_step(self) -> None:
+        """Called once per speculating step, before num_tokens for its requests."""
+        self._step += 1
 
     def num_tokens(self, request_id: str) -> int:
         if not self.adaptive:
@@ -49,11 +55,8 @@ class AdaptiveK:
         rate = stats.rate
         k = self.k_max if rate >= 1.0 else int(math.log(MIN_ACCEPT_CHANCE) / math.log(rate))
         k = max(0, min(k, self.k_max))
-        if k == 0:
-            stats.skipped += 1
-            if stats.skipped >= PROBE_EVERY:
-                stats.skipped = 0
-                return 1
+        if k == 0 and self._step > 0 and self._step % PROBE_EVERY == 0:
+            return 1
         return k
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:

@@ -20,6 +20,7 @@ class _Range:
     on_requests: float = 0.0
     on_tokens: float = 0.0
     on_proposed: float = 0.0
+    on_steps: int = 0  # speculating steps seen, undecayed
     # Cost, from timing: extra step time per proposed token per request, relative to a plain
     # step (a local linear model of the forward's cost in its number of query tokens).
     cost: float = 0.0
@@ -39,6 +40,10 @@ class _Range:
         tokens = self.on_tokens / self.on_requests  # per request per step; 1 without
         proposed = self.on_proposed / self.on_requests
         return tokens / (1.0 + max(self.cost, 0.0) * proposed)
+
+    def free_gain(self) -> float:
+        """The gain if speculating cost nothing: what acceptance alone allows."""
+        return self.on_tokens / self.on_requests if self.on_requests else 1.0
 
 
 class BatchGate:
@@ -80,6 +85,10 @@ class BatchGate:
 
     def _interval(self, r: _Range) -> int:
         if r.cost_samples < self.min_samples:
+            # Too few tokens proposed to time (adaptive k down to probes, for instance) and
+            # too few accepted to pay even for free: nothing to learn quickly.
+            if r.on_steps >= self.min_samples and r.free_gain() < 1 + self.margin:
+                return self.confident_every
             return 2 * self.burst_steps
         if abs(math.log(r.gain())) >= self.confident_log_gain:
             return self.confident_every
@@ -123,6 +132,7 @@ class BatchGate:
             r.on_requests = d * r.on_requests + n
             r.on_tokens = d * r.on_tokens + num_tokens
             r.on_proposed = d * r.on_proposed + num_proposed
+            r.on_steps += 1
         step = (seconds, 1.0, num_proposed / n)
         if speculated == r.speculate:
             r.base = tuple(self.decay * b + x for b, x in zip(r.base, step, strict=True))
@@ -133,6 +143,10 @@ class BatchGate:
         if r.cost_samples >= self.min_samples:
             gain = r.gain()
             r.speculate = gain > 1 - self.margin if r.speculate else gain > 1 + self.margin
+        elif r.on_steps >= self.min_samples:
+            # No cost measured yet; a speculating step costs at least a plain one, so
+            # acceptance alone can rule speculation out (a draft that is rarely right).
+            r.speculate = r.free_gain() > 1 + self.margin
 
     def _cost_sample(self, r: _Range, burst_speculated: bool) -> None:
         on, off = (r.burst, r.base) if burst_speculated else (r.base, r.burst)

@@ -60,6 +60,7 @@ class Speculator:
             self.num_gated_steps += bool(decoding)
             return None
         wanted = {}
+        self.k.start_step()
         for request in decoding:
             k = self._budget(request)
             if k > 0:

@@ -74,11 +74,14 @@ WRONG_PATTERNS = {
 }
 
 
+# "auto": verification rows go through the C++ decode kernel, one row per position, each at
+# its own context length; "torch": through the causal prefill path. Both must keep the text.
+@pytest.mark.parametrize("cpu_attention", ["auto", "torch"])
 @pytest.mark.parametrize("pattern", sorted(WRONG_PATTERNS))
-def test_scripted_proposals_keep_the_greedy_output(tiny_llama_dir, pattern):
+def test_scripted_proposals_keep_the_greedy_output(tiny_llama_dir, pattern, cpu_attention):
     prompts = _prompts()
     reference = _reference(tiny_llama_dir, prompts)
-    engine = spec_engine(tiny_llama_dir, k=5)
+    engine = spec_engine(tiny_llama_dir, k=5, cpu_attention=cpu_attention)
     engine.speculator.proposer = ScriptedProposer(
         {rid: c.token_ids for rid, c in reference.items()}, WRONG_PATTERNS[pattern],
         vocab=engine.model_config.vocab_size,
@@ -249,6 +252,36 @@ def test_smollm2_copying_a_text_gives_the_same_greedy_output_with_ngram(smollm2_
     assert stopped.token_ids == copy.token_ids[: index + 1]
     assert stopped.finish_reason == "stop"
     assert_no_leak(engine)
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_draft_model_gives_the_same_greedy_output(smollm2_dir):
+    """The draft path on a real model: SmolLM2 drafting for itself accepts its proposals
+    (all but float near-ties), so whole verified runs cross 16-token blocks, and a stop token
+    inside one ends the request on it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{COPY_TEXT}"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=5)
+    reference = _reference(smollm2_dir, {"copy": prompt}, params)["copy"]
+    engine = spec_engine(smollm2_dir, method="draft", k=4, draft=smollm2_dir, block_size=16,
+                         num_kv_blocks=32)
+    engine.add_request("copy", prompt, params)
+    ours = drive_checked(engine)["copy"]
+    _assert_same_or_near_tie(reference, ours)
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] > 0.9 * stats["spec_proposed_tokens"] > 20
+    index = _inside_a_run(ours)
+    engine.add_request("copy-stop", prompt, dataclasses.replace(
+        params, stop_token_ids=(ours.token_ids[index],)))
+    stopped = drive_checked(engine)["copy-stop"]
+    assert stopped.token_ids == ours.token_ids[: index + 1]
+    assert stopped.finish_reason == "stop"
+    assert_no_leak(engine)
+    assert draft_pool_is_free(engine)
 
 
 def _inside_a_run(result: Collected) -> int:

@@ -90,12 +90,36 @@ def test_adaptive_k_probes_a_request_it_stopped_speculating_for():
     policy = AdaptiveK(k_max=4)
     for _ in range(30):
         policy.record("r", 1, 0)
-    ks = [policy.num_tokens("r") for _ in range(2 * PROBE_EVERY)]
+    ks = []
+    for _ in range(2 * PROBE_EVERY):
+        policy.start_step()
+        ks.append(policy.num_tokens("r"))
     assert ks.count(1) == 2 and ks.count(0) == 2 * PROBE_EVERY - 2
     # A request that starts copying earns k back.
     for _ in range(30):
         policy.record("r", 1, 1)
     assert policy.num_tokens("r") == 4
+
+
+def test_adaptive_k_probes_every_stopped_request_on_the_same_steps():
+    # A draft model's forward costs about the same for one probe as for many: requests that
+    # stopped speculating at different times must not spread their probes over most steps.
+    policy = AdaptiveK(k_max=4)
+    for rid, rejections in (("a", 12), ("b", 5), ("c", 3)):
+        for _ in range(rejections):
+            policy.record(rid, 1, 0)
+    proposing_steps = []
+    for step in range(4 * PROBE_EVERY):
+        policy.start_step()
+        ks = {rid: policy.num_tokens(rid) for rid in "abc"}
+        for rid, k in ks.items():
+            if k:
+                policy.record(rid, k, 0)
+        if any(ks.values()):
+            proposing_steps.append(step)
+    # Once all three are down to k = 0 (within a few steps), one probing step in PROBE_EVERY.
+    assert [s for s in proposing_steps if s >= PROBE_EVERY] == [
+        s for s in range(PROBE_EVERY, 4 * PROBE_EVERY) if (s + 1) % PROBE_EVERY == 0]
 
 
 def test_adaptive_k_rule_keeps_tokens_whose_acceptance_chance_is_worth_it():
@@ -171,6 +195,22 @@ def test_gate_keeps_most_of_speculations_gain_where_it_pays():
         # estimated from the latest steps' acceptance (all-or-nothing here, so noisy).
         assert gate.snapshot()["1+"]["cost"] == pytest.approx(0.175, rel=0.35)
         assert 1.3 < gate.snapshot()["1+"]["gain"] < 2.7
+
+
+def test_gate_turns_off_a_rarely_right_draft_whose_cost_it_cannot_time():
+    # Batch 16 with a draft that is almost never right: adaptive k has cut proposals to a
+    # probe or two per step, too few to time their cost, yet every speculating step pays a
+    # draft forward (30% of a plain step). Acceptance alone shows there is nothing to win.
+    def on_step(rng):
+        return 16 + (rng.random() < 0.02), 0.09 * 1.3, 2
+
+    plain = _plain_step(16)
+    for seed in range(3):
+        best, _ = _simulate(None, 16, plain, plain, 600, seed)
+        gate = BatchGate()
+        got, choices = _simulate(gate, 16, on_step, plain, 600, seed)
+        assert got > 0.95 * best, (seed, got, best)
+        assert sum(choices[100:]) < 0.1 * len(choices[100:])
 
 
 def test_gate_steps_down_where_speculation_loses():

@@ -1,0 +1,117 @@
+"""The C++ small-M bfloat16 linear kernel (kernels/cpu/small_m_linear.cpp) against its torch
+reference, kernels.linear.small_m_linear_reference, and the engine with either linear path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import drive
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+from kernels import cpu_kernels
+from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available, small_m_linear_reference
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_kernels.load() or not small_m_linear_available(), reason="the CPU lacks avx512_bf16"
+)
+
+# Both sides round one float32 sum to bf16; summed in another order, the sums differ by a few
+# float32 ulps, which can move the rounded result by one bf16 ulp (2^-8 relative).
+RTOL, ATOL = 2**-7, 1e-3
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    return x, weight, b
+
+
+def _kernel(x, weight, bias=None, portable=False):
+    return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias, portable)
+
+
+PATHS = [pytest.param(False, marks=needs_avx512_bf16, id="avx512_bf16"),
+         pytest.param(True, id="portable")]
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("n,k", [
+    (960, 576),  # SmolLM2 qkv: whole tiles, K a multiple of 32
+    (67, 576),  # N not a multiple of the 4-row tile
+    (13, 1536),  # SmolLM2 down_proj's K
+    (6, 64),
+    (37, 100),  # K not a multiple of 32: the masked tail
+    (3, 7),  # all tail
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_m_linear_matches_the_torch_reference(portable, n, k, bias):
+    for m in range(1, max(SMALL_M_MAX_ROWS, 9) + 1):  # beyond the engine's threshold as well
+        x, weight, b = _case(m, n, k, bias, seed=m)
+        out = _kernel(x, weight, b, portable)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        torch.testing.assert_close(out, small_m_linear_reference(x, weight, b), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_small_m_linear_reads_strided_rows_and_copies_strided_columns(portable):
+    x, weight, _ = _case(3, 40, 96, bias=False)
+    wide = torch.randn(3, 200).bfloat16()
+    wide[:, 50:146] = x
+    rows = wide[:, 50:146]  # a row stride of 200, as a slice of a fused projection
+    columns = x.T.contiguous().T  # unit stride along M, not along K
+    expected = small_m_linear_reference(x, weight)
+    for view in (rows, columns):
+        torch.testing.assert_close(_kernel(view, weight, None, portable), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_small_m_linear_takes_no_rows_and_rejects_float32():
+    x, weight, _ = _case(1, 8, 32, bias=False)
+    assert _kernel(x[:0], weight).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        _kernel(x.float(), weight.float())
+
+
+def _bf16_engine(model_dir, cpu_linear: str) -> LLMEngine:
+    # One token per step, prompts included, so that every matmul of every step has M = 1.
+    scheduler = SchedulerConfig(max_num_batched_tokens=1, long_prefill_token_threshold=1)
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="bfloat16", device="cpu", block_size=4, num_kv_blocks=64,
+        scheduler=scheduler, cpu_linear=cpu_linear,
+    ))
+
+
+@needs_avx512_bf16
+def test_engine_logprobs_agree_with_either_linear_in_bfloat16(tiny_llama_dir):
+    """The kernel and torch's bf16 mm sum in different orders, and every layer rounds its output
+    to bf16, so the two paths' logits differ in the last bits; greedy tokens of a random tiny
+    model may then legitimately part at a near-tie. So the same (teacher-forced) prompt is scored
+    by both and the prompt logprobs compared within a bf16 tolerance; the profiler shows the
+    kernel really ran in one engine and not in the other."""
+    prompt = list(range(5, 5 + 24))
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    logprobs, calls = {}, {}
+    for choice in ("torch", "cpp"):
+        engine = _bf16_engine(tiny_llama_dir, choice)
+        assert engine.runner.small_m_linear == (choice == "cpp")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.add_request("r", prompt, params)
+            result = drive(engine)["r"]
+        calls[choice] = sum(e.count for e in prof.key_averages() if "small_m_linear" in e.key)
+        logprobs[choice] = torch.tensor([p.logprob for p in result.prompt_logprobs[1:]])
+    assert calls["torch"] == 0 and calls["cpp"] > 0
+    # Logits of about 10 are a bf16 ulp (1/16) apart; torch.testing's bf16 rtol is two ulps.
+    # (Measured: at most 0.04 apart; a wrong kernel is off by whole nats.)
+    torch.testing.assert_close(logprobs["cpp"], logprobs["torch"], rtol=1.6e-2, atol=1e-2)
+
+
+def test_cpu_linear_cpp_in_float32_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="cpu_linear 'cpp' needs --dtype bfloat16"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                               num_kv_blocks=16, cpu_linear="cpp"))
