@@ -168,6 +168,7 @@ class Preprocessor:
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            disable_speculation=req.disable_speculation,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

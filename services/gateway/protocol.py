@@ -34,6 +34,9 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # splitserve extension: opt this request out of speculative decoding (same output
+    # distribution, only the speed changes)
+    disable_speculation: bool = False
     n: int = 1
     user: str | None = None
 
