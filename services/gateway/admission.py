@@ -47,6 +47,7 @@ class Ticket:
     lease: Lease | None = None
     seq: int = 0
     released_at: float | None = None  # left the queue for the workers
+    inflight_at_release: int = 0  # requests in flight when it was released
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
     output_tokens: int = 0
@@ -227,6 +228,7 @@ class Admission:
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
         self.estimator.released(ticket.prompt_tokens)
+        ticket.inflight_at_release = self.inflight
         self.inflight += ticket.slots
         ticket.released_at = now
         self.room.released(ticket.prompt_tokens, ticket.blocks)
@@ -276,7 +278,8 @@ class Admission:
             ticket.first_token_at - ticket.arrival)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
-                                   ticket.first_token_at - ticket.arrival)
+                                   ticket.first_token_at - ticket.arrival,
+                                   ticket.inflight_at_release)
 
     def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
         self.metrics.rejected.labels(tenant.name, reason).inc()

@@ -6,7 +6,13 @@ of the request divided by the rate the cluster takes work, measured only while r
 waiting (otherwise the release rate is the arrival rate, not the capacity); it is measured in
 requests and in prompt tokens, and the slower of the two governs, so the estimate holds
 whether decode slots or prefill compute is the bottleneck. The service time is an average of
-what released requests took to their first token.
+what released requests took to their first token, kept per load level (requests in flight at
+release, in powers of two): a burst's multi-second first tokens say nothing about a quiet
+cluster, and one average over both would keep rejecting long after the burst is gone.
+
+An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
+to wait behind, and a refusal there would also stop the estimate from ever learning that the
+cluster is quick again.
 
 Before any backlog was measured, the drain rate is taken from Little's law (slots in use over
 the average request duration). And the estimate learns its own error: the 95th percentile of
@@ -35,7 +41,8 @@ class TTFTEstimator:
         self._clock = clock
         self.requests_per_s: float | None = None  # drain rate while backlogged
         self.tokens_per_s: float | None = None
-        self.service_s: float | None = None  # release -> first token
+        self.service_s: float | None = None  # release -> first token, any load
+        self._service_by_load: dict[int, float] = {}  # the same, by _load_level(in flight)
         self.duration_s: float | None = None  # release -> end
         self._errors: deque[float] = deque(maxlen=200)  # actual - predicted TTFT, seconds
         self._busy_since: float | None = None
@@ -64,10 +71,15 @@ class TTFTEstimator:
         self._close_window()
 
     def first_token(self, seconds: float, predicted_ttft: float | None = None,
-                    actual_ttft: float | None = None) -> None:
-        """A released request's first token, `seconds` after its release; with what its TTFT
-        was predicted to be and turned out to be, when it was predicted."""
+                    actual_ttft: float | None = None, inflight_at_release: int | None = None) -> None:
+        """A released request's first token, `seconds` after its release (into a cluster with
+        `inflight_at_release` requests in flight); with what its TTFT was predicted to be and
+        turned out to be, when it was predicted."""
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
+        if inflight_at_release is not None:
+            level = _load_level(inflight_at_release)
+            self._service_by_load[level] = _ewma(self._service_by_load.get(level), seconds,
+                                                 self.alpha)
         if predicted_ttft is not None and actual_ttft is not None:
             self._errors.append(actual_ttft - predicted_ttft)
 
@@ -84,9 +96,11 @@ class TTFTEstimator:
                  room_now: bool, slots_in_use: int = 0) -> float | None:
         """Seconds to this request's first token (the plain estimate), or None before
         anything was measured."""
-        service = self.service_s or 0.0
         if room_now and requests_ahead == 0:
-            return service
+            if slots_in_use == 0:
+                return 0.0  # idle: see the module docstring
+            return self.service_at(slots_in_use)
+        service = self.service_at(slots_in_use)
         rate, tokens_rate = self.requests_per_s, self.tokens_per_s
         if rate is None and self.duration_s and slots_in_use:
             rate = slots_in_use / self.duration_s
@@ -109,6 +123,14 @@ class TTFTEstimator:
             wait = max(wait, tokens_ahead / tokens_rate)
         return wait + service
 
+    def service_at(self, inflight: int) -> float:
+        """Release -> first token with `inflight` requests in flight: what was measured at that
+        load level, else at the nearest lower one measured, else at any load."""
+        for level in range(_load_level(inflight), -1, -1):
+            if level in self._service_by_load:
+                return self._service_by_load[level]
+        return self.service_s or 0.0
+
     def margin(self, target_s: float) -> float:
         """What to add to a plain estimate: its recent 95th-percentile error, within half the
         target either way (0 until 20 requests were seen)."""
@@ -126,6 +148,11 @@ class TTFTEstimator:
                                     self.alpha)
         self.tokens_per_s = _ewma(self.tokens_per_s, window.tokens / window.busy_s, self.alpha)
         self._window = _Window()
+
+
+def _load_level(inflight: int) -> int:
+    """0 for an idle cluster, then one level per power of two: 1, 2-3, 4-7, 8-15, ..."""
+    return max(0, inflight).bit_length()
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

@@ -86,10 +86,31 @@ def test_estimate_uses_the_slower_of_requests_and_tokens():
     estimator = TTFTEstimator()
     assert estimator.estimate(3, 300, 100, room_now=False) is None  # nothing measured yet
     estimator.requests_per_s, estimator.tokens_per_s, estimator.service_s = 10.0, 1000.0, 0.05
-    assert estimator.estimate(0, 0, 100, room_now=True) == pytest.approx(0.05)
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=2) == pytest.approx(0.05)
     assert estimator.estimate(3, 300, 100, room_now=False) == pytest.approx(0.45)
     # Long prompts ahead: tokens, not request count, bound the wait.
     assert estimator.estimate(3, 3000, 1000, room_now=False) == pytest.approx(3.05)
     # A long prompt of its own with nothing ahead waits for a slot, not for a token rate
     # measured on others' (perhaps short) prompts: its prefill is in the service time.
     assert estimator.estimate(0, 0, 5000, room_now=False) == pytest.approx(0.15)
+
+
+def test_an_idle_cluster_is_never_predicted_late():
+    """After a burst whose first tokens took seconds, a request arriving to an idle cluster is
+    admitted (predicted 0): refusing it would also keep the estimate from ever relearning."""
+    estimator = TTFTEstimator(alpha=1.0)
+    for inflight in range(32):  # a burst: everything released at once, first tokens late
+        estimator.first_token(3.5, inflight_at_release=inflight)
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=5) == pytest.approx(3.5)
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=0) == 0.0
+
+
+def test_service_time_is_kept_per_load_level():
+    estimator = TTFTEstimator(alpha=1.0)
+    estimator.first_token(3.0, inflight_at_release=20)  # under a burst
+    estimator.first_token(0.2, inflight_at_release=1)  # light load
+    assert estimator.service_at(1) == pytest.approx(0.2)
+    assert estimator.service_at(3) == pytest.approx(0.2)  # 2-3 not measured: the level below
+    assert estimator.service_at(20) == pytest.approx(3.0)
+    assert estimator.service_at(40) == pytest.approx(3.0)
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=1) == pytest.approx(0.2)
