@@ -1,7 +1,7 @@
 """`python -m bench.compare`: start each system, sweep the workloads, write the report.
 
     python -m bench.compare --quick     # tiny random model, a few minutes (make bench)
-    python -m bench.compare             # SmolLM2-135M, about 15 minutes on 2 cores
+    python -m bench.compare             # SmolLM2-135M, bf16: about 30 minutes on 2 cores
     python -m bench.compare --report-only bench/results/2026-11-29   # re-render a report
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.compare.report import render, render_from
 from bench.compare.sweep import full_plan, quick_plan, run_sweep
-from bench.compare.systems import SYSTEMS, PeerOptions
+from bench.compare.systems import SYSTEMS, ServeOptions
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -38,10 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", help="override the chat workload's rates, e.g. 0.5,1,2")
     p.add_argument("--duration", type=float, help="override seconds of arrivals per rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peer-dtype", default="auto", help="transformers serve --dtype")
+    p.add_argument("--dtype", default="",
+                   help="every system's dtype (default: bfloat16 where this CPU multiplies it "
+                   "natively, else float32; the tiny --quick model: float32)")
+    p.add_argument("--peer-dtype", default="", help="transformers serve --dtype (default: --dtype)")
     p.add_argument("--peer-blocks", type=int, default=4096, help="transformers serve blocks")
     p.add_argument("--peer-threads", type=int, default=0,
-                   help="OMP_NUM_THREADS for transformers serve (0: torch's default)")
+                   help="OMP_NUM_THREADS for transformers serve (0: the machine's cores, the "
+                   "total splitserve's workers get)")
+    p.add_argument("--gateway-ttft-target-s", type=float, default=0.0,
+                   help="splitserve gateway's early rejection by predicted TTFT (0: off, the "
+                   "default, so that every system is measured without admission control)")
     p.add_argument("--append", action="store_true",
                    help="keep the other systems' results already in --out (re-run some systems)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<date>, "
@@ -50,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-render DIR/report.md from DIR/results.json and exit")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def default_dtype(quick: bool) -> str:
+    if quick:
+        return "float32"
+    from engine.config import cpu_has_fast_bf16
+
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = args.model or DEFAULT_MODEL
     plan = (quick_plan if args.quick else full_plan)(str(model), systems)
-    plan = replace(plan, seed=args.seed, peer=PeerOptions(args.peer_dtype, args.peer_blocks,
-                                                          num_threads=args.peer_threads))
+    plan = replace(plan, seed=args.seed, serve=ServeOptions(
+        dtype=args.dtype or default_dtype(args.quick), peer_dtype=args.peer_dtype,
+        cb_num_blocks=args.peer_blocks, peer_threads=args.peer_threads,
+        gateway_ttft_target_s=args.gateway_ttft_target_s))
     workloads = plan.workloads
     if args.workloads:
         wanted = set(args.workloads.split(","))

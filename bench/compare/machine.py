@@ -1,10 +1,13 @@
-"""What a benchmark ran on: cores, CPU model, library versions, commit."""
+"""What a benchmark ran on (cores, CPU model, library versions, commit), and how much of the
+machine's CPU other work took while it ran."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import time
+from pathlib import Path
 
 
 def machine() -> dict:
@@ -25,6 +28,71 @@ def machine() -> dict:
                                 text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": cores, "cpu": cpu, "python": platform.python_version(), "commit": commit,
+    return {"cores": cores(), "cpu": cpu, "python": platform.python_version(), "commit": commit,
             **versions}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_seconds() -> float:
+    """CPU seconds every core spent busy since boot, steal time (taken by the hypervisor for
+    other guests) included. /proc/stat's first line: user nice system idle iowait irq softirq
+    steal ..."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def _process_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), 0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def process_tree(root: int) -> list[int]:
+    """root and every live descendant (by parent pid; sessions do not matter)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+class ForeignCpu:
+    """Share of the machine's CPU time, over a measured interval, that went to anything but the
+    benchmark's own processes (the system under test's process tree and this load generator):
+    other tenants' jobs and hypervisor steal. 0 means the benchmark had the machine to itself.
+    Read at start and stop by the sweep's main thread."""
+
+    def __init__(self, system_root_pid: int) -> None:
+        self.pids = [os.getpid(), *process_tree(system_root_pid)]
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        return time.monotonic(), _busy_seconds(), sum(_process_seconds(p) for p in self.pids)
+
+    def stop(self) -> dict:
+        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._read()
+        capacity = max((t1 - t0) * cores(), 1e-9)
+        return {"foreign_cpu_share": round(max(0.0, (busy1 - busy0) - (ours1 - ours0)) / capacity, 3),
+                "own_cpu_share": round((ours1 - ours0) / capacity, 3),
+                "loadavg_1m_end": round(os.getloadavg()[0], 2)}

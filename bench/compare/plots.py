@@ -8,8 +8,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from bench.compare.targets import points_of  # noqa: E402
+from bench.compare.targets import failed, points_of  # noqa: E402
 
 # (file suffix, title, y label, value from a summary, log scale)
 PANELS = (
@@ -33,9 +34,17 @@ def plot_workload(results: dict, workload: str, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
         for system in systems:
             pts = [p for p in points_of(results, system, workload) if p["rate"] is not None]
-            xs = [p["rate"] for p in pts if value(p["summary"]) is not None]
-            ys = [value(p["summary"]) for p in pts if value(p["summary"]) is not None]
-            ax.plot(xs, ys, marker="o", label=results["systems"][system]["label"])
+            # A point that mostly timed out has latencies of its few finished requests only:
+            # drawn as an x on the top edge of the latency panels, not as a (flattering) value.
+            lost = [p for p in pts if log and failed(p)]
+            pts = [p for p in pts if value(p["summary"]) is not None and not (log and failed(p))]
+            line, = ax.plot([p["rate"] for p in pts], [value(p["summary"]) for p in pts],
+                            marker="o", label=results["systems"][system]["label"])
+            if lost:
+                ax.scatter([p["rate"] for p in lost], [1.0] * len(lost), marker="x", s=60,
+                           color=line.get_color(), clip_on=False,
+                           transform=blended_transform_factory(ax.transData, ax.transAxes),
+                           label=f"{results['systems'][system]['label']}: most requests timed out")
         if suffix == "ttft_p99":
             ax.axhline(slo["ttft_s"], color="grey", linestyle="--", linewidth=1,
                        label=f"target {slo['ttft_s']:g} s")

@@ -30,11 +30,17 @@ def _x(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+def _foreign(point: dict) -> str:
+    """Share of the machine's CPU that went to other work during the point (older results: -)."""
+    cpu = point.get("cpu")
+    return "-" if cpu is None else f"{cpu['foreign_cpu_share']:.0%}"
+
+
 def workload_table(results: dict, workload: str) -> list[str]:
     rows = ["| system | offered req/s | achieved req/s | out tok/s | TTFT p50 / p99 ms "
             "| TPOT p50 / p99 ms | ITL p99 ms | goodput req/s | ok / sent | 429 | 503 "
-            "| other failures | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| other failures | CPU to others | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, info in results["systems"].items():
         for p in points_of(results, system, workload):
             s = p["summary"]
@@ -50,32 +56,33 @@ def workload_table(results: dict, workload: str) -> list[str]:
                 f"| {_ms(s['tpot_s']['p50'])} / {_ms(s['tpot_s']['p99'])} "
                 f"| {_ms(s['itl_s']['p99'])} | {s['goodput']:.2f} "
                 f"| {s['completed']} / {s['requests']} | {s['rejected_429']} "
-                f"| {s['rejected_503']} | {other} | {p.get('note', '')} |")
+                f"| {s['rejected_503']} | {other} | {_foreign(p)} | {p.get('note', '')} |")
     return rows
 
 
 def headline(results: dict) -> list[str]:
     slo = results["plan"]["slo"]
-    lines = ["| target | splitserve disaggregated | transformers serve | ratio |",
-             "|---|---|---|---|"]
+    lines = ["| target | splitserve disaggregated | splitserve aggregated | transformers serve "
+             "| disaggregated / transformers serve |", "|---|---|---|---|---|"]
+    systems = (DISAGG, AGG, PEER)
     if any(p["workload"] == "burst" for p in results["points"]):
         tput = {s: next((p["summary"]["output_throughput"] for p in points_of(results, s, "burst")),
-                        None) for s in (DISAGG, PEER)}
+                        None) for s in systems}
         lines.append(f"| burst output throughput (tok/s) | {_num(tput[DISAGG], 1)} "
-                     f"| {_num(tput[PEER], 1)} | {_x(ratio(tput[DISAGG], tput[PEER]))} |")
-    good = {s: peak_goodput(points_of(results, s, "chat")) for s in (DISAGG, PEER)}
+                     f"| {_num(tput[AGG], 1)} | {_num(tput[PEER], 1)} "
+                     f"| {_x(ratio(tput[DISAGG], tput[PEER]))} |")
+    good = {s: peak_goodput(points_of(results, s, "chat")) for s in systems}
     shown = {s: f"{g:.2f} (at {r:g})" if r is not None else f"{g:.2f}" for s, (g, r) in good.items()}
     lines.append(
         f"| chat peak goodput, TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s'] * 1e3:g} ms "
-        f"(req/s, at offered rate) | {shown[DISAGG]} | {shown[PEER]} "
+        f"(req/s, at offered rate) | {shown[DISAGG]} | {shown[AGG]} | {shown[PEER]} "
         f"| {_x(ratio(good[DISAGG][0], good[PEER][0]))} |")
     bounds = {s: max_sustainable_rate(points_of(results, s, "chat"), slo["ttft_s"])
-              for s in (DISAGG, PEER)}
+              for s in systems}
     lines.append(
         f"| chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s) "
-        f"| {bounds[DISAGG].text() if bounds[DISAGG] else '-'} "
-        f"| {bounds[PEER].text() if bounds[PEER] else '-'} "
-        f"| {_x(ratio(*(b.value if b else None for b in (bounds[DISAGG], bounds[PEER]))))} |")
+        + "".join(f"| {bounds[s].text() if bounds[s] else '-'} " for s in systems)
+        + f"| {_x(ratio(*(b.value if b else None for b in (bounds[DISAGG], bounds[PEER]))))} |")
     inter = {s: next(iter(points_of(results, s, "interference")), None) for s in (DISAGG, AGG)}
     itl = {s: class_metric(p, "steady", "itl_s", "p99") if p else None for s, p in inter.items()}
     lines += ["", "| interference (steady streams) | splitserve disaggregated "
@@ -108,7 +115,7 @@ def render(results: dict, out_dir: Path) -> Path:
              "transformers serve: `generation_config` with `eos_token_id: -1`); prompts were built "
              "to exact token counts with the model's tokenizer. Goodput counts requests with "
              f"TTFT <= {plan['slo']['ttft_s']:g} s and TPOT <= {plan['slo']['tpot_s'] * 1e3:g} ms.",
-             ""]
+             *_setup(plan, m), ""]
     if plan["quick"]:
         lines += ["**Quick mode: a tiny random model and seconds-long runs. This checks that every "
                   "system starts, serves and is measured; its numbers are not a performance "
@@ -122,6 +129,9 @@ def render(results: dict, out_dir: Path) -> Path:
     if command:
         lines += [f"Command: `{command}`", ""]
     lines += ["## Targets", "", *headline(results), ""]
+    notes = out_dir / "notes.md"  # written by hand: what the tables alone do not say
+    if notes.exists():
+        lines += ["## Notes", "", notes.read_text().strip(), ""]
     for info in results["systems"].values():
         if "error" in info:
             lines += [f"**{info['label']} failed:** `{info['error'].splitlines()[0]}` "
@@ -145,6 +155,22 @@ def render(results: dict, out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _setup(plan: dict, m: dict) -> list[str]:
+    """dtype and torch threads per process, and what 'CPU to others' means."""
+    serve = plan.get("serve")
+    if serve is None:  # results from before these were recorded
+        return []
+    threads = serve["peer_threads"] or m["cores"]
+    prefill = max(1, m["cores"] // 2)
+    return [f"dtype {serve['dtype']} for splitserve, {serve['peer_dtype'] or serve['dtype']} for "
+            f"transformers serve. Torch threads: disaggregated {prefill} (prefill) + "
+            f"{max(1, m['cores'] - prefill)} (decode); aggregated {m['cores']} (one worker); "
+            f"transformers serve {threads}; the gateway and the load generator run no torch "
+            "and share the same cores. 'CPU to others' is the share of the machine's CPU time "
+            "during a point that went to neither the system under test nor the load generator "
+            "(other jobs, hypervisor steal): 0% is a quiet machine."]
 
 
 def _class_rows(results: dict, workload: str) -> list[str]:

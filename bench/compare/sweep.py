@@ -11,8 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.compare.machine import machine
-from bench.compare.systems import SYSTEMS, PeerOptions, RunningSystem, start_system
+from bench.compare.machine import ForeignCpu, machine
+from bench.compare.systems import SYSTEMS, RunningSystem, ServeOptions, start_system
 from bench.loadgen.arrivals import Burst, Poisson
 from bench.loadgen.client import Target
 from bench.loadgen.metrics import SLO
@@ -44,20 +44,23 @@ class SweepPlan:
     seed: int = 0
     drain_timeout_s: float = 60.0
     stop_ttft_s: float = 5.0  # a rate whose TTFT p99 exceeds this ends that system's sweep
-    peer: PeerOptions = field(default_factory=PeerOptions)
+    serve: ServeOptions = field(default_factory=ServeOptions)
     quick: bool = False
 
 
 def full_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
-    """SmolLM2-sized: about 15 minutes on 2 CPU cores."""
+    """SmolLM2-sized: about 30 minutes on 2 CPU cores (less where a system saturates early).
+    60 s per rate: at the low rates that resolve the peer's knee, 30 s held too few requests
+    for a p99 that means anything."""
     return SweepPlan(model_dir, systems, (
         WorkloadPlan("burst", preset("fixed", input_len=128, output_len=128), burst=32,
                      drain_timeout_s=300.0, about="32 requests of 128 in / 128 out sent at once"),
-        WorkloadPlan("chat", preset("chat"), rates=(0.25, 0.5, 1.0, 2.0), duration_s=30.0,
+        WorkloadPlan("chat", preset("chat"), rates=(0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0),
+                     duration_s=60.0,
                      about="chat-like long-tailed mix, prompt 64-512, output 32-256, Poisson"),
-        WorkloadPlan("interference", preset("interference", long_prompt_len=1536), rates=(0.5,),
-                     duration_s=30.0, systems=("splitserve-disagg", "splitserve-agg"),
-                     about="80% steady (64 in / 192 out) + 20% long prompts (1536 in / 4 out)"),
+        WorkloadPlan("interference", preset("interference", long_prompt_len=2048), rates=(0.5,),
+                     duration_s=60.0, systems=("splitserve-disagg", "splitserve-agg"),
+                     about="80% steady (64 in / 192 out) + 20% long prompts (2048 in / 4 out)"),
     ), drain_timeout_s=45.0)
 
 
@@ -122,7 +125,7 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
                                            "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
         t0 = time.monotonic()
         try:
-            running = start_system(spec, plan.model_dir, out_dir / "logs", plan.peer)
+            running = start_system(spec, plan.model_dir, out_dir / "logs", plan.serve)
         except RuntimeError as exc:
             info["error"] = f"did not start: {exc}"
             save()
@@ -169,20 +172,23 @@ def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builde
     drain = plan.drain_timeout_s if wp.drain_timeout_s is None else wp.drain_timeout_s
     config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=plan.seed,
                        slo=plan.slo, drain_timeout_s=drain, progress=progress)
+    load_start = round(os.getloadavg()[0], 2)
+    foreign = ForeignCpu(running.process.pid)
     result = asyncio.run(run_load(config, builder))
+    cpu = {"loadavg_1m_start": load_start, **foreign.stop()}
     raw = raw_dir / f"{running.spec.name}_{wp.name}_{'burst' if rate is None else rate}.json"
     raw.write_text(json.dumps(result.to_json()))
     return {"system": running.spec.name, "workload": wp.name, "rate": rate,
             "summary": result.summary.to_json(),
             "by_class": {k: v.to_json() for k, v in result.by_class.items()},
-            "send_lag_s": asdict(result.send_lag_s), "config": config.describe(),
+            "send_lag_s": asdict(result.send_lag_s), "config": config.describe(), "cpu": cpu,
             "raw": str(raw.relative_to(raw_dir.parent))}
 
 
 def _describe(plan: SweepPlan) -> dict:
     return {"model_dir": plan.model_dir, "systems": list(plan.systems), "quick": plan.quick,
             "seed": plan.seed, "slo": asdict(plan.slo), "drain_timeout_s": plan.drain_timeout_s,
-            "stop_ttft_s": plan.stop_ttft_s, "peer": asdict(plan.peer),
+            "stop_ttft_s": plan.stop_ttft_s, "serve": asdict(plan.serve),
             "workloads": [{"name": w.name, "about": w.about, "rates": list(w.rates),
                            "burst": w.burst, "duration_s": w.duration_s,
                            "drain_timeout_s": w.drain_timeout_s or plan.drain_timeout_s,

@@ -18,22 +18,39 @@ from pathlib import Path
 
 import httpx
 
+from bench.compare.machine import cores
 from splitserve_cli.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
-class PeerOptions:
-    """`transformers serve` settings. The issue author's reference numbers used bf16 and 4096
-    blocks of 16; the default here keeps the checkpoint's dtype (float32 for the converted
-    SmolLM2), the one splitserve serves, so both run the same arithmetic."""
+class ServeOptions:
+    """What every system is started with, so they all run the same arithmetic on the same
+    cores. `dtype` goes to splitserve's workers (SPLITSERVE_DTYPE, which `splitserve up` passes
+    on) and to `transformers serve --dtype`. On a CPU with native bfloat16 dot products
+    (AVX512-BF16, AMX) bfloat16 is several times faster than float32 for both; splitserve's own
+    CPU default is float32 only for batch-invariant greedy tokens (engine/config.py).
+
+    Threads: splitserve up splits the cores between its workers (disaggregated: 1 torch thread
+    each for prefill and decode on 2 cores; aggregated: 2 for the one worker); the peer gets
+    the same total, `peer_threads` (0: all the cores), as OMP_NUM_THREADS. The issue author's
+    peer reference numbers used bf16 and 4096 blocks of 16."""
 
     dtype: str = "auto"
+    peer_dtype: str = ""  # "": the same as dtype
     cb_num_blocks: int = 4096
     cb_block_size: int = 16
     cb_max_batch_tokens: int = 0  # 0: transformers' own default
-    num_threads: int = 0  # OMP_NUM_THREADS for the server (0: torch's default, one per core)
+    peer_threads: int = 0
+    # The gateway's early rejection (503 when the predicted TTFT exceeds this; 0: off). Off by
+    # default: the sweep measures the latency of the serving path against a peer that has no
+    # admission control, and the estimator can stay pessimistic after a burst, rejecting every
+    # later request of an idle deployment (seen 2026-11-29: 503 "predicted 3.51s" at 0.1 req/s).
+    gateway_ttft_target_s: float = 0.0
+
+    def peer_omp_threads(self) -> int:
+        return self.peer_threads or cores()
 
 
 @dataclass(frozen=True)
@@ -42,17 +59,18 @@ class SystemSpec:
     label: str
     flavor: str  # how loadgen asks it for exact output lengths
 
-    def command(self, model_dir: str, port: int, peer: PeerOptions) -> list[str]:
+    def command(self, model_dir: str, port: int, opts: ServeOptions) -> list[str]:
         if self.name.startswith("splitserve-"):
             mode = self.name.removeprefix("splitserve-")
             return [sys.executable, "-m", "splitserve_cli.main", "up", "--mode", mode,
                     "--port", str(port), "--model", model_dir]
         return [str(Path(sys.executable).with_name("transformers")), "serve",
-                "--continuous-batching", "--device", "cpu", "--dtype", peer.dtype,
-                "--cb-num-blocks", str(peer.cb_num_blocks),
-                "--cb-block-size", str(peer.cb_block_size),
-                *(["--cb-max-batch-tokens", str(peer.cb_max_batch_tokens)]
-                  if peer.cb_max_batch_tokens else []),
+                "--continuous-batching", "--device", "cpu",
+                "--dtype", opts.peer_dtype or opts.dtype,
+                "--cb-num-blocks", str(opts.cb_num_blocks),
+                "--cb-block-size", str(opts.cb_block_size),
+                *(["--cb-max-batch-tokens", str(opts.cb_max_batch_tokens)]
+                  if opts.cb_max_batch_tokens else []),
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
 
 
@@ -110,17 +128,23 @@ def _wait_ready(spec: SystemSpec, process: subprocess.Popen, url: str, log_path:
     raise RuntimeError(f"{spec.name} was not ready at {probe} in time:\n{_log_tail(log_path)}")
 
 
-def start_system(spec: SystemSpec, model_dir: str, log_dir: Path, peer: PeerOptions = PeerOptions(),
+def start_system(spec: SystemSpec, model_dir: str, log_dir: Path,
+                 opts: ServeOptions = ServeOptions(),
                  startup_timeout_s: float = 300.0) -> RunningSystem:
     port = free_port()
-    command = spec.command(model_dir, port, peer)
+    command = spec.command(model_dir, port, opts)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    shown = []  # environment overrides, for the report
-    if peer.num_threads and not spec.name.startswith("splitserve-"):
-        env["OMP_NUM_THREADS"] = str(peer.num_threads)
-        shown.append(f"OMP_NUM_THREADS={peer.num_threads}")
+    if spec.name.startswith("splitserve-"):
+        # splitserve up sets each worker's OMP_NUM_THREADS itself (the cores split between them).
+        overrides = {"SPLITSERVE_DTYPE": opts.dtype,
+                     "SPLITSERVE_GATEWAY_TTFT_TARGET_S": f"{opts.gateway_ttft_target_s:g}"}
+    else:
+        threads = str(opts.peer_omp_threads())
+        overrides = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env.update(overrides)
+    shown = [f"{k}={v}" for k, v in overrides.items()]  # for the report
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, cwd=REPO, env=env,

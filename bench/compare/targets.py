@@ -11,13 +11,16 @@ def points_of(results: dict, system: str, workload: str) -> list[dict]:
     return sorted(pts, key=lambda p: -1.0 if p["rate"] is None else p["rate"])
 
 
-def _ttft_p99(point: dict) -> float | None:
-    """TTFT p99 of a point, or None when the point failed outright (timeouts, most requests
-    lost): such a point is past any TTFT target."""
+def failed(point: dict) -> bool:
+    """Timeouts, or most requests lost: the latencies of the few that finished say little."""
     s = point["summary"]
-    if s["timeouts"] > 0 or s["completed"] < s["requests"] / 2:
-        return None
-    return s["ttft_s"]["p99"]
+    return s["timeouts"] > 0 or s["completed"] < s["requests"] / 2
+
+
+def _ttft_p99(point: dict) -> float | None:
+    """TTFT p99 of a point, or None when the point failed outright: such a point is past any
+    TTFT target."""
+    return None if failed(point) else point["summary"]["ttft_s"]["p99"]
 
 
 @dataclass(frozen=True)
