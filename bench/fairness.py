@@ -315,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per policy")
     parser.add_argument("--inflight", type=int, default=4, help="--max-inflight-per-decode")
     parser.add_argument("--ttft-target-s", type=float, default=1.0)
-    parser.add_argument("--long", default="6:384:32",
+    parser.add_argument("--long", default="12:384:32",
                         help="tenant `long`: rate:prompt_len:output_len (req/s, tokens)")
-    parser.add_argument("--short", default="12:32:32", help="tenant `short`: the same")
+    parser.add_argument("--short", default="24:32:32", help="tenant `short`: the same")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
