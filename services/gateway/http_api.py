@@ -68,37 +68,33 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        record = _begin(gateway, request)
-        try:
-            tenant = gateway.admission.authenticate(request.headers.get("authorization"))
-            record.authenticated(tenant.name)
-            req = parse_body(CompletionRequest,
-                             await _read_body(request, gateway.config.max_body_bytes))
-            gateway.check_model(req.model)
-            specs = gateway.preprocessor.completion(record.request_id, req, gateway.limits())
-            fmt = CompletionFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-            return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
-        except BaseException as exc:
-            _failed(record, exc)
-            raise
+        return await _generate(gateway, request, CompletionRequest,
+                               gateway.preprocessor.completion, CompletionFormat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        record = _begin(gateway, request)
-        try:
-            tenant = gateway.admission.authenticate(request.headers.get("authorization"))
-            record.authenticated(tenant.name)
-            req = parse_body(ChatCompletionRequest,
-                             await _read_body(request, gateway.config.max_body_bytes))
-            gateway.check_model(req.model)
-            specs = gateway.preprocessor.chat(record.request_id, req, gateway.limits())
-            fmt = ChatFormat(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-            return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
-        except BaseException as exc:
-            _failed(record, exc)
-            raise
+        return await _generate(gateway, request, ChatCompletionRequest,
+                               gateway.preprocessor.chat, ChatFormat)
 
     return app
+
+
+async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
+                    format_type) -> Response:
+    """One completions or chat completions request: authenticate, parse, check the model,
+    turn it into generation specs with `preprocess`, serve them in `format_type`."""
+    record = _begin(gateway, request)
+    try:
+        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
+        record.authenticated(tenant.name)
+        req = parse_body(body_type, await _read_body(request, gateway.config.max_body_bytes))
+        gateway.check_model(req.model)
+        specs = preprocess(record.request_id, req, gateway.limits())
+        fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
+    except BaseException as exc:
+        _failed(record, exc)
+        raise
 
 
 def _begin(gateway: Gateway, request: Request) -> RequestRecord:
