@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write each point divided by the CPU contention it met (from the "
                              "kernel's schedstat): for sizing replicas that will own their cores "
                              "from a measurement on a shared host")
+    parser.add_argument("--colocated", type=int, nargs="?", const=1, default=0, metavar="BATCH",
+                        help="time every point while a real decode worker on this host streams "
+                             "BATCH (default 1) generations to a client: for a prefill and a "
+                             "decode worker that will share this machine's cores")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold, quick=args.quick,
         measure_worker_start=not args.no_worker_start, repeats=2 if args.quick else 3,
+        colocated_batch=args.colocated,
     )
     profile = measure_profile(settings)
     if args.without_contention:

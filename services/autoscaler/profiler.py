@@ -33,6 +33,11 @@ class ProfileSettings:
     quick: bool = False
     measure_worker_start: bool = True
     repeats: int = 3
+    # Time every point while a real decode worker streams `colocated_batch` generations to a
+    # client process, as a 1 prefill + 1 decode deployment sharing this host's cores does: the
+    # two phases then contend for the CPUs (scheduling, caches, memory bandwidth) and the
+    # per-token gRPC streaming costs CPU too. 0: each point with the machine to itself.
+    colocated_batch: int = 0
 
     @property
     def prefill_sizes(self) -> list[int]:
@@ -72,6 +77,19 @@ def measure_profile(settings: ProfileSettings, progress=print) -> HardwareProfil
              f"{engine.runner.device} {engine.runner.dtype}")
     rng = random.Random(0)
     _warm_up(engine, rng)
+    background = _ColocatedLoad(settings) if settings.colocated_batch else None
+    try:
+        result = _measure_points(engine, rng, settings, load_s, progress)
+    finally:
+        if background is not None:
+            background.stop()
+    if background is not None:
+        result.notes.update(colocated={"decode_batch": settings.colocated_batch,
+                                       "tokens_streamed": background.tokens})
+    return result
+
+
+def _measure_points(engine, rng, settings: ProfileSettings, load_s: float, progress) -> HardwareProfile:
     slowdowns: list[float] = []  # per point, in the order measured (prefill, then decode)
     prefill = [_timed(slowdowns, _time_prefill, engine, rng, n, settings)
                for n in settings.prefill_sizes]
@@ -226,3 +244,79 @@ def _time_worker_start(settings: ProfileSettings) -> float:
     elapsed = time.perf_counter() - start
     worker.kill(signal.SIGTERM)
     return elapsed
+
+
+class _ColocatedLoad:
+    """A real decode worker (the workers' flags) on this host, and a client process that keeps
+    `colocated_batch` generations streaming from it (128-token prompts, 256 tokens each, one
+    after another): the other phase of a 1 + 1 deployment sharing this machine, busy."""
+
+    def __init__(self, settings: ProfileSettings) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from splitserve_cli.processes import start_worker
+
+        self.tokens = 0
+        self.worker = start_worker(
+            "decode", settings.model, "--kv-cache-memory", settings.kv_cache_memory,
+            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+            "--metrics-port", "-1", "--dtype", settings.dtype, "--device", settings.device,
+            "--num-threads", str(settings.num_threads), timeout=300)
+        self.client = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from services.autoscaler.profiler import "
+             "colocated_client; colocated_client(sys.argv[1], int(sys.argv[2]))",
+             self.worker.address, str(settings.colocated_batch)],
+            cwd=str(Path(__file__).resolve().parent.parent.parent),
+            stdout=subprocess.PIPE, text=True)
+        line = self.client.stdout.readline()  # the first token streamed: the load is on
+        if not line.startswith("tokens"):
+            self.stop()
+            raise RuntimeError("colocated decode load did not start")
+        time.sleep(1.0)
+
+    def stop(self) -> None:
+        self.client.terminate()
+        try:
+            out, _ = self.client.communicate(timeout=10)
+            counts = [int(line.split()[1]) for line in out.splitlines() if line.startswith("tokens")]
+            self.tokens = max(counts, default=0)
+        except Exception:  # noqa: BLE001 - the count is informational only
+            self.client.kill()
+        self.worker.kill(signal.SIGTERM)
+
+
+def colocated_client(address: str, batch: int) -> None:
+    """Runs in its own process: `batch` concurrent streams from the decode worker at address,
+    each restarted when it ends, until SIGTERM; prints 'tokens N' as it goes."""
+    import asyncio
+    import sys
+
+    import grpc
+    from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+    signal.signal(signal.SIGTERM, lambda *_: (print(f"tokens {count[0]}", flush=True), sys.exit(0)))
+    count, shown = [0], [0]
+
+    async def stream(slot: int) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            n = 0
+            while True:
+                n += 1
+                prompt = [(31 * slot + 7 * n + 13 * i) % 500 + 100 for i in range(128)]  # any vocab
+                sampling = common_pb2.SamplingParams(max_tokens=256, temperature=0.0,
+                                                     has_temperature=True, ignore_eos=True, seed=1)
+                call = stub.Generate(decode_pb2.GenerateRequest(
+                    request_id=f"colocated-{slot}-{n}", prompt_token_ids=prompt, sampling=sampling))
+                async for message in call:
+                    count[0] += len(message.delta.token_ids)
+                    if count[0] > shown[0]:
+                        print(f"tokens {count[0]}", flush=True)
+                        shown[0] = count[0] + 499
+
+    async def main() -> None:
+        await asyncio.gather(*(stream(i) for i in range(batch)))
+
+    asyncio.run(main())

@@ -27,3 +27,26 @@ def test_quick_profile_measures_prefill_decode_and_kv(tiny_llama_dir, tmp_path, 
     assert len(notes["point_slowdown"]) == len(profile.prefill) + len(profile.decode)
     assert all(f >= 1.0 for f in notes["point_slowdown"])
     assert "prefill" in capsys.readouterr().out
+
+
+def test_colocated_profile_times_points_beside_a_streaming_decode_worker(tiny_llama_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(tiny_llama_dir), "--quick", "--no-worker-start",
+                 "--kv-cache-memory", "8MiB", "--colocated", "--out", str(out)]) == 0
+    profile = HardwareProfile.load(out)
+    colocated = profile.notes["colocated"]
+    assert colocated["decode_batch"] == 1
+    assert colocated["tokens_streamed"] > 0  # the other phase really ran meanwhile
+    assert all(p.seconds > 0 for p in (*profile.prefill, *profile.decode))
+
+
+def test_validate_gates_a_colocated_profile_as_profiled(profile):
+    import dataclasses
+
+    from bench.autoscaler_sim import _gated
+
+    both = {"as profiled": {}, "CPU share replayed": {}}
+    assert _gated(profile, both) == "CPU share replayed"
+    assert _gated(profile, {"as profiled": {}}) == "as profiled"
+    colocated = dataclasses.replace(profile, notes={**profile.notes, "colocated": {"decode_batch": 1}})
+    assert _gated(colocated, both) == "as profiled"
