@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from fake_workers import FakeServer
 from gateway_processes import ServiceProcess, Stack, start_gateway, start_worker
+from registry_cluster import Cluster
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +84,13 @@ def servers():
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def cluster(tiny_llama_dir, redis_server):
+    """Workers and gateways discovering each other through a real Redis (registry_cluster)."""
+    cluster = Cluster(tiny_llama_dir, redis_server, ("--num-kv-blocks", "256"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -10,22 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from registry_cluster import Cluster, known, routable, wait_until
+from registry_cluster import known, routable, wait_until
 from splitserve.v1 import prefill_pb2, prefill_pb2_grpc
 
 from splitserve_cli.processes import WorkerProcess
 from tests.services.flows import greedy
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def cluster(tiny_llama_dir, redis_server):
-    cluster = Cluster(tiny_llama_dir, redis_server, ("--num-kv-blocks", "256"))
-    try:
-        yield cluster
-    finally:
-        cluster.close()
 
 
 def complete(url: str, model: str, prompts: list[list[int]], max_tokens: int = 8) -> list[int]:

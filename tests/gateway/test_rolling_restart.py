@@ -13,18 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from registry_cluster import Cluster, routable, stream_completion, wait_until
+from registry_cluster import routable, stream_completion, wait_until
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def cluster(tiny_llama_dir, redis_server):
-    cluster = Cluster(tiny_llama_dir, redis_server, ("--num-kv-blocks", "256"))
-    try:
-        yield cluster
-    finally:
-        cluster.close()
 
 
 class SteadyLoad:
