@@ -108,6 +108,10 @@ class EngineConfig:
     # all rows with AVX-512 BF16 dot products (kernels/linear.py), "torch" is torch's mm;
     # "auto": cpp where the CPU has avx512_bf16 and the kernels build.
     cpu_linear: str = "auto"
+    # CPU steps of decode rows only, in bfloat16 with the C++ attention: "cpp" runs all decoder
+    # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),
+    # "torch" runs the modules; "auto": cpp wherever it applies (one rank, Llama family).
+    cpu_fused_decode: str = "auto"
     # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
     tensor_parallel_size: int = 1
 

@@ -52,6 +52,9 @@ class ModelRunner:
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = self._use_small_m_linear()
         use_small_m_linear(self.model, SMALL_M_MAX_ROWS if self.small_m_linear else 0)
+        self.fused_decode = self._use_fused_decode()
+        if self.fused_decode:
+            self.model.use_fused_decode(SMALL_M_MAX_ROWS if self.small_m_linear else 0)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
         self.num_blocks = self._num_blocks()
@@ -90,6 +93,20 @@ class ModelRunner:
             raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
                              "and the C++ kernels built")
         return False
+
+    def _use_fused_decode(self) -> bool:
+        choice = self.config.cpu_fused_decode
+        if choice not in ("auto", "torch", "cpp"):
+            raise ValueError(f"unknown cpu_fused_decode {choice!r} (choose auto, torch or cpp)")
+        if choice == "torch":
+            return False
+        applies = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.native_decode
+                   and get_tp().size == 1 and hasattr(self.model, "use_fused_decode"))
+        if choice == "cpp" and not applies:
+            raise ValueError("cpu_fused_decode 'cpp' needs the CPU, --dtype bfloat16, the C++ "
+                             "attention (cpu_attention auto or cpp), one tensor-parallel rank "
+                             "and a Llama-family model")
+        return applies
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:

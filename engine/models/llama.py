@@ -4,6 +4,7 @@ RMSNorm, RoPE, grouped-query attention over the paged cache, SwiGLU, optional ti
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -79,6 +80,29 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+@dataclass
+class _FusedDecode:
+    """What torch.ops.splitserve_cpu.decode_layers takes besides the step's inputs: the
+    parameters of every layer, listed once (see LlamaForCausalLM.use_fused_decode)."""
+
+    input_norm: list[torch.Tensor]
+    qkv_weight: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor]  # empty: no qkv bias
+    o_weight: list[torch.Tensor]
+    post_norm: list[torch.Tensor]
+    gate_up_weight: list[torch.Tensor]
+    down_weight: list[torch.Tensor]
+    final_norm: torch.Tensor
+    heads: int
+    kv_heads: int
+    eps: float
+    scale: float
+    small_m_max_rows: int
+    caches_of: list[torch.Tensor] | None = None
+    k_caches: list[torch.Tensor] = field(default_factory=list)
+    v_caches: list[torch.Tensor] = field(default_factory=list)
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our parameter fragment, shard id)
     STACKED = (
@@ -92,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self._fused: _FusedDecode | None = None  # see use_fused_decode
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -114,11 +139,46 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # once, not once per layer
+        if self._fused is not None and meta.native_decode and meta.num_decode_tokens == len(hidden):
+            return self._decode_layers(hidden, cos_sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def use_fused_decode(self, small_m_max_rows: int) -> None:
+        """Run steps of decode rows only through torch.ops.splitserve_cpu.decode_layers (all
+        layers in one C++ call; CPU, bfloat16, one rank: the model runner checks). Linear
+        layers of at most `small_m_max_rows` rows take the small-M kernel there too."""
+        layers = self.layers
+        attn = layers[0].self_attn
+        self._fused = _FusedDecode(
+            input_norm=[layer.input_layernorm.weight for layer in layers],
+            qkv_weight=[layer.self_attn.qkv_proj.weight for layer in layers],
+            qkv_bias=[layer.self_attn.qkv_proj.bias for layer in layers] if attn.qkv_proj.bias is not None else [],
+            o_weight=[layer.self_attn.o_proj.weight for layer in layers],
+            post_norm=[layer.post_attention_layernorm.weight for layer in layers],
+            gate_up_weight=[layer.mlp.gate_up_proj.weight for layer in layers],
+            down_weight=[layer.mlp.down_proj.weight for layer in layers],
+            final_norm=self.norm.weight,
+            heads=attn.num_heads, kv_heads=attn.num_kv_heads, eps=self.norm.eps, scale=attn.scale,
+            small_m_max_rows=small_m_max_rows,
+        )
+
+    def _decode_layers(self, hidden, cos_sin, kv_caches, meta) -> torch.Tensor:
+        f = self._fused
+        if f.caches_of is not kv_caches:  # split once per cache list, not once per step
+            f.caches_of = kv_caches
+            f.k_caches = [kv[0] for kv in kv_caches]
+            f.v_caches = [kv[1] for kv in kv_caches]
+        cos, sin = (t.squeeze(1) for t in cos_sin)
+        return torch.ops.splitserve_cpu.decode_layers(
+            hidden, cos, sin, f.input_norm, f.qkv_weight, f.qkv_bias, f.o_weight, f.post_norm,
+            f.gate_up_weight, f.down_weight, f.final_norm, f.k_caches, f.v_caches,
+            meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+            f.heads, f.kv_heads, f.eps, f.scale, f.small_m_max_rows,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

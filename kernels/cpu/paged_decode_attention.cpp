@@ -227,10 +227,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "one block table and one length per query");
   at::Tensor tables = block_tables.contiguous();
   at::Tensor lens = seq_lens.contiguous();
-  TORCH_CHECK(lens.numel() == 0 || lens.min().item<int64_t>() >= 1, "every sequence needs a token");
-  TORCH_CHECK(lens.numel() == 0 ||
-                  lens.max().item<int64_t>() <= tables.size(1) * k_cache.size(1),
-              "a sequence is longer than its block table");
+  // A loop, not lens.min()/max(): two reductions cost more than the kernel on a short batch.
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    TORCH_CHECK(len_data[b] >= 1, "every sequence needs a token");
+    TORCH_CHECK(len_data[b] <= tables.size(1) * k_cache.size(1), "a sequence is longer than its block table");
+  }
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {

@@ -1,0 +1,150 @@
+"""All decoder layers of a decode step in one C++ call (kernels/cpu/fused_decode.cpp) against the
+module path of engine/models/llama.py: each element-wise step on its own, a whole step of a tiny
+Llama and a tiny Qwen2 (qkv bias) in bfloat16, and the engine with either path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import drive
+
+from engine.config import EngineConfig
+from engine.layers.activation import silu_and_mul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
+from kernels.attention import store_kv
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+ops = torch.ops.splitserve_cpu
+
+# The float32 sum of squares of an RMS is taken in another order than torch's sum, so now and
+# then its bf16-rounded output moves by one ulp (measured on SmolLM2: 23 of 2.4 million values).
+BF16_ULP_RTOL = 2**-7
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_step_matches_rmsnorm(scale, with_residual):
+    hidden, residual = _bf16(9, 96, scale=scale, seed=1), _bf16(9, 96, scale=scale, seed=2)
+    norm = RMSNorm(96, 1e-5).bfloat16()
+    norm.weight.data = _bf16(96, seed=3)
+    if with_residual:
+        expected, expected_residual = norm(hidden, residual)
+    else:
+        expected, expected_residual = norm(hidden), hidden
+    out, new_residual = ops.rms_norm_step(hidden, residual if with_residual else None, norm.weight, 1e-5)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected, rtol=BF16_ULP_RTOL, atol=0)
+    assert (out != expected).float().mean() < 0.01
+
+
+def test_silu_and_mul_step_matches_the_module_path():
+    gate_up = _bf16(5, 2 * 200, scale=4.0)
+    torch.testing.assert_close(ops.silu_and_mul_step(gate_up), silu_and_mul(gate_up),
+                               rtol=BF16_ULP_RTOL, atol=0)
+
+
+def test_rotate_and_store_step_is_exactly_the_module_path():
+    heads, kv_heads, dim, block = 6, 2, 16, 4
+    rotary = RotaryEmbedding(dim, 128, 10000.0)
+    positions = torch.tensor([3, 17, 0, 90])
+    qkv = _bf16(4, (heads + 2 * kv_heads) * dim, scale=3.0)
+    cos, sin = rotary.cos_sin(positions, torch.bfloat16)
+    slots = torch.tensor([5, 30, 2, 11])
+    k_cache, v_cache = _bf16(8, block, kv_heads, dim, seed=4), _bf16(8, block, kv_heads, dim, seed=5)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+
+    qk = qkv[:, : (heads + kv_heads) * dim].view(4, heads + kv_heads, dim)
+    q, k = rotary.rotate(qk, (cos, sin)).split([heads, kv_heads], dim=1)
+    store_kv(k, qkv[:, (heads + kv_heads) * dim :].view(4, kv_heads, dim), expected_k, expected_v, slots)
+    out = ops.rotate_and_store_step(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, heads)
+    assert torch.equal(out, q)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def _bf16_engine(model_dir, fused: str, **config) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu", block_size=4,
+                                  num_kv_blocks=128, cpu_fused_decode=fused, **config))
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("batch", [3, 11])  # 11: more rows than the small-M linear takes
+def test_a_decode_step_matches_the_module_path(request, model, batch):
+    """The same decode step (rows of different context lengths) through both paths, from the
+    same cache: the final hidden states and every layer's cache writes agree."""
+    engine = _bf16_engine(request.getfixturevalue(model), "cpp")
+    model_ = engine.runner.model
+    assert model_._fused is not None
+    steps = []
+    forward = model_.forward
+
+    def compare(input_ids, positions, kv_caches, meta):
+        if meta.num_decode_tokens != len(input_ids):
+            return forward(input_ids, positions, kv_caches, meta)
+        before = [kv.clone() for kv in kv_caches]
+        fused, model_._fused = model_._fused, None
+        expected = forward(input_ids, positions, kv_caches, meta)
+        expected_caches = [kv.clone() for kv in kv_caches]
+        for kv, saved in zip(kv_caches, before, strict=True):
+            kv.copy_(saved)
+        model_._fused = fused
+        out = forward(input_ids, positions, kv_caches, meta)
+        steps.append((out, expected, [kv.clone() for kv in kv_caches], expected_caches))
+        return out
+
+    model_.forward = compare
+    prompts = [list(range(3, 3 + 2 * i + 1)) for i in range(batch)]
+    engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert steps and all(len(out) == batch for out, *_ in steps)
+    for out, expected, caches, expected_caches in steps:
+        torch.testing.assert_close(out, expected, rtol=2**-6, atol=2**-6)
+        for got, want in zip(caches, expected_caches, strict=True):
+            torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
+
+
+def test_the_engine_runs_decode_through_one_call_and_generates_the_same(tiny_llama_dir):
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    results, calls = {}, {}
+    for choice in ("torch", "cpp"):
+        engine = _bf16_engine(tiny_llama_dir, choice)
+        assert engine.runner.fused_decode == (choice == "cpp")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), prompt, params)
+            results[choice] = drive(engine)
+        calls[choice] = sum(e.count for e in prof.key_averages() if "decode_layers" in e.key)
+    assert calls["torch"] == 0 and calls["cpp"] >= 15  # one per decode step
+    for rid, expected in results["torch"].items():
+        got = results["cpp"][rid]
+        assert got.token_ids == expected.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                   torch.tensor([lp.logprob for lp in expected.logprobs]),
+                                   rtol=1.6e-2, atol=1e-2)
+
+
+def test_decode_layers_rejects_lists_of_the_wrong_length(tiny_llama_dir):
+    engine = _bf16_engine(tiny_llama_dir, "cpp")
+    f = engine.runner.model._fused
+    caches = engine.runner.kv_caches
+    hidden, cos = _bf16(1, f.final_norm.numel()), _bf16(1, caches[0].shape[-1])
+    with pytest.raises(RuntimeError, match="one tensor per layer"):
+        ops.decode_layers(
+            hidden, cos, cos, f.input_norm, f.qkv_weight[:-1], f.qkv_bias, f.o_weight, f.post_norm,
+            f.gate_up_weight, f.down_weight, f.final_norm, [kv[0] for kv in caches],
+            [kv[1] for kv in caches], torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]),
+            f.heads, f.kv_heads, f.eps, f.scale, 8,
+        )
+
+
+def test_cpu_fused_decode_cpp_in_float32_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="cpu_fused_decode 'cpp' needs"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                               num_kv_blocks=16, cpu_fused_decode="cpp"))
