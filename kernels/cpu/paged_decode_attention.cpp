@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -81,52 +82,101 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// One task's share of the work: query heads [kGroup] of one KV head over context tokens
+// [t0, t1). Leaves the scores' maximum, the sum of exp(score - maximum) and the V rows
+// weighted by exp(score - maximum), unnormalized, so chunks of one context can be combined.
+struct Partial {
+  float* max;  // [group]
+  float* sum;  // [group]
+  float* acc;  // [group, dim]
+};
+
 // The head_dim == 64 case (SmolLM2, Llama 3.2 1B uses 64 too): q, the accumulators and one
 // K/V row in registers, scores written once, K and V each read once.
 template <typename scalar_t, int kGroup>
 void decode_task_d64(const float* q /* [kGroup, 64], scaled */, const scalar_t* k_data,
-                     const scalar_t* v_data, const int64_t* table, int64_t len, int64_t block_size,
-                     int64_t block_stride, int64_t token_stride, int64_t head_offset, float* scores,
-                     float* out /* [kGroup, 64] */) {
+                     const scalar_t* v_data, const int64_t* table, int64_t t0, int64_t t1,
+                     int64_t block_size, int64_t block_stride, int64_t token_stride,
+                     int64_t head_offset, float* scores, Partial part) {
+  const int64_t len = t1 - t0;
   __m512 qv[kGroup][4];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const scalar_t* k = k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
     __m512 kv[4];
     for (int c = 0; c < 4; ++c) kv[c] = load16(k + c * 16);
     for (int g = 0; g < kGroup; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < 4; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+      scores[g * len + t - t0] = _mm512_reduce_add_ps(acc);
     }
   }
   for (int g = 0; g < kGroup; ++g) {
     float* s = scores + g * len;
     float max = s[0];
     for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
-    for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
     float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) sum += s[t];
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_nonpositive(s[t] - max);
+      sum += s[t];
+    }
+    part.max[g] = max;
+    part.sum[g] = sum;
   }
   __m512 acc[kGroup][4];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const scalar_t* v = v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
     __m512 vv[4];
     for (int c = 0; c < 4; ++c) vv[c] = load16(v + c * 16);
     for (int g = 0; g < kGroup; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      const __m512 p = _mm512_set1_ps(scores[g * len + t - t0]);
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(part.acc + g * 64 + c * 16, acc[g][c]);
 }
 #endif
+
+// Any head_dim and group: token by token through a float row.
+template <typename scalar_t>
+void decode_task_generic(const float* q, const scalar_t* k_data, const scalar_t* v_data,
+                         const int64_t* table, int64_t t0, int64_t t1, int64_t group, int64_t dim,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride,
+                         int64_t head_offset, float* scores, float* row, Partial part) {
+  const int64_t len = t1 - t0;
+  for (int64_t t = t0; t < t1; ++t) {
+    to_float(k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t - t0] = dot(q + g * dim, row, dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float max = s[0];
+    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_nonpositive(s[t] - max);
+      sum += s[t];
+    }
+    part.max[g] = max;
+    part.sum[g] = sum;
+  }
+  std::fill(part.acc, part.acc + group * dim, 0.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    to_float(v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + t - t0];
+      float* a = part.acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+    }
+  }
+}
+
+// Context tokens per chunk at least: below this a chunk's fixed costs outweigh the balance.
+constexpr int64_t kMinChunkTokens = 64;
 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -146,65 +196,79 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
   const int64_t token_stride = kv_heads * dim;  // within a block
   const int64_t block_stride = block_size * token_stride;
 
-  // One task per (sequence, KV head): its query heads share every K/V row read.
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), acc(group * dim), row(dim), scores;
+  // Tasks are (sequence, KV head, chunk of the context): a KV head's query heads share every
+  // K/V row read. With fewer (sequence, KV head) pairs than two per thread (batch 1: three
+  // pairs on SmolLM2, so one thread did two and the other one), each context is cut into
+  // chunks, attended apart and combined after, as flash-decoding does.
+  const int64_t pairs = batch * kv_heads;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (pairs < 2 * threads)  // every pair in as many chunks as two per thread: an even split
+    chunks = std::max<int64_t>(1, std::min(2 * threads, longest / kMinChunkTokens));
+  std::vector<float> max_buf(pairs * chunks * group), sum_buf(pairs * chunks * group),
+      acc_buf(pairs * chunks * group * dim);
+
+  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), row(dim), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kvh = task % kv_heads;
-      const int64_t len = lens[b];
-      scores.assign(group * len, 0.0f);
+      const int64_t pair = task / chunks, chunk = task % chunks;
+      const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
+      const int64_t t0 = lens[b] * chunk / chunks, t1 = lens[b] * (chunk + 1) / chunks;
+      Partial part{max_buf.data() + task * group, sum_buf.data() + task * group,
+                   acc_buf.data() + task * group * dim};
+      if (t1 == t0) {  // an empty chunk of a short context: adds nothing
+        std::fill(part.max, part.max + group, -std::numeric_limits<float>::infinity());
+        std::fill(part.sum, part.sum + group, 0.0f);
+        std::fill(part.acc, part.acc + group * dim, 0.0f);
+        continue;
+      }
+      scores.resize(group * (t1 - t0));
       for (int64_t g = 0; g < group; ++g) {
         to_float(q_data + b * q_stride_b + (kvh * group + g) * q_stride_h, q.data() + g * dim, dim);
         for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<float>(scale);
       }
+      const int64_t* table = tables + b * table_width;
+      const int64_t offset = kvh * dim;
 #ifdef __AVX512F__
-      if (dim == 64 && (group == 1 || group == 2 || group == 3 || group == 4)) {
-        const int64_t* table = tables + b * table_width;
-        const int64_t offset = kvh * dim;
+      if (dim == 64 && group >= 1 && group <= 4) {
         switch (group) {
-          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
-          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
-          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
-          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, len, block_size, block_stride, token_stride, offset, scores.data(), acc.data()); break;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          scalar_t* o = out_data + (b * heads + kvh * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[g * dim + d]);
+          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
+          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
+          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
+          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
         }
         continue;
       }
 #endif
-      // Scores, token by token.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[b * table_width + t / block_size];
-        to_float(k_data + block * block_stride + (t % block_size) * token_stride + kvh * dim, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q.data() + g * dim, row.data(), dim);
-      }
-      // Softmax per query head, in place.
+      decode_task_generic<scalar_t>(q.data(), k_data, v_data, table, t0, t1, group, dim, block_size,
+                                    block_stride, token_stride, offset, scores.data(), row.data(), part);
+    }
+  });
+
+  // Combine each query head's chunks: rescale each to the largest maximum, then normalize.
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(chunks);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float max = s[0];
-        for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
-        for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) max = std::max(max, max_buf[(pair * chunks + c) * group + g]);
         float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) sum += s[t];
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      // Weighted sum of V rows.
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[b * table_width + t / block_size];
-        to_float(v_data + block * block_stride + (t % block_size) * token_stride + kvh * dim, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t i = (pair * chunks + c) * group + g;
+          weights[c] = sum_buf[i] == 0.0f ? 0.0f : std::exp(max_buf[i] - max);
+          sum += weights[c] * sum_buf[i];
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / sum;
         scalar_t* o = out_data + (b * heads + kvh * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[g * dim + d]);
+        for (int64_t d = 0; d < dim; ++d) {
+          float value = 0.0f;
+          for (int64_t c = 0; c < chunks; ++c)
+            value += weights[c] * acc_buf[((pair * chunks + c) * group + g) * dim + d];
+          o[d] = static_cast<scalar_t>(value * inv);
+        }
       }
     }
   });

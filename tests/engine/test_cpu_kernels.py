@@ -43,8 +43,12 @@ def _case(batch, heads, kv_heads, head_dim, seq_lens, dtype, seed=0):
     (6, 2, 8),  # another head_dim: the portable path
     (4, 1, 80),
 ])
-def test_cpp_decode_attention_matches_the_torch_reference(dtype, atol, heads, kv_heads, head_dim):
-    seq_lens = [1, 16, 17, 300, 45, 2]
+@pytest.mark.parametrize("seq_lens", [
+    [1, 16, 17, 300, 45, 2],
+    [700],  # few (sequence, KV head) pairs: each context is cut into chunks, combined after
+    [1, 333],  # chunks of a one-token context stay empty
+])
+def test_cpp_decode_attention_matches_the_torch_reference(dtype, atol, heads, kv_heads, head_dim, seq_lens):
     query, k_cache, v_cache, tables, lens = _case(len(seq_lens), heads, kv_heads, head_dim, seq_lens, dtype)
     scale = head_dim**-0.5
     expected = paged_decode_attention(query, k_cache, v_cache, tables, lens, max(seq_lens), scale)
