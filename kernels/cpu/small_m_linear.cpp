@@ -28,6 +28,9 @@ namespace {
 // chains. Rows of x per pass over a tile: NR * MR accumulators stay within the 32 registers.
 constexpr int kTileRows = 4;
 constexpr int kMaxPassRows = 4;
+// Rows of x for which a tile reads its weight rows one after another (see dot_tile).
+constexpr int kMinRowByRowRows = 2;
+constexpr int kMaxRowByRowRows = 4;
 // Software prefetch distance in weight rows (two tiles): measured with bench/cpu_linear.py, 8
 // and 32 rows both lift 2-4 rows of x from ~18-21 GB/s to ~25-28 GB/s; none is slower.
 constexpr int kPrefetchRows = 8;
@@ -113,47 +116,88 @@ BF16_TARGET inline void store4(const Problem& p, int64_t m, int64_t n, __m128 su
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p.y + m * p.N + n), (__m128i)_mm_cvtneps_pbh(sums));
 }
 
-// NR weight rows (from `n`) times MR rows of x (from `m`): 32 values of K per step, each
-// vdpbf16ps adding 16 float32 partial sums of pairs of products. NR is 1 or a multiple of 4.
-template <int NR, int MR>
+// Adds the products of NR weight rows (from w) and MR rows of x (from x) into acc: 32
+// values of K per step, each vdpbf16ps adding 16 float32 partial sums of pairs of products.
+// Each output sums its products in order of k in one accumulator, in both loop orders below,
+// so both give the same bits.
+//
+// kRowByRow: the weight rows one after another, so the tile's contiguous block is read in
+// address order, each row's dot products one chain per row of x. Else the rows side by side, a
+// step of each in turn: NR streams 2K bytes apart, but NR * MR independent chains. Measured
+// against each other in one process on bench/cpu_linear.py's shapes (2 threads), in both of
+// the states this machine's memory bandwidth switches between (~45-50 and ~60-90 GB/s at one
+// row of x): row by row took 7-9% less time at 4 rows in the slower state (gate_up_proj
+// 87.5 -> 79.5 us, lm_head 1281 -> 1187 us) and 0-8% less at 2-3 rows; 5-18% less at 2-4 rows
+// in the faster one. At 1 row it was 3-20% faster in the faster state but up to 10% slower in
+// the slower one (gate_up_proj 88 -> 97 us), so 1 row stays side by side; at 8 rows it was
+// 15-27% slower (likely the dot product's latency: a weight row feeds MR chains, not NR * MR).
+template <int NR, int MR, bool kRowByRow>
+BF16_TARGET inline void dot_tile(const Problem& p, const uint16_t* w, const uint16_t* x,
+                                 __m512 (&acc)[MR][NR]) {
+  const int64_t k_steps = p.K & ~int64_t{31};  // K in whole steps of 32
+  const __mmask32 tail_mask = static_cast<__mmask32>((uint64_t{1} << (p.K - k_steps)) - 1);
+  // The rows kPrefetchRows ahead, a cache line per line read: the hardware prefetcher alone
+  // leaves the loads waiting once a tile does more than one row of x's work. A prefetch past
+  // the end of the weights is harmless: it never faults.
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * p.K);
+  if constexpr (kRowByRow) {
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const uint16_t* wr = w + r * p.K;
+      const char* ahead_r = ahead + r * p.K * 2;
+      int64_t k = 0;
+      for (; k < k_steps; k += 32) {
+        const __m512bh wv = load_bf16(wr + k);
+        _mm_prefetch(ahead_r + k * 2, _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+          acc[i][r] = _mm512_dpbf16_ps(acc[i][r], load_bf16(x + i * p.x_stride + k), wv);
+      }
+      if (k < p.K) {  // masked loads read zeros past K, which add nothing
+        const __m512bh wv = load_bf16(wr + k, tail_mask);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+          acc[i][r] = _mm512_dpbf16_ps(acc[i][r], load_bf16(x + i * p.x_stride + k, tail_mask), wv);
+      }
+    }
+  } else {
+    int64_t k = 0;
+    for (; k < k_steps; k += 32) {
+      __m512bh wv[NR];
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) wv[r] = load_bf16(w + r * p.K + k);
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + (r * p.K + k) * 2, _MM_HINT_T0);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = load_bf16(x + i * p.x_stride + k);
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
+      }
+    }
+    if (k < p.K) {  // masked loads read zeros past K, which add nothing
+      __m512bh wv[NR];
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) wv[r] = load_bf16(w + r * p.K + k, tail_mask);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = load_bf16(x + i * p.x_stride + k, tail_mask);
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
+      }
+    }
+  }
+}
+
+// NR weight rows (from `n`) times MR rows of x (from `m`). NR is 1 or a multiple of 4.
+template <int NR, int MR, bool kRowByRow>
 BF16_TARGET void tile_bf16(const Problem& p, int64_t m, int64_t n) {
   __m512 acc[MR][NR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
-  const uint16_t* w = p.w + n * p.K;
-  const uint16_t* x = p.x + m * p.x_stride;
-  // The rows kPrefetchRows ahead, a cache line per row and step: the hardware prefetcher
-  // alone leaves the loads waiting once a tile does more than one row of x's work. A prefetch
-  // past the end of the weights is harmless: it never faults.
-  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * p.K);
-  int64_t k = 0;
-  for (; k + 32 <= p.K; k += 32) {
-    __m512bh wv[NR];
-#pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) wv[r] = load_bf16(w + r * p.K + k);
-#pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + (r * p.K + k) * 2, _MM_HINT_T0);
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = load_bf16(x + i * p.x_stride + k);
-#pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
-    }
-  }
-  if (k < p.K) {  // masked loads read zeros past K, which add nothing
-    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (p.K - k)) - 1);
-    __m512bh wv[NR];
-#pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) wv[r] = load_bf16(w + r * p.K + k, mask);
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = load_bf16(x + i * p.x_stride + k, mask);
-#pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
-    }
-  }
+  dot_tile<NR, MR, kRowByRow>(p, p.w + n * p.K, p.x + m * p.x_stride, acc);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
     if constexpr (NR == 1) {
@@ -166,22 +210,38 @@ BF16_TARGET void tile_bf16(const Problem& p, int64_t m, int64_t n) {
   }
 }
 
-template <int NR>
+// All rows of x times NR weight rows, in passes of at most kMaxPassRows rows of x. Four rows
+// row by row go as a pass of 3 (reading the weights from memory) then a pass of 1 (from L1):
+// 5-7% faster than one pass of 4 on qkv_proj, o_proj and gate_up_proj, lm_head within noise
+// (faster state), 10-13% faster on all in the slower state.
+template <int NR, bool kRowByRow>
 BF16_TARGET void rows_of_x_bf16(const Problem& p, int64_t n) {
+  if (kRowByRow && p.M == 4) {
+    tile_bf16<NR, 3, kRowByRow>(p, 0, n);
+    tile_bf16<NR, 1, kRowByRow>(p, 3, n);
+    return;
+  }
   int64_t m = 0;
-  for (; m + kMaxPassRows <= p.M; m += kMaxPassRows) tile_bf16<NR, kMaxPassRows>(p, m, n);
+  for (; m + kMaxPassRows <= p.M; m += kMaxPassRows) tile_bf16<NR, kMaxPassRows, kRowByRow>(p, m, n);
   switch (p.M - m) {
-    case 3: tile_bf16<NR, 3>(p, m, n); break;
-    case 2: tile_bf16<NR, 2>(p, m, n); break;
-    case 1: tile_bf16<NR, 1>(p, m, n); break;
+    case 3: tile_bf16<NR, 3, kRowByRow>(p, m, n); break;
+    case 2: tile_bf16<NR, 2, kRowByRow>(p, m, n); break;
+    case 1: tile_bf16<NR, 1, kRowByRow>(p, m, n); break;
     default: break;
   }
 }
 
+template <bool kRowByRow>
 BF16_TARGET void rows_bf16(const Problem& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + kTileRows <= n_end; n += kTileRows) rows_of_x_bf16<kTileRows>(p, n);
-  for (; n < n_end; ++n) rows_of_x_bf16<1>(p, n);
+  for (; n + kTileRows <= n_end; n += kTileRows) rows_of_x_bf16<kTileRows, kRowByRow>(p, n);
+  for (; n < n_end; ++n) rows_of_x_bf16<1, kRowByRow>(p, n);
+}
+
+// Row by row from 2 to 4 rows of x, side by side otherwise (see dot_tile).
+BF16_TARGET void rows_bf16(const Problem& p, int64_t n_begin, int64_t n_end) {
+  if (p.M >= kMinRowByRowRows && p.M <= kMaxRowByRowRows) return rows_bf16<true>(p, n_begin, n_end);
+  rows_bf16<false>(p, n_begin, n_end);
 }
 
 bool cpu_has_avx512_bf16_impl() {
