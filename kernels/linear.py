@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernels
 
-# Most rows of x the C++ kernel takes; more go to torch. Measured with bench/cpu_linear.py on
-# SmolLM2's shapes (2 threads, AVX-512 BF16): from 1 to 8 rows it is 1.03-1.65x faster than
-# torch's bf16 mm on every layer; at 16 rows torch was faster (measured before the kernel
-# prefetched, so the threshold may be worth raising after a measurement).
-SMALL_M_MAX_ROWS = 8
+# Most rows of x the C++ kernel takes; more go to torch. Measured with bench/cpu_linear.py
+# --rows 1,8,16,24,32,64 on SmolLM2's shapes (2 threads, AVX-512 BF16, built with OpenMP): the
+# kernel took 1.6-2.1x less time than torch's bf16 mm at 1 row, 1.6-2.5x at 8 to 24 rows, and
+# still 1.15-1.67x at 64 rows (gate_up_proj 278 vs 334 us, lm_head 4.55 vs 5.25 ms), so every
+# decode batch of up to 64 rows (and prefill chunks that short) takes it.
+SMALL_M_MAX_ROWS = 64
 
 
 def small_m_linear_reference(

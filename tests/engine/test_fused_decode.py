@@ -75,11 +75,11 @@ def _bf16_engine(model_dir, fused: str, **config) -> LLMEngine:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-@pytest.mark.parametrize("batch", [3, 11])  # 11: more rows than the small-M linear takes
-def test_a_decode_step_matches_the_module_path(request, model, batch):
+@pytest.mark.parametrize("batch,linear", [(3, "auto"), (11, "torch")])  # torch: at::linear
+def test_a_decode_step_matches_the_module_path(request, model, batch, linear):
     """The same decode step (rows of different context lengths) through both paths, from the
     same cache: the final hidden states and every layer's cache writes agree."""
-    engine = _bf16_engine(request.getfixturevalue(model), "cpp")
+    engine = _bf16_engine(request.getfixturevalue(model), "cpp", cpu_linear=linear)
     model_ = engine.runner.model
     assert model_._fused is not None
     steps = []
