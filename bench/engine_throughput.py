@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.engine_plot import plot  # noqa: E402
 from engine.config import EngineConfig, ModelConfig, cpu_has_fast_bf16  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import kv_cache_bytes_per_block  # noqa: E402
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {cfg.out}", flush=True)
+    if not cfg.quick:
+        print(f"wrote {plot(report, Path(cfg.out).with_suffix('.png'))}", flush=True)
     return report
 
 
