@@ -60,6 +60,32 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// One task's share of the work: query heads [group] of one KV head over context tokens
+// [t0, t1). Leaves the scores' maximum, the sum of exp(score - maximum) and the V rows
+// weighted by exp(score - maximum), unnormalized, so chunks of one context can be combined.
+struct Partial {
+  float* max;  // [group]
+  float* sum;  // [group]
+  float* acc;  // [group, dim]
+};
+
+// Scores [group, len] -> exp(score - the row's maximum), in place; each row's maximum and sum
+// into part.
+inline void exp_scores(float* scores, int64_t group, int64_t len, Partial part) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float max = s[0];
+    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_nonpositive(s[t] - max);
+      sum += s[t];
+    }
+    part.max[g] = max;
+    part.sum[g] = sum;
+  }
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {0.0f};
   int64_t i = 0;
@@ -82,15 +108,6 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One task's share of the work: query heads [kGroup] of one KV head over context tokens
-// [t0, t1). Leaves the scores' maximum, the sum of exp(score - maximum) and the V rows
-// weighted by exp(score - maximum), unnormalized, so chunks of one context can be combined.
-struct Partial {
-  float* max;  // [group]
-  float* sum;  // [group]
-  float* acc;  // [group, dim]
-};
-
 // The head_dim == 64 case (SmolLM2, Llama 3.2 1B uses 64 too): q, the accumulators and one
 // K/V row in registers, scores written once, K and V each read once.
 template <typename scalar_t, int kGroup>
@@ -112,18 +129,7 @@ void decode_task_d64(const float* q /* [kGroup, 64], scaled */, const scalar_t* 
       scores[g * len + t - t0] = _mm512_reduce_add_ps(acc);
     }
   }
-  for (int g = 0; g < kGroup; ++g) {
-    float* s = scores + g * len;
-    float max = s[0];
-    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_nonpositive(s[t] - max);
-      sum += s[t];
-    }
-    part.max[g] = max;
-    part.sum[g] = sum;
-  }
+  exp_scores(scores, kGroup, len, part);
   __m512 acc[kGroup][4];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -152,18 +158,7 @@ void decode_task_generic(const float* q, const scalar_t* k_data, const scalar_t*
     to_float(k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
     for (int64_t g = 0; g < group; ++g) scores[g * len + t - t0] = dot(q + g * dim, row, dim);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    float max = s[0];
-    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_nonpositive(s[t] - max);
-      sum += s[t];
-    }
-    part.max[g] = max;
-    part.sum[g] = sum;
-  }
+  exp_scores(scores, group, len, part);
   std::fill(part.acc, part.acc + group * dim, 0.0f);
   for (int64_t t = t0; t < t1; ++t) {
     to_float(v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
