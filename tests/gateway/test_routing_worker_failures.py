@@ -48,6 +48,10 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster, long_model):
                                started[i]) for i in range(6)]
         for event in started:
             assert event.wait(60), "a stream never started"
+        # A stream starts with its first token, from prefill; its KV may still be on the way
+        # to a decoder. Count d1's streams only once every stream is running on one.
+        wait_until(lambda: d1.health().stats.running + d2.health().stats.running == 6,
+                   what="all six streams decoding")
         on_d1 = d1.health().stats.running
         assert on_d1 and d2.health().stats.running, "streams were not spread over both decoders"
         cluster.stop("d1", signal.SIGKILL)
