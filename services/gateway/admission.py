@@ -202,15 +202,11 @@ class Admission:
                 "server_error", None, "ttft_unattainable", retry))
 
     def _drain(self) -> None:
-        """Drop queued requests that can no longer be on time, release requests in the
-        policy's order while the cluster has room, then those of tenants below their share."""
+        """Release requests in the policy's order while the cluster has room, then those of
+        tenants below their share; then drop those left waiting that can no longer be on
+        time. (A request with room goes, whatever the estimate says now: it was judged when it
+        was admitted, and only waiting for room can make it later than that.)"""
         now = time.monotonic()
-        late = now + (self.estimator.service_s or 0.0)
-        expired = [t for t in self.queue.heads() if t.deadline < late]
-        while expired:
-            for ticket in expired:
-                self._drop(ticket)
-            expired = [t for t in self.queue.heads() if t.deadline < late]
         while (ticket := self.queue.peek()) is not None:
             if not self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks):
                 break
@@ -221,9 +217,21 @@ class Admission:
             if not owed:
                 break
             self._release(min(owed, key=lambda t: t.seq), now)
+        while expired := [t for t in self.queue.heads() if self._late(t, now)]:
+            for ticket in expired:
+                self._drop(ticket)
         self.estimator.backlog(len(self.queue) > 0)
         if len(self.queue):
             self._wake.set()
+
+    def _late(self, ticket: Ticket, now: float) -> bool:
+        """Released now, it would still miss its deadline: judged at the load it would be
+        released into, for its prompt. Never in an idle cluster, which has room for anything
+        (and whose first token re-teaches the estimator whatever a burst taught it)."""
+        if self.inflight == 0:
+            return False
+        return ticket.deadline < now + self.estimator.service_at(self.inflight,
+                                                                 ticket.prompt_tokens)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
@@ -247,8 +255,9 @@ class Admission:
     def _drop(self, ticket: Ticket) -> None:
         self.queue.remove(ticket)
         ticket.done = True
-        self.estimator.missed(ticket.predicted_ttft_s, time.monotonic() - ticket.arrival
-                              + (self.estimator.service_s or 0.0))
+        now = time.monotonic()
+        self.estimator.missed(ticket.predicted_ttft_s, now - ticket.arrival
+                              + self.estimator.service_at(self.inflight, ticket.prompt_tokens))
         self.quotas.release(ticket.lease, 0)
         retry = max(1, math.ceil(self.ttft_target_s))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(
@@ -279,7 +288,7 @@ class Admission:
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
                                    ticket.first_token_at - ticket.arrival,
-                                   ticket.inflight_at_release)
+                                   ticket.inflight_at_release, ticket.prompt_tokens)
 
     def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
         self.metrics.rejected.labels(tenant.name, reason).inc()

@@ -8,7 +8,14 @@ requests and in prompt tokens, and the slower of the two governs, so the estimat
 whether decode slots or prefill compute is the bottleneck. The service time is an average of
 what released requests took to their first token, kept per load level (requests in flight at
 release, in powers of two): a burst's multi-second first tokens say nothing about a quiet
-cluster, and one average over both would keep rejecting long after the burst is gone.
+cluster, and one average over both would keep rejecting long after the burst is gone. Within a
+level it is corrected for the prompt's length by the per-token cost seen across all levels, so
+that long prompts' slow first tokens do not make a short prompt look late.
+
+Every learned figure fades towards fresher evidence: a load level not measured for a while is
+read as drifting towards the level below it (half-life `half_life_s`), old errors leave the
+margin after `error_window_s`, and a new sample after a quiet spell outweighs the old average.
+Nothing learned under a burst can keep refusing once the burst is over.
 
 An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
 to wait behind, and a refusal there would also stop the estimate from ever learning that the
@@ -34,17 +41,49 @@ class _Window:
     tokens: int = 0
 
 
+@dataclass
+class _Aged:
+    """An exponentially weighted average whose old value counts for less the longer it went
+    without a sample: after a quiet spell, one new sample mostly replaces it."""
+
+    value: float | None = None
+    at: float = 0.0
+
+    def add(self, sample: float, alpha: float, now: float, half_life_s: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            keep = (1 - alpha) * _fade(now - self.at, half_life_s)
+            self.value = keep * self.value + (1 - keep) * sample
+        self.at = now
+
+
+@dataclass
+class _Level:
+    """Release -> first token at one load level, and the prompt length it was measured at."""
+
+    service: _Aged
+    prompt: _Aged
+
+
 class TTFTEstimator:
-    def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic) -> None:
+    def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic,
+                 half_life_s: float = 10.0, error_window_s: float = 60.0) -> None:
         self.window_s = window_s
         self.alpha = alpha
+        self.half_life_s = half_life_s
+        self.error_window_s = error_window_s
         self._clock = clock
         self.requests_per_s: float | None = None  # drain rate while backlogged
         self.tokens_per_s: float | None = None
+        self._rate_at = 0.0
         self.service_s: float | None = None  # release -> first token, any load
-        self._service_by_load: dict[int, float] = {}  # the same, by _load_level(in flight)
+        self._levels: dict[int, _Level] = {}  # the same, by _load_level(in flight)
+        # Seconds of first-token time per prompt token: exponentially weighted moments of
+        # (prompt tokens, service seconds) over all levels, for a least-squares slope.
+        self._moments = [_Aged() for _ in range(4)]  # E[x], E[y], E[x^2], E[xy]
         self.duration_s: float | None = None  # release -> end
-        self._errors: deque[float] = deque(maxlen=200)  # actual - predicted TTFT, seconds
+        self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
         self._busy_since: float | None = None
         self._window = _Window()
 
@@ -71,22 +110,30 @@ class TTFTEstimator:
         self._close_window()
 
     def first_token(self, seconds: float, predicted_ttft: float | None = None,
-                    actual_ttft: float | None = None, inflight_at_release: int | None = None) -> None:
+                    actual_ttft: float | None = None, inflight_at_release: int | None = None,
+                    prompt_tokens: int | None = None) -> None:
         """A released request's first token, `seconds` after its release (into a cluster with
-        `inflight_at_release` requests in flight); with what its TTFT was predicted to be and
-        turned out to be, when it was predicted."""
+        `inflight_at_release` requests in flight, for a prompt of `prompt_tokens`); with what
+        its TTFT was predicted to be and turned out to be, when it was predicted."""
+        now = self._clock()
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
         if inflight_at_release is not None:
-            level = _load_level(inflight_at_release)
-            self._service_by_load[level] = _ewma(self._service_by_load.get(level), seconds,
-                                                 self.alpha)
+            level = self._levels.setdefault(_load_level(inflight_at_release),
+                                            _Level(_Aged(), _Aged()))
+            level.service.add(seconds, self.alpha, now, self.half_life_s)
+            if prompt_tokens is not None:
+                level.prompt.add(prompt_tokens, self.alpha, now, self.half_life_s)
+        if prompt_tokens is not None:
+            for moment, sample in zip(self._moments, (prompt_tokens, seconds, prompt_tokens ** 2,
+                                                      prompt_tokens * seconds), strict=True):
+                moment.add(sample, _SLOPE_ALPHA, now, self.half_life_s * 6)
         if predicted_ttft is not None and actual_ttft is not None:
-            self._errors.append(actual_ttft - predicted_ttft)
+            self._errors.append((now, actual_ttft - predicted_ttft))
 
     def missed(self, predicted_ttft: float | None, at_least: float) -> None:
         """A request dropped from the queue, late: its TTFT would have been `at_least`."""
         if predicted_ttft is not None:
-            self._errors.append(at_least - predicted_ttft)
+            self._errors.append((self._clock(), at_least - predicted_ttft))
 
     def finished(self, seconds: float) -> None:
         """A released request ended, `seconds` after its release."""
@@ -96,11 +143,9 @@ class TTFTEstimator:
                  room_now: bool, slots_in_use: int = 0) -> float | None:
         """Seconds to this request's first token (the plain estimate), or None before
         anything was measured."""
+        service = self.service_at(slots_in_use, prompt_tokens)
         if room_now and requests_ahead == 0:
-            if slots_in_use == 0:
-                return 0.0  # idle: see the module docstring
-            return self.service_at(slots_in_use)
-        service = self.service_at(slots_in_use)
+            return 0.0 if slots_in_use == 0 else service  # idle: see the module docstring
         rate, tokens_rate = self.requests_per_s, self.tokens_per_s
         if rate is None and self.duration_s and slots_in_use:
             rate = slots_in_use / self.duration_s
@@ -123,20 +168,45 @@ class TTFTEstimator:
             wait = max(wait, tokens_ahead / tokens_rate)
         return wait + service
 
-    def service_at(self, inflight: int) -> float:
-        """Release -> first token with `inflight` requests in flight: what was measured at that
-        load level, else at the nearest lower one measured, else at any load."""
-        for level in range(_load_level(inflight), -1, -1):
-            if level in self._service_by_load:
-                return self._service_by_load[level]
-        return self.service_s or 0.0
+    def service_at(self, inflight: int, prompt_tokens: int | None = None) -> float:
+        """Release -> first token with `inflight` requests in flight, for a prompt of
+        `prompt_tokens` (None: of the length measured there): what was measured at that load
+        level, fading with its age towards the nearest lower level measured; with no level
+        below, what was measured at any load."""
+        now = self._clock()
+        slope = self.seconds_per_prompt_token()
+        value = None
+        for number in range(0, _load_level(inflight) + 1):
+            level = self._levels.get(number)
+            if level is None:
+                continue
+            own = level.service.value
+            if prompt_tokens is not None and level.prompt.value is not None:
+                own = max(0.0, own + slope * (prompt_tokens - level.prompt.value))
+            value = own if value is None else (
+                value + (own - value) * _fade(now - level.service.at, self.half_life_s))
+        return (self.service_s or 0.0) if value is None else value
+
+    def seconds_per_prompt_token(self) -> float:
+        """The least-squares slope of first-token time over prompt length (0 until prompts of
+        clearly different lengths were seen); never negative."""
+        x, y, xx, xy = (m.value for m in self._moments)
+        if x is None:
+            return 0.0
+        variance = xx - x * x
+        if variance < _MIN_PROMPT_SPREAD ** 2:
+            return 0.0
+        return max(0.0, (xy - x * y) / variance)
 
     def margin(self, target_s: float) -> float:
         """What to add to a plain estimate: its recent 95th-percentile error, within half the
-        target either way (0 until 20 requests were seen)."""
+        target either way (0 until 20 requests were seen in the last `error_window_s`)."""
+        horizon = self._clock() - self.error_window_s
+        while self._errors and self._errors[0][0] < horizon:
+            self._errors.popleft()
         if len(self._errors) < 20:
             return 0.0
-        ordered = sorted(self._errors)
+        ordered = sorted(error for _, error in self._errors)
         error = ordered[int(0.95 * (len(ordered) - 1))]
         return max(-target_s / 2, min(target_s / 2, error))
 
@@ -144,10 +214,17 @@ class TTFTEstimator:
         window = self._window
         if window.busy_s < self.window_s or window.requests == 0:
             return
-        self.requests_per_s = _ewma(self.requests_per_s, window.requests / window.busy_s,
-                                    self.alpha)
-        self.tokens_per_s = _ewma(self.tokens_per_s, window.tokens / window.busy_s, self.alpha)
+        now = self._clock()
+        keep = 1 - self.alpha if self.requests_per_s is None else \
+            (1 - self.alpha) * _fade(now - self._rate_at, self.half_life_s)
+        self.requests_per_s = _blend(self.requests_per_s, window.requests / window.busy_s, keep)
+        self.tokens_per_s = _blend(self.tokens_per_s, window.tokens / window.busy_s, keep)
+        self._rate_at = now
         self._window = _Window()
+
+
+_SLOPE_ALPHA = 0.05  # the slope needs many prompts; it changes only with the model and machine
+_MIN_PROMPT_SPREAD = 16.0  # tokens of standard deviation before a slope is believed
 
 
 def _load_level(inflight: int) -> int:
@@ -155,5 +232,13 @@ def _load_level(inflight: int) -> int:
     return max(0, inflight).bit_length()
 
 
+def _fade(age_s: float, half_life_s: float) -> float:
+    return 0.5 ** (max(0.0, age_s) / half_life_s) if half_life_s > 0 else 1.0
+
+
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else (1 - alpha) * old + alpha * sample
+
+
+def _blend(old: float | None, sample: float, keep: float) -> float:
+    return sample if old is None else keep * old + (1 - keep) * sample

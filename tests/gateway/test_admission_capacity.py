@@ -106,7 +106,7 @@ def test_an_idle_cluster_is_never_predicted_late():
 
 
 def test_service_time_is_kept_per_load_level():
-    estimator = TTFTEstimator(alpha=1.0)
+    estimator = TTFTEstimator(alpha=1.0, clock=Clock())  # no time passes: nothing fades
     estimator.first_token(3.0, inflight_at_release=20)  # under a burst
     estimator.first_token(0.2, inflight_at_release=1)  # light load
     assert estimator.service_at(1) == pytest.approx(0.2)
