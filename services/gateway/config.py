@@ -36,6 +36,17 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     prefill_timeout_s: float = 120.0
     max_body_bytes: int = 8 << 20
+    # Edge limits (services/gateway/request_limits.py): over one -> 400, before tokenizing.
+    max_prompts_per_request: int = 1024  # strings/token lists in a completions `prompt` list
+    max_choices_per_request: int = 1024  # prompts x n: the worker requests one request opens
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_request_id_length: int = 128  # x-request-id / gRPC request_id characters
+    tokenizer_threads: int = 2  # chat templates and tokenization run here, off the event loop
+    # Time bounds (services/gateway/deadline.py); 0: none.
+    request_timeout_s: float = 600.0  # arrival to last token; a caller may lower it
+    stall_timeout_s: float = 90.0  # no token for this long after the first -> error, aborted
     stream_buffer_chunks: int = 64  # SSE chunks buffered per response before backpressure
     slow_client_timeout_s: float = 30.0  # a write blocked this long cuts the client off
     max_inflight: int = 0  # requests released to workers by this gateway (0: no limit); more wait
@@ -82,6 +93,9 @@ class GatewayConfig:
         from services.gateway.admission_config import validate_admission
 
         validate_admission(self)
+        from services.gateway.request_limits import validate_limits
+
+        validate_limits(self)
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
@@ -132,6 +146,18 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                                 "prompt is uncached there (0: off)",
         "prefill_backlog_tokens": "prefill on the decode worker when every prefill worker has "
                                   "this many tokens queued, or none is up (0: off)",
+        "max_prompts_per_request": "most prompts in one /v1/completions `prompt` list (400 over)",
+        "max_choices_per_request": "most completions one request asks for, prompts x n (400 over)",
+        "max_stop_strings": "most `stop` strings per request (400 over)",
+        "max_stop_string_chars": "longest `stop` string in characters (400 over)",
+        "max_stop_token_ids": "most `stop_token_ids` per request (400 over)",
+        "max_request_id_length": "longest x-request-id / gRPC request_id (400 over)",
+        "tokenizer_threads": "threads that apply chat templates and tokenize, off the event loop",
+        "request_timeout_s": "a request's deadline from arrival, queue included (0: none); a "
+                             "caller may lower it with the x-request-timeout-s header or a "
+                             "gRPC deadline; past it: 504, or an error event mid-stream",
+        "stall_timeout_s": "a stream that gets no token for this long after its first ends "
+                           "with an error and is aborted on the workers (0: never)",
         "log_format": "json (one object per line) or text",
         "log_prompts": "debug: write prompt text into the access log (true/false)",
     }

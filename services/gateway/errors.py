@@ -66,6 +66,12 @@ class APIError(Exception):
         return cls(503, message, "server_error", None, "overloaded", retry_after_s)
 
     @classmethod
+    def timed_out(cls, message: str, code: str = "request_timeout") -> APIError:
+        # 504, not 503: nothing is overloaded that a Retry-After would fix; this request
+        # took longer than its deadline (or stalled) upstream of the gateway.
+        return cls(504, message, "server_error", None, code)
+
+    @classmethod
     def internal(cls, message: str) -> APIError:
         return cls(500, message, "server_error", None, "internal_error")
 
@@ -77,6 +83,7 @@ _GRPC_CODES = {
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

@@ -1,23 +1,31 @@
 """The gateway's parts wired together, shared by the HTTP and gRPC front doors.
 
-Built on the main thread before serving; afterwards used only from the event loop.
+Built on the main thread before serving; afterwards used only from the event loop, except
+the tokenizer threads, which run preprocessing (read-only tokenizer and limits) for it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from services.gateway.admission import Ticket
 from services.gateway.admission_config import make_admission
 from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.config import GatewayConfig
+from services.gateway.deadline import RequestDeadline
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import APIError
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.preprocess import ModelLimits, Preprocessor
 from services.gateway.registry_follower import RegistryFollower
+from services.gateway.request_limits import RequestLimits
 from services.gateway.request_record import RequestObserver, RequestRecord
 from services.gateway.router import Router
 from services.gateway.routing_config import make_router
@@ -25,13 +33,19 @@ from services.gateway.text_stream import TextDelta, stream_text
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.worker_pool import WorkerPool
 
+T = TypeVar("T")
+
 
 class Gateway:
     def __init__(self, config: GatewayConfig, router: Router | None = None) -> None:
         self.config = config
         self.started = int(time.time())
         self.tokenizer = ModelTokenizer(config.model)
-        self.preprocessor = Preprocessor(self.tokenizer)
+        self.preprocessor = Preprocessor(self.tokenizer, RequestLimits.from_config(config))
+        # Chat templates and tokenization (milliseconds per KiB of prompt) run here, so one
+        # huge prompt cannot hold up every other stream's writes on the event loop.
+        self.tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads,
+                                                 thread_name_prefix="tokenizer")
         model_config = json.loads((Path(config.model) / "config.json").read_text()) \
             if (Path(config.model) / "config.json").is_file() else {}
         self._vocab_size = model_config.get("vocab_size") or self.tokenizer.backend.get_vocab_size()
@@ -67,6 +81,12 @@ class Gateway:
         if self.registry is not None:
             await self.registry.close()
         await self.pool.close()
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in a tokenizer thread (CPU work: parsing, templates, tokenizing)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     @property
     def model_name(self) -> str:
@@ -80,12 +100,12 @@ class Gateway:
         if model not in self.model_names:
             raise APIError.model_not_found(model, self.model_name)
 
-    def choice_streams(self, ticket: Ticket, record: RequestRecord):
-        """One text stream per choice of an admitted request (`ticket.specs`), observed by
-        the request's record."""
+    def choice_streams(self, ticket: Ticket, record: RequestRecord, deadline: RequestDeadline):
+        """One text stream per choice of an admitted request (`ticket.specs`), bounded by the
+        request's deadline and stall timeout, observed by the request's record."""
         record.admitted(ticket.arrival, ticket.released_at)
         dispatcher = ticket.metered(record.dispatching(self.dispatcher))
-        return record.observe([stream_text(spec, dispatcher, self.tokenizer)
+        return record.observe([deadline.bound(stream_text(spec, dispatcher, self.tokenizer))
                                for spec in ticket.specs])
 
     def model_card(self) -> dict:

@@ -1,5 +1,6 @@
-"""splitserve.v1.Gateway: the gRPC front door. Same path as HTTP (admission, preprocessing,
-dispatcher, stop strings) with protobuf in and out; runs on the gateway's event loop."""
+"""splitserve.v1.Gateway: the gRPC front door. Same path as HTTP (limits, admission,
+preprocessing, deadlines, dispatcher, stop strings) with protobuf in and out; runs on the
+gateway's event loop (tokenizing in its tokenizer threads)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import grpc
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common import convert, tracing
+from services.gateway.deadline import RequestDeadline
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
+from services.gateway.request_ids import gateway_request_id, worker_request_id
 from services.gateway.request_record import RequestRecord
 from services.gateway.text_stream import TextDelta
 
@@ -24,11 +27,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.gateway = gateway
 
     async def Generate(self, request: gateway_pb2.GenerateTextRequest, context):
-        record = self.gateway.observer.begin(
-            "grpc", f"{request.request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}",
-            tracing.context_from_grpc(context))
         try:
-            await self._generate(request, context, record)
+            request_id = gateway_request_id(request.request_id,
+                                            self.gateway.config.max_request_id_length,
+                                            "request_id")
+            bad_id = None
+        except APIError as exc:  # refused below, under an id of its own
+            request_id, bad_id = uuid.uuid4().hex, exc
+        record = self.gateway.observer.begin("grpc", request_id,
+                                             tracing.context_from_grpc(context))
+        try:
+            await self._generate(request, context, record, bad_id)
         except asyncio.CancelledError:  # the caller cancelled or went away
             record.client_gone(grpc.StatusCode.CANCELLED.name)
             raise
@@ -37,30 +46,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         record.finish(grpc.StatusCode.OK.name)
 
-    async def _generate(self, request, context, record: RequestRecord) -> None:
+    async def _generate(self, request, context, record: RequestRecord,
+                        bad_id: APIError | None) -> None:
         gateway = self.gateway
         try:
+            if bad_id is not None:
+                raise bad_id
             tenant = gateway.admission.authenticate(_authorization(request, context))
             record.authenticated(tenant.name)
             if request.model:
                 gateway.check_model(request.model)
-            spec = self._spec(request, record.request_id)
+            deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival)
+            spec = await deadline.within(gateway.off_loop(
+                self._spec, request, worker_request_id(record.request_id), gateway.limits()),
+                "tokenizing")
             record.prompt(len(spec.prompt_token_ids),
                           lambda: gateway.tokenizer.decode(spec.prompt_token_ids))
             # Waits in the fair queue; a cancelled call gives its place up.
-            ticket = await gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids))
+            ticket = await deadline.within(
+                gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids)), "queued")
         except APIError as exc:
             if exc.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             record.finish(exc.grpc_code.name, exc)
             await context.abort(exc.grpc_code, exc.message)
         spec = ticket.specs[0]  # max_tokens within the tenant's limit
-        (stream,) = gateway.choice_streams(ticket, record)
+        (stream,) = gateway.choice_streams(ticket, record, deadline)
         timeout = gateway.config.slow_client_timeout_s
         try:
             try:
                 first = await anext(stream)
-            except APIError as exc:
+            except APIError as exc:  # before any output: the status code says what failed
                 record.finish(exc.grpc_code.name, exc)
                 await context.abort(exc.grpc_code, exc.message)
             delta: TextDelta | None = first
@@ -76,16 +92,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     record.finish(grpc.StatusCode.DEADLINE_EXCEEDED.name, cancelled="slow_client")
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         "the caller stopped reading the stream")
-                if delta.finish_reason == "error":
-                    record.finish(grpc.StatusCode.UNAVAILABLE.name)  # outcome: worker_failed
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        delta.error or "a worker failed mid-stream")
-                delta = None if delta.finish_reason else await anext(stream, None)
+                # After output, a failure is the final message just written (finish_reason
+                # ERROR and `error`) and the call ends OK, as an SSE stream ends with its
+                # error event: a status such as UNAVAILABLE would invite standard retry
+                # policies to replay text the caller already has.
+                delta = None if delta.finish_reason else await _next_or_error(stream, delta)
         finally:
             await stream.aclose()  # cancelled callers land here too: the workers abort
             ticket.release()
 
-    def _spec(self, request: gateway_pb2.GenerateTextRequest, request_id: str):
+    def _spec(self, request: gateway_pb2.GenerateTextRequest, request_id: str, limits):
+        """Runs in a tokenizer thread (Gateway.off_loop): touches only read-only state."""
         gateway = self.gateway
         which = request.WhichOneof("prompt")
         if which == "text":
@@ -99,7 +116,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ValueError as exc:
             raise APIError.invalid(str(exc)) from None
         return gateway.preprocessor.token_prompt(request_id, prompt, params, list(request.stop),
-                                                 gateway.limits())
+                                                 limits)
+
+
+async def _next_or_error(stream, last: TextDelta) -> TextDelta | None:
+    """The stream's next delta; an unexpected failure becomes a final error delta, as
+    streaming.sse_events does (output was delivered: it must not end as a retryable status)."""
+    try:
+        return await anext(stream, None)
+    except Exception as exc:
+        log.exception("gRPC stream failed after output")
+        return TextDelta(index=last.index, text="", token_ids=(), logprobs=(),
+                         num_output_tokens=last.num_output_tokens, finish_reason="error",
+                         error=str(exc) or type(exc).__name__)
 
 
 def _authorization(request: gateway_pb2.GenerateTextRequest, context) -> str | None:

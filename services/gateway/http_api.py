@@ -15,9 +15,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import tracing
 from services.gateway.admission import Ticket
+from services.gateway.deadline import TIMEOUT_CODES, RequestDeadline
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.request_ids import gateway_request_id, worker_request_id
 from services.gateway.request_record import RequestRecord
 from services.gateway.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
 from services.gateway.streaming import (
@@ -82,24 +84,49 @@ def create_app(gateway: Gateway) -> FastAPI:
 async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
                     format_type) -> Response:
     """One completions or chat completions request: authenticate, parse, check the model,
-    turn it into generation specs with `preprocess`, serve them in `format_type`."""
-    record = _begin(gateway, request)
+    turn it into generation specs with `preprocess`, serve them in `format_type`; all of it
+    within the request's deadline."""
+    record, bad_id = _begin(gateway, request)
     try:
+        if bad_id is not None:
+            raise bad_id
         tenant = gateway.admission.authenticate(request.headers.get("authorization"))
         record.authenticated(tenant.name)
-        req = parse_body(body_type, await _read_body(request, gateway.config.max_body_bytes))
-        gateway.check_model(req.model)
-        specs = preprocess(record.request_id, req, gateway.limits())
+        config = gateway.config
+        deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
+        body = await deadline.within(_read_body(request, config.max_body_bytes),
+                                     "reading the body")
+        # Parsing, the chat template and tokenizing are CPU work: off the event loop.
+        req, specs = await deadline.within(gateway.off_loop(
+            _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
+            gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
-        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n)
+        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
+                            deadline)
     except BaseException as exc:
         _failed(record, exc)
         raise
 
 
-def _begin(gateway: Gateway, request: Request) -> RequestRecord:
-    return gateway.observer.begin("http", _request_id(request),
-                                  tracing.context_from_headers(request.headers))
+def _prepare(gateway: Gateway, body_type, body: bytes, preprocess, request_id: str, limits):
+    """Runs in a tokenizer thread: touches only read-only state."""
+    req = parse_body(body_type, body)
+    gateway.check_model(req.model)
+    return req, preprocess(request_id, req, limits)
+
+
+def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError | None]:
+    """The request's record, and the 400 to answer if its x-request-id is not acceptable (the
+    record then has an id of its own, so that the refusal is logged and counted)."""
+    try:
+        request_id = gateway_request_id(request.headers.get("x-request-id"),
+                                        gateway.config.max_request_id_length, "x-request-id")
+        bad_id = None
+    except APIError as exc:
+        request_id, bad_id = uuid.uuid4().hex, exc
+    record = gateway.observer.begin("http", request_id,
+                                    tracing.context_from_headers(request.headers))
+    return record, bad_id
 
 
 def _failed(record: RequestRecord, exc: BaseException) -> None:
@@ -111,15 +138,15 @@ def _failed(record: RequestRecord, exc: BaseException) -> None:
 
 
 async def _serve(gateway: Gateway, request: Request, record: RequestRecord, specs, fmt,
-                 stream: bool, tenant: Tenant, n: int) -> Response:
+                 stream: bool, tenant: Tenant, n: int, deadline: RequestDeadline) -> Response:
     # Prompt tokens count once per prompt, however many choices (n) sample from it.
     prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
     record.prompt(prompt_tokens, lambda: gateway.tokenizer.decode(specs[0].prompt_token_ids))
     headers = {"x-request-id": record.request_id}
     try:
         # Waits in the fair queue; a client that leaves meanwhile gives its place up.
-        ticket = await until_disconnected(
-            request.receive, gateway.admission.admit(tenant, specs, prompt_tokens))
+        ticket = await until_disconnected(request.receive, deadline.within(
+            gateway.admission.admit(tenant, specs, prompt_tokens), "queued"))
     except ClientDisconnected:
         log.info("client disconnected while queued; request dropped")
         record.client_gone(499)
@@ -127,8 +154,9 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
     try:
         if stream:
             return await _serve_stream(gateway, request, record, fmt, prompt_tokens, ticket,
-                                       headers)
-        choices = await until_disconnected(request.receive, _collect(gateway, ticket, record))
+                                       headers, deadline)
+        choices = await until_disconnected(request.receive,
+                                           _collect(gateway, ticket, record, deadline))
     except ClientDisconnected:
         log.info("client disconnected before the response; request aborted")
         record.client_gone(499)
@@ -137,9 +165,11 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
         if not stream:
             ticket.release()
     failed = next((c for c in choices if c.finish_reason == "error"), None)
-    if failed is not None:
-        raise APIError(500, failed.error or "a worker failed mid-generation", "server_error",
-                       code="worker_failed")
+    if failed is not None:  # nothing was sent yet: a status code says what happened
+        timed_out = failed.error_code in TIMEOUT_CODES
+        raise APIError(504 if timed_out else 500,
+                       failed.error or "a worker failed mid-generation", "server_error",
+                       code=failed.error_code if timed_out else "worker_failed")
     body = fmt.response(choices, usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
                                        max(c.num_cached_tokens for c in choices)))
     record.finish(200)
@@ -147,9 +177,9 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
 
 
 async def _serve_stream(gateway, request, record: RequestRecord, fmt, prompt_tokens,
-                        ticket: Ticket, headers) -> Response:
+                        ticket: Ticket, headers, deadline: RequestDeadline) -> Response:
     try:
-        streams = gateway.choice_streams(ticket, record)
+        streams = gateway.choice_streams(ticket, record, deadline)
         # Wait for the first token of every choice before committing to a 200, so that
         # failures before any token (after one invisible retry) still get a status code.
         firsts = await until_disconnected(request.receive, open_streams(streams))
@@ -169,14 +199,15 @@ async def _serve_stream(gateway, request, record: RequestRecord, fmt, prompt_tok
     return SSEResponse(events, gateway.config.slow_client_timeout_s, headers, on_close=close)
 
 
-async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord) -> list[ChoiceResult]:
+async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
+                   deadline: RequestDeadline) -> list[ChoiceResult]:
     results = [ChoiceResult(spec.index) for spec in ticket.specs]
 
     async def run(stream, result: ChoiceResult) -> None:
         async for delta in stream:
             result.add(delta)
 
-    streams = gateway.choice_streams(ticket, record)
+    streams = gateway.choice_streams(ticket, record, deadline)
     tasks = [asyncio.ensure_future(run(s, r)) for s, r in zip(streams, results, strict=True)]
     try:
         await asyncio.gather(*tasks)
@@ -199,13 +230,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise APIError.too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _request_id(request: Request) -> str:
-    supplied = request.headers.get("x-request-id", "")
-    if supplied and len(supplied) <= 64 and supplied.isascii() and supplied.isprintable():
-        return f"{supplied}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses its id
-    return uuid.uuid4().hex
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,5 +1,6 @@
 """Turns a validated request body into GenerationSpecs: tokenized prompts, checked limits and
-sampling parameters with a seed, before any worker is touched. Every problem is a 400."""
+sampling parameters with a seed, before any worker is touched. Every problem is a 400; the
+size limits (request_limits) are checked before the prompt is tokenized."""
 
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ from engine.sampling_params import SamplingParams
 from services.common import convert
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.gateway.request_limits import RequestLimits
 from services.gateway.tokenizer import ChatTemplateError, ModelTokenizer
 
-MAX_N = 8
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_MODULUS = 1 << 63
 
@@ -49,12 +48,16 @@ class ModelLimits:
 
 
 class Preprocessor:
-    """Stateless apart from the tokenizer; runs on the event loop."""
+    """Stateless apart from the read-only tokenizer and limits; runs in the gateway's
+    tokenizer threads (Gateway.off_loop), so a huge prompt never blocks the event loop."""
 
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
+        self.request_limits = request_limits
 
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
+        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
         prompts = self._completion_prompts(req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= SamplingParams.MAX_LOGPROBS:
             raise APIError.invalid(
@@ -73,6 +76,8 @@ class Preprocessor:
     def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
         if not req.messages:
             raise APIError.invalid("messages must contain at least one message", param="messages")
+        self.request_limits.check_batch(1, req.n)
+        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
@@ -96,8 +101,8 @@ class Preprocessor:
     def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop: Sequence[str], limits: ModelLimits) -> GenerationSpec:
         """The gRPC front door: parameters already typed, prompt already tokenized."""
+        self.request_limits.check_stop(stop, params.stop_token_ids)
         self._check_prompt(prompt_ids, limits)
-        self._check_stop(stop)
         self._check_length(len(prompt_ids), params.max_tokens, limits)
         params = dataclasses.replace(params, seed=_seed(params.seed, 0))
         _validate(params, limits)
@@ -120,16 +125,17 @@ class Preprocessor:
                       param: str = "prompt") -> None:
         if not prompt_ids:
             raise APIError.invalid("the prompt is empty; send at least one token", param=param)
-        bad = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise APIError.invalid(
-                f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-                param=param)
+        # The length first: it is O(1), the vocabulary scan is not.
         if len(prompt_ids) >= limits.max_model_len:
             raise APIError.invalid(
                 f"This model's maximum context length is {limits.max_model_len} tokens; the "
                 f"prompt has {len(prompt_ids)} tokens and at least one must be generated.",
                 param=param, code="context_length_exceeded")
+        bad = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError.invalid(
+                f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                param=param)
 
     def _check_length(self, num_prompt: int, max_tokens: int, limits: ModelLimits) -> None:
         if max_tokens < 1:
@@ -141,13 +147,6 @@ class Preprocessor:
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion).",
                 param="max_tokens", code="context_length_exceeded")
-
-    def _check_stop(self, stop: Sequence[str]) -> None:
-        if len(stop) > MAX_STOP_STRINGS:
-            raise APIError.invalid(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-        if any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise APIError.invalid(f"stop strings are limited to {MAX_STOP_LENGTH} characters",
-                                   param="stop")
 
     def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
                 logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
@@ -176,10 +175,7 @@ class Preprocessor:
         return params
 
     def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:
-        if not 1 <= req.n <= MAX_N:
-            raise APIError.invalid(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self._check_stop(stop)
+        stop = _stop_list(req.stop)
         base_seed = _seed(req.seed, 0)
         return [
             GenerationSpec(
@@ -193,6 +189,17 @@ class Preprocessor:
             )
             for i in range(req.n)
         ]
+
+
+def _num_prompts(prompt) -> int:
+    """A string or one token list is one prompt; a list of strings or token lists is many."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def _or(value, default):

@@ -44,6 +44,7 @@ class _Choice:
     last_at: float | None = None
     output_tokens: int = 0
     finish_reason: str | None = None
+    error_code: str | None = None  # with finish_reason "error": why (None: a worker failed)
 
 
 class RequestRecord:
@@ -196,6 +197,7 @@ class RequestRecord:
                     choice.output_tokens = delta.num_output_tokens
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
+                    choice.error_code = delta.error_code
                     self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
                 yield delta
         finally:
@@ -214,7 +216,8 @@ class RequestRecord:
             return "cancelled", cancelled
         reasons = [c.finish_reason for c in self.choices]
         if "error" in reasons:
-            return "error", "worker_failed"
+            return "error", next((c.error_code for c in self.choices if c.error_code),
+                                 "worker_failed")
         if not reasons or None in reasons:
             return "cancelled", "incomplete"
         return "finished", "length" if "length" in reasons else "stop"

@@ -33,6 +33,7 @@ class ChoiceResult:
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -44,6 +45,7 @@ class ChoiceResult:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.error = delta.error or self.error
+        self.error_code = delta.error_code or self.error_code
         self.num_output_tokens = delta.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 

@@ -108,7 +108,7 @@ async def sse_events(
             if item.finish_reason == "error":
                 # Tokens were already sent: no silent retry, an explicit error event instead.
                 error = APIError(500, item.error or "a worker failed mid-stream", "server_error",
-                                 code="worker_failed")
+                                 code=item.error_code or "worker_failed")
                 yield encode_sse(error.body())
                 break
         if fmt.include_usage:

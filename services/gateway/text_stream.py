@@ -25,6 +25,8 @@ class TextDelta:
     num_output_tokens: int  # so far, this delta included
     finish_reason: str | None = None
     error: str | None = None
+    # With finish_reason "error": OpenAI-style code of what ended it (None: a worker failed).
+    error_code: str | None = None
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
 

@@ -11,6 +11,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
+_GIL_FREE_ENCODE_CHARS = 16 << 10
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered with the model's chat template."""
@@ -40,6 +42,11 @@ class ModelTokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= _GIL_FREE_ENCODE_CHARS:
+            # `Tokenizer.encode` holds the GIL throughout (seconds for megabytes of text),
+            # which would stall the event loop even from a tokenizer thread; `encode_batch`
+            # releases it. Same ids; kept for long texts, where its overhead does not show.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
