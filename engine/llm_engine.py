@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.executor import TensorParallelExecutor, create_model_runner
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.outputs import Logprobs, RequestOutput
+from engine.outputs import Logprobs, RequestOutput, SchedulerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -63,6 +63,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests
         self.last_step_size = (0, 0)  # (requests, tokens) of the latest step
+        # The batch of the step in progress, None between steps. Only swapped as a reference,
+        # so a watchdog on another thread may read it to say what a slow step holds.
+        self.scheduled: SchedulerOutput | None = None
 
     # -- admission -----------------------------------------------------------------------
 
@@ -179,10 +182,14 @@ class LLMEngine:
         spec = self.speculator
         proposals = spec.propose(self.scheduler) if spec is not None else None
         sched = self.scheduler.schedule(proposals.token_ids if proposals else None)
-        if proposals is not None and proposals.draft_probs:
-            result = self.runner.execute_model(sched, proposals.draft_probs)
-        else:
-            result = self.runner.execute_model(sched)
+        self.scheduled = sched
+        try:
+            if proposals is not None and proposals.draft_probs:
+                result = self.runner.execute_model(sched, proposals.draft_probs)
+            else:
+                result = self.runner.execute_model(sched)
+        finally:
+            self.scheduled = None
         outputs = self.scheduler.update(sched, result)
         if spec is not None:
             spec.observe(sched, result, outputs, time.perf_counter() - started)

@@ -93,6 +93,12 @@ class Scheduler:
         self.running.append(request)
         return request
 
+    def remote_kv_overdue(self, reserved_before: float) -> list[str]:
+        """Requests still waiting for remote KV that were reserved before `reserved_before`
+        (time.monotonic(); a reserved request arrives when it is reserved)."""
+        return [rid for rid, request in self.waiting_for_kv.items()
+                if request.arrival_time < reserved_before]
+
     def recompute_locally(self, request_id: str) -> bool:
         """KV transfer failed: drop the reservation and prefill the prompt here instead."""
         request = self.waiting_for_kv.pop(request_id, None)

@@ -15,6 +15,7 @@ from kv_transfer.header import (
     KVHeader,
     decode_header,
     encode_header,
+    transfer_key,
 )
 from kv_transfer.layout import KV_LAYOUT_VERSION, KVLayout, LayoutMismatchError
 from kv_transfer.receiver import KVReceiver
@@ -43,4 +44,5 @@ __all__ = [
     "TransferResult",
     "decode_header",
     "encode_header",
+    "transfer_key",
 ]

@@ -6,6 +6,7 @@ It travels as an int64 tensor's bytes; a checksum word catches a desynchronised 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,10 @@ MAX_KEY_BYTES = 64
 # "SSKVHDR1" read as a little-endian int64: recognisable in a hex dump, positive as int64.
 MAGIC = int.from_bytes(b"SSKVHDR1", "little")
 HEADER_FORMAT = 1
+
+# A request id the header cannot hold verbatim travels as this prefix plus a SHA-256 digest of
+# the id. No verbatim key starts with the prefix, so a digest key never names another request.
+DIGEST_KEY_PREFIX = "~sha256:"
 
 _MASK64 = (1 << 64) - 1
 _KEY_WORDS = MAX_KEY_BYTES // 8
@@ -70,6 +75,20 @@ def _checksum(words: list[int]) -> int:
     for w in words:
         h = ((h ^ (w & _MASK64)) * 0x100000001B3) & _MASK64
     return h - (1 << 64) if h >= 1 << 63 else h  # store as signed int64
+
+
+def transfer_key(request_id: str) -> str:
+    """The request key a KV transfer carries for `request_id`, for any id: the id itself when
+    it fits the header (1..MAX_KEY_BYTES bytes of UTF-8), else a fixed-length key derived from
+    its SHA-256 digest. Sender and receiver both call this; the receiver maps the key back to
+    the request it reserved blocks for."""
+    if not isinstance(request_id, str):
+        raise HeaderError(f"request id must be str, got {type(request_id).__name__}")
+    raw = request_id.encode("utf-8", "surrogatepass")
+    if 0 < len(raw) <= MAX_KEY_BYTES and not request_id.startswith(DIGEST_KEY_PREFIX):
+        return request_id
+    digest = hashlib.sha256(raw).hexdigest()
+    return DIGEST_KEY_PREFIX + digest[: MAX_KEY_BYTES - len(DIGEST_KEY_PREFIX)]
 
 
 def _encode_key(key: str) -> bytes:

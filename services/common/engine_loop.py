@@ -2,7 +2,7 @@
 
 The engine thread owns the engine and everything inside it. Other threads (the gRPC event
 loop, kv_transfer receiver threads) never touch the engine: they enqueue commands that run on
-the engine thread between steps, and receive outputs on per-request asyncio queues.
+the engine thread between steps, and receive outputs on per-request streams.
 """
 
 from __future__ import annotations
@@ -17,47 +17,108 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from services.common.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
+# Outputs (one per request and step) a request may have produced but its reader not yet taken.
+# A reader that keeps up holds one or two; past this many it has stopped reading, and the
+# request is cut off rather than buffered without end.
+DEFAULT_MAX_UNREAD_OUTPUTS = 1024
+# A reservation whose KV never arrives is settled by the engine loop after this long, whatever
+# the servicer's own timer does (see EngineLoop._expire_reservations).
+DEFAULT_KV_RESERVATION_TTL_S = 120.0
+
 
 class RequestStream:
-    """Outputs of one request, readable from the event loop that opened it."""
+    """Outputs of one request: the engine thread puts, the event loop that opened it gets.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Bounded by `max_unread` outputs put but not yet got; the engine loop cuts the request off
+    before it would exceed that (one final error output may follow). Each side counts only its
+    own operations, so the bound needs no lock.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_unread: int) -> None:
         self.loop = loop
+        self.max_unread = max_unread
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.num_put = 0  # engine thread
+        self.num_got = 0  # event loop
+
+    @property
+    def num_unread(self) -> int:
+        return self.num_put - self.num_got
 
     async def get(self) -> RequestOutput:
-        return await self.queue.get()
+        out = await self.queue.get()
+        self.num_got += 1
+        return out
+
+    def put(self, out: RequestOutput) -> None:
+        """Engine thread. An event loop that has closed has no reader left: drop the output."""
+        self.num_put += 1
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:
+            log.debug("output for %s dropped: its event loop is closed", out.request_id)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, *,
+                 max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS,
+                 kv_reservation_ttl_s: float = DEFAULT_KV_RESERVATION_TTL_S,
+                 step_timeout_s: float = 0.0) -> None:
+        if max_unread_outputs < 1:
+            raise ValueError("max_unread_outputs must be >= 1")
+        if kv_reservation_ttl_s <= 0:
+            raise ValueError("kv_reservation_ttl_s must be > 0")
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self.max_unread_outputs = max_unread_outputs
+        self.kv_reservation_ttl_s = kv_reservation_ttl_s
+        self._next_expiry_check = 0.0
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Refreshed by the engine thread after every step; a plain dict swapped atomically.
         self.stats: dict[str, float] = engine.stats()
         self.step_seconds = 0.0
         self.healthy = True
+        # (monotonic start, "step" | "command") of the engine thread's current work, or None;
+        # swapped as one reference for the watchdog thread.
+        self._busy: tuple[float, str] | None = None
+        self.watchdog: StepWatchdog | None = None
+        if step_timeout_s > 0:
+            self.watchdog = StepWatchdog(step_timeout_s, self._busy_since, self._describe_busy)
         # Called (on the engine thread) if the loop dies, e.g. to stop the process.
         self.on_crash: Callable[[], None] | None = None
         # Called on the engine thread after each step that ran the model:
         # on_step(seconds, num_requests, num_tokens).
         self.on_step: Callable[[float, int, int], None] | None = None
 
+    @property
+    def stalled(self) -> bool:
+        """True while one step has run longer than the step timeout (the watchdog's verdict)."""
+        return self.watchdog is not None and self.watchdog.stalled
+
+    @property
+    def ready(self) -> bool:
+        """Whether new work should come here: the loop runs and no step is stuck."""
+        return self.healthy and not self.stalled
+
     def start(self) -> None:
         self._thread.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     # -- called from any thread ---------------------------------------------------------
 
@@ -108,9 +169,9 @@ class EngineLoop:
             try:
                 result = fn(self.engine)
             except BaseException as exc:  # handed to the caller, not swallowed
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _settle(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                _settle(loop, _set_result, future, result)
 
         self._commands.put(command)
         self._wake.set()
@@ -119,18 +180,38 @@ class EngineLoop:
     async def open(self, request_id: str, start: Callable[[LLMEngine], Any]) -> tuple[RequestStream, Any]:
         """Register a stream for `request_id`, then run start(engine) (which adds the
         request) on the engine thread, so no output can be produced before the stream
-        exists. Raises whatever start raises, leaving nothing registered."""
-        stream = RequestStream(asyncio.get_running_loop())
+        exists. Raises whatever start raises, leaving nothing registered.
+
+        Cancelled while start is queued or running, it queues an abort behind it: the command
+        queue is one FIFO, so the abort runs after start whenever start runs, and the request
+        is never left reserved, computed for nobody, or run to max_tokens unread."""
+        stream = RequestStream(asyncio.get_running_loop(), self.max_unread_outputs)
 
         def begin(engine: LLMEngine) -> Any:
+            previous = self._streams.get(request_id)
             self._streams[request_id] = stream
             try:
                 return start(engine)
             except BaseException:
-                self._streams.pop(request_id, None)
+                # The id may belong to a live request (start refused it as "in use").
+                if previous is None:
+                    self._streams.pop(request_id, None)
+                else:
+                    self._streams[request_id] = previous
                 raise
 
-        result = await self.call(begin)
+        def undo(engine: LLMEngine) -> None:
+            # Our stream is registered exactly while the request start added is live; if start
+            # failed, or the request already finished, there is nothing of ours to abort.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                engine.abort(request_id)
+
+        try:
+            result = await self.call(begin)
+        except asyncio.CancelledError:
+            self.submit(undo)
+            raise
         return stream, result
 
     # -- the engine thread --------------------------------------------------------------
@@ -138,31 +219,91 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
             if out.finished:
-                self._streams.pop(out.request_id, None)
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                del self._streams[out.request_id]
+            elif stream.num_unread >= stream.max_unread:
+                self._cut_off(out.request_id, stream)
+                continue
+            stream.put(out)
+
+    def _cut_off(self, request_id: str, stream: RequestStream) -> None:
+        """The reader stopped reading: free the request's blocks and end its stream."""
+        log.warning("request %.80s: %d outputs unread; its reader stopped reading, aborting it",
+                    request_id, stream.num_unread)
+        del self._streams[request_id]
+        self.engine.abort(request_id)
+        stream.put(RequestOutput(
+            request_id, [], finished=True, finish_reason="error",
+            error=f"the reader fell {stream.num_unread} outputs behind; request aborted"))
+
+    def _expire_reservations(self, now: float) -> None:
+        """Bound waiting_for_kv on its own: a reservation older than the TTL is recomputed
+        here if its stream is still open (someone reads it), and freed if not."""
+        if now < self._next_expiry_check:
+            return
+        ttl = self.kv_reservation_ttl_s
+        self._next_expiry_check = now + min(ttl / 4, 1.0)
+        for rid in self.engine.scheduler.remote_kv_overdue(now - ttl):
+            if rid in self._streams:
+                log.warning("KV for %.80s not here after %.1fs; recomputing locally", rid, ttl)
+                self.engine.recompute_locally(rid)
+            else:
+                log.warning("reservation of %.80s unclaimed after %.1fs; freeing it", rid, ttl)
+                self.engine.abort(rid)
+
+    def _busy_since(self) -> float | None:
+        busy = self._busy
+        return None if busy is None else busy[0]
+
+    def _describe_busy(self) -> str:
+        """What the engine thread is stuck in (called on the watchdog thread)."""
+        busy = self._busy
+        if busy is None:
+            return "nothing (it has just ended)"
+        sched = self.engine.scheduled
+        if busy[1] != "step" or sched is None:
+            return "a command between steps (e.g. writing received KV into the cache)"
+        ids = list(sched.num_scheduled_tokens)
+        shown = ", ".join(rid[:40] for rid in ids[:8]) + (", ..." if len(ids) > 8 else "")
+        return (f"{len(ids)} requests, {sched.total_num_scheduled_tokens} tokens "
+                f"({len(sched.new_requests)} new); request ids: {shown}")
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._busy = (time.monotonic(), "command")
+            try:
+                command()
+            finally:
+                self._busy = None
 
     def _run(self) -> None:
         engine = self.engine
         try:
             while not self._stop.is_set():
-                while True:
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    command()
+                self._run_commands()
                 scheduled = False
                 if engine.scheduler.waiting or engine.scheduler.running:
                     start = time.perf_counter()
                     steps_before = engine.num_steps
-                    self._deliver(engine.step())
+                    self._busy = (time.monotonic(), "step")
+                    try:
+                        outputs = engine.step()
+                    finally:
+                        self._busy = None
+                    self._deliver(outputs)
                     scheduled = engine.num_steps > steps_before
                     if scheduled:
                         self.step_seconds = time.perf_counter() - start
                         if self.on_step is not None:
                             self.on_step(self.step_seconds, *engine.last_step_size)
+                if engine.scheduler.waiting_for_kv:
+                    self._expire_reservations(time.monotonic())
                 self.stats = engine.stats()
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
@@ -174,11 +315,17 @@ class EngineLoop:
             # Every open stream ends with an error instead of hanging.
             streams, self._streams = self._streams, {}
             for rid, stream in streams.items():
-                error = RequestOutput(rid, [], finished=True, finish_reason="error",
-                                      error=f"engine failure: {exc}")
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+                stream.put(RequestOutput(rid, [], finished=True, finish_reason="error",
+                                         error=f"engine failure: {exc}"))
             if self.on_crash is not None:
                 self.on_crash()
+
+
+def _settle(loop: asyncio.AbstractEventLoop, setter, future: asyncio.Future, value) -> None:
+    try:
+        loop.call_soon_threadsafe(setter, future, value)
+    except RuntimeError:
+        pass  # the caller's event loop has closed: nobody waits for the answer
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

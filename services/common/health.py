@@ -22,7 +22,8 @@ class WorkerState:
 
 def health_response(loop: EngineLoop, worker: WorkerState, kv_endpoint: str) -> common_pb2.HealthResponse:
     status = common_pb2.HealthResponse.SERVING
-    if worker.draining or not loop.healthy:
+    # A stuck engine step (the watchdog's verdict) routes new work elsewhere, as draining does.
+    if worker.draining or not loop.ready:
         status = common_pb2.HealthResponse.DRAINING
     engine = loop.engine
     return common_pb2.HealthResponse(

@@ -76,6 +76,9 @@ class _StatsCollector:
                          used / max(stats["kv_blocks_total"], 1))
             yield _gauge("splitserve_worker_healthy", "1 while the engine loop runs.", role,
                          1.0 if loop.healthy else 0.0)
+            yield _gauge("splitserve_worker_step_stalled",
+                         "1 while an engine step runs past --step-timeout-s.", role,
+                         1.0 if loop.stalled else 0.0)
             counters = {
                 "splitserve_prefix_cache_queries_tokens": ("prefix_queries", "Prompt tokens looked up in the prefix cache."),
                 "splitserve_prefix_cache_hits_tokens": ("prefix_hits", "Prompt tokens found in the prefix cache."),

@@ -22,6 +22,7 @@ from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.status_server import StatusServer
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerConfig
+from services.decode.kv_keys import RemoteKVKeys
 
 log = logging.getLogger("splitserve.worker")
 
@@ -46,7 +47,14 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine_config())
-        self.engine_loop = EngineLoop(self.engine)
+        self.engine_loop = EngineLoop(
+            self.engine, max_unread_outputs=config.max_unread_outputs,
+            kv_reservation_ttl_s=config.kv_reservation_ttl_s,
+            step_timeout_s=config.step_timeout_s,
+        )
+        # Decode role: transfer key -> request id for ids too long to travel verbatim; the
+        # Generate streams fill it, the KV receiver callbacks read it.
+        self.kv_keys = RemoteKVKeys()
         self.state = WorkerState(config.role, config.resolved_worker_id, config.model_name)
         self.receiver = None
         self.senders = None
@@ -77,9 +85,7 @@ class Worker:
                 self.engine, host=cfg.host, port=cfg.kv_port, layout=layout, device=device,
                 on_kv=self._on_kv, timeout_s=cfg.kv_transfer_timeout_s,
                 on_channel_error=self._on_channel_error,
-                on_abort=lambda header: self.engine_loop.submit(
-                    lambda engine: engine.recompute_locally(header.request_key)
-                ),
+                on_abort=self._on_kv_abort,
             )
             # One endpoint per tensor-parallel rank, in rank order.
             kv_endpoint = ",".join(f"{cfg.public_host}:{endpoint.rsplit(':', 1)[1]}"
@@ -103,7 +109,8 @@ class Worker:
             )
         if cfg.role in ("decode", "both"):
             decode_pb2_grpc.add_DecodeServicer_to_server(
-                DecodeServicer(self.engine_loop, kv_endpoint, self.state, cfg.kv_wait_timeout_s),
+                DecodeServicer(self.engine_loop, kv_endpoint, self.state, cfg.kv_wait_timeout_s,
+                               kv_keys=self.kv_keys),
                 self.server,
             )
         self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -118,7 +125,7 @@ class Worker:
             self.status_server = StatusServer(
                 cfg.host, cfg.metrics_port, self.metrics.registry,
                 is_live=lambda: self.engine_loop.healthy,
-                is_ready=lambda: self.engine_loop.healthy and not self.state.draining,
+                is_ready=lambda: self.engine_loop.ready and not self.state.draining,
             )
             self.status_server.start()
             metrics_at = f"{cfg.public_host}:{self.status_server.port}"
@@ -150,7 +157,7 @@ class Worker:
             model=cfg.model_name, block_size=cfg.block_size,
             max_model_len=self.engine.max_model_len,
             metrics_address=self.metrics_at if self.metrics_at != "-" else "",
-            draining=self.state.draining or not self.engine_loop.healthy,
+            draining=self.state.draining or not self.engine_loop.ready,
             stats=dict(self.engine_loop.stats),
         )
 
@@ -164,8 +171,14 @@ class Worker:
     def _on_kv(self, header, payload) -> None:
         # kv_transfer receiver thread: hand over to the engine thread, never touch the engine.
         self.engine_loop.receive_remote_kv(
-            header.request_key, header.first_token, payload, release=self.receiver.release
+            self.kv_keys.request_id(header.request_key), header.first_token, payload,
+            release=self.receiver.release,
         )
+
+    def _on_kv_abort(self, header) -> None:
+        # kv_transfer receiver thread: the prefill worker says this KV will not come.
+        rid = self.kv_keys.request_id(header.request_key)
+        self.engine_loop.submit(lambda engine: engine.recompute_locally(rid))
 
     def _on_channel_error(self, peer, exc) -> None:
         # A prefill peer died. Requests still waiting for KV may have been on it: recompute

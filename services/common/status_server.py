@@ -1,5 +1,6 @@
 """A small HTTP server on each worker for operators and Kubernetes probes:
-/metrics (Prometheus text), /health (liveness), /ready (readiness; false while draining).
+/metrics (Prometheus text), /health (liveness), /ready (readiness; false while draining or
+while an engine step runs past --step-timeout-s).
 
 Runs on its own daemon thread; handlers only read thread-safe snapshots."""
 

@@ -13,6 +13,7 @@ from engine.distributed import check_tensor_parallel_size
 from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
+from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 
 ROLES = ("prefill", "decode", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -58,6 +59,13 @@ class WorkerConfig:
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
+    # Decode role: the engine loop's own bound on a reservation whose KV never came, whoever
+    # forgot it (recomputed if its stream is open, freed if not).
+    kv_reservation_ttl_s: float = DEFAULT_KV_RESERVATION_TTL_S
+    # Outputs a request may have waiting for its reader; past it the request is aborted.
+    max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS
+    # One engine step longer than this makes the worker not ready until it ends; 0: off.
+    step_timeout_s: float = 60.0
     # Decode role: speculative decoding, "" (off), "ngram" or "draft" (see engine/spec_decode).
     speculative_method: str = ""
     num_speculative_tokens: int = 4
@@ -82,6 +90,12 @@ class WorkerConfig:
         parse_size(self.kv_cache_memory)
         if self.kv_wait_timeout_s <= 0:
             raise ValueError("--kv-wait-timeout-s must be > 0")
+        if self.kv_reservation_ttl_s <= 0:
+            raise ValueError("--kv-reservation-ttl-s must be > 0")
+        if self.max_unread_outputs < 1:
+            raise ValueError("--max-unread-outputs must be >= 1")
+        if self.step_timeout_s < 0:
+            raise ValueError("--step-timeout-s must be >= 0 (0 turns the step watchdog off)")
         self._check_speculative()
         if self.tensor_parallel_size != 1:
             model = ModelConfig.from_dir(self.model)
@@ -189,6 +203,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
+    parser.add_argument("--kv-reservation-ttl-s", type=float,
+                        default=float(_env("kv_reservation_ttl_s", DEFAULT_KV_RESERVATION_TTL_S)),
+                        help="decode: the longest a request may wait for remote KV, whatever "
+                             "else happens; then it is recomputed locally if its stream is "
+                             "open, freed if not")
+    parser.add_argument("--max-unread-outputs", type=int,
+                        default=int(_env("max_unread_outputs", DEFAULT_MAX_UNREAD_OUTPUTS)),
+                        help="outputs (one per step) a request may have waiting for its "
+                             "reader; past it the reader has stopped reading and the request "
+                             "is aborted, its KV freed and its stream ended with an error")
+    parser.add_argument("--step-timeout-s", type=float, default=float(_env("step_timeout_s", 60)),
+                        help="an engine step (or a KV wait inside it) running longer than this "
+                             "makes the worker not ready (/ready, Health) until it ends; 0: off")
     parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
                         help="decode: speculative decoding, 'ngram' (prompt lookup) or "
                              "'draft' (a smaller model); off when empty")
@@ -245,6 +272,9 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        kv_reservation_ttl_s=args.kv_reservation_ttl_s,
+        max_unread_outputs=args.max_unread_outputs,
+        step_timeout_s=args.step_timeout_s,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,

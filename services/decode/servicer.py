@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 from opentelemetry import trace
@@ -20,6 +21,7 @@ from engine.outputs import RequestOutput
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState, health_response
+from services.decode.kv_keys import RemoteKVKeys
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("splitserve.decode")
@@ -28,12 +30,14 @@ _tracer = tracing.tracer("splitserve.decode")
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(
         self, engine_loop: EngineLoop, kv_endpoint: str, worker: WorkerState,
-        kv_wait_timeout_s: float,
+        kv_wait_timeout_s: float, kv_keys: RemoteKVKeys | None = None,
     ) -> None:
         self.engine_loop = engine_loop
         self.kv_endpoint = kv_endpoint
         self.worker = worker
         self.kv_wait_timeout_s = kv_wait_timeout_s
+        # Shared with the worker's KV receiver callbacks, which map transfer keys back.
+        self.kv_keys = kv_keys if kv_keys is not None else RemoteKVKeys()
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         with _tracer.start_as_current_span(
@@ -43,8 +47,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         "splitserve.prompt_tokens": len(request.prompt_token_ids),
                         "splitserve.remote_prefill": request.remote_prefill},
         ) as span:
-            async for message in self._generate(request, context, span):
-                yield message
+            # Closed explicitly: when this stream is cancelled or closed at a yield, the inner
+            # generator's finally (which aborts the request) runs now, not whenever it is
+            # garbage collected.
+            async with aclosing(self._generate(request, context, span)) as messages:
+                async for message in messages:
+                    yield message
 
     async def _generate(self, request, context, span):
         if self.worker.draining:
@@ -84,6 +92,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         first_delta = True
         try:
             if remote:
+                self.kv_keys.add(rid)
                 yield decode_pb2.GenerateResponse(
                     reserved=decode_pb2.Reserved(kv_endpoint=self.kv_endpoint, num_blocks=len(block_ids))
                 )
@@ -107,6 +116,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if timer is not None:
                 timer.cancel()
+            if remote:
+                self.kv_keys.discard(rid)
             if not finished:  # the caller went away or cancelled: free the blocks now
                 self.engine_loop.abort(rid)
 

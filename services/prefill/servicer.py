@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import health_response
+from services.prefill.kv_handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("splitserve.prefill")
@@ -28,6 +29,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine_loop: EngineLoop, senders, model_name: str, worker) -> None:
         self.engine_loop = engine_loop
         self.senders = senders  # kv_transfer.KVSenderPool
+        self.kv_handoff = KVHandoff(senders)
         self.model_name = model_name
         self.worker = worker  # WorkerState: role, id, draining flag
 
@@ -79,21 +81,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         span.set_attribute("splitserve.cached_prefix_tokens", out.num_cached_tokens)
         kv_bytes = 0
         if request.decode_kv_endpoint and out.kv is not None:
+            endpoint = request.decode_kv_endpoint
+            kv_bytes = out.kv.numel() * out.kv.element_size()
+            send_span = _tracer.start_span(
+                "prefill.kv_send", attributes={"splitserve.transfer_bytes": kv_bytes,
+                                               "splitserve.decode_kv_endpoint": endpoint})
             try:
-                future = self.senders.send(
-                    request.decode_kv_endpoint, rid, first, out.num_prompt_tokens, out.kv
-                )
-            except Exception as exc:  # queue full or bad endpoint: decode will recompute
-                log.warning("KV transfer of %s not queued: %s", rid, exc)
-            else:
-                kv_bytes = out.kv.numel() * out.kv.element_size()
-                send_span = _tracer.start_span(
-                    "prefill.kv_send", attributes={"splitserve.transfer_bytes": kv_bytes,
-                                                   "splitserve.decode_kv_endpoint":
-                                                       request.decode_kv_endpoint})
-                future.add_done_callback(
-                    lambda f, rid=rid, s=send_span: _finish_send(rid, f, s))
-                span.set_attribute("splitserve.transfer_bytes", kv_bytes)
+                self.kv_handoff.send(endpoint, rid, first, out.num_prompt_tokens, out.kv,
+                                     on_done=lambda error, s=send_span: _finish_send(s, error))
+            except Exception as exc:
+                # Not even queued (full queue, unusable endpoint): fail the call, so the caller
+                # retries elsewhere and drops the decode stream rather than wait for this KV.
+                send_span.set_status(Status(StatusCode.ERROR, str(exc)))
+                send_span.end()
+                log.warning("KV transfer of %.80s not queued: %s", rid, exc)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"KV transfer to {endpoint} not possible: {exc}")
+            span.set_attribute("splitserve.transfer_bytes", kv_bytes)
         response = prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=convert.logprob_to_pb(first, out.new_logprobs[0] if out.new_logprobs else None),
@@ -111,12 +115,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return health_response(self.engine_loop, self.worker, kv_endpoint="")
 
 
-def _finish_send(request_id: str, future, span) -> None:
-    # Runs on the kv_transfer sender thread.
-    exc = future.exception()
-    if exc is not None:
-        log.warning("KV transfer of %s failed: %s", request_id, exc)
-        span.set_status(Status(StatusCode.ERROR, str(exc)))
+def _finish_send(span, error: BaseException | None) -> None:
+    # Runs on the kv_transfer sender thread; KVHandoff logs the failure and sends the abort.
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, str(error)))
     span.end()
 
 

@@ -1,0 +1,72 @@
+"""A watchdog over the engine thread: while one step (or one command between steps, such as
+writing received KV) runs longer than a bound, the worker reports itself not ready, so routers
+send new work elsewhere, and says what the step held. It is ready again once the step ends.
+
+Runs on its own daemon thread and only reads what the engine thread publishes (a timestamp and
+a description, each swapped as one reference).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class StepWatchdog:
+    """`busy_since()` returns when the engine thread's current unit of work started
+    (time.monotonic()), or None while it is idle; `describe()` says what that work holds."""
+
+    def __init__(self, timeout_s: float, busy_since: Callable[[], float | None],
+                 describe: Callable[[], str], poll_s: float | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError("a step watchdog needs timeout_s > 0")
+        self.timeout_s = timeout_s
+        self._busy_since = busy_since
+        self._describe = describe
+        # A stall is reported within a fraction of the bound, and idle polling stays cheap.
+        self._poll_s = poll_s if poll_s is not None else min(timeout_s / 4, 1.0)
+        self.stalled = False  # written by the watchdog thread only; read anywhere
+        self.num_stalls = 0
+        self._stalled_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self._poll_s + 1.0)
+
+    def check(self, now: float | None = None) -> bool:
+        """Compare the current work's age with the bound; returns `stalled`."""
+        now = time.monotonic() if now is None else now
+        since = self._busy_since()
+        if since is not None and now - since > self.timeout_s:
+            if not self.stalled:
+                self.stalled = True
+                self.num_stalls += 1
+                self._stalled_at = since
+                log.error("engine step running for %.1fs (over --step-timeout-s %.1fs); worker "
+                          "is not ready until it ends: %s", now - since, self.timeout_s,
+                          self._safe_describe())
+        elif self.stalled:
+            self.stalled = False
+            held = now - self._stalled_at if self._stalled_at is not None else 0.0
+            log.warning("engine step ended after about %.1fs; worker is ready again", held)
+        return self.stalled
+
+    def _safe_describe(self) -> str:
+        try:
+            return self._describe()
+        except Exception as exc:  # the engine thread moved on mid-read: say so, never die
+            return f"(could not describe the step: {exc})"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            self.check()
