@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from fake_workers import FakeDecode, exhausted, fails_after
 from gateway_processes import openai_client
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -52,8 +53,32 @@ def test_token_id_prompt_with_a_stop_string(disagg_stack):
     ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=3.0)}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"token_ids": gateway_pb2.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"text": "hi", "sampling": common_pb2.SamplingParams(max_tokens=100000)}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"text": "hi", "request_id": "r" * 129}, grpc.StatusCode.INVALID_ARGUMENT),  # over 128
 ])
 def test_invalid_requests_get_status_codes(disagg_stack, fields, code):
     with pytest.raises(grpc.RpcError) as caught:
         _generate(disagg_stack.grpc_address, **fields)
     assert caught.value.code() == code
+
+
+def test_a_failure_after_output_is_a_final_error_message_not_a_retryable_status(
+        servers, gateway_factory):
+    """UNAVAILABLE would invite a standard retry policy to replay text already delivered:
+    the call ends OK after a last message with FINISH_REASON_ERROR and the error, as an SSE
+    stream ends with its error event."""
+    worker = servers(FakeDecode(fails_after([40, 41, 42], start_index=0), role="both"))
+    gateway = gateway_factory("--worker", worker.address)
+    responses = _generate(gateway.field("grpc"), text="hi", sampling=_greedy(10))
+    assert [t for r in responses for t in r.token_ids] == [40, 41, 42]  # delivered once
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert "UNAVAILABLE" in last.error and last.usage.completion_tokens == 3
+    assert len(worker.servicer.calls) == 1  # never silently restarted
+
+
+def test_a_failure_before_output_keeps_its_status_code(servers, gateway_factory):
+    worker = servers(FakeDecode(exhausted(), role="both"))
+    gateway = gateway_factory("--worker", worker.address)
+    with pytest.raises(grpc.RpcError) as caught:
+        _generate(gateway.field("grpc"), text="hi", sampling=_greedy(10))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # overloaded: retry later

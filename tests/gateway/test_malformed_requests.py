@@ -42,6 +42,12 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("empty prompt list", comp, {"model": model, "prompt": []}, 400, "prompt"),
         ("stream is a string", chat, {"model": model, "messages": hi, "stream": "yes"}, 400, "stream"),
         ("oversized body", comp, {"model": model, "prompt": "x" * (9 << 20)}, 413, None),
+        # The edge limits at their defaults (services/gateway/request_limits.py).
+        ("1025 prompts", comp, {"model": model, "prompt": ["hi"] * 1025}, 400, "prompt"),
+        ("200 prompts x n=8", comp, {"model": model, "prompt": ["hi"] * 200, "n": 8}, 400, "n"),
+        ("17 stop strings", chat, {"model": model, "messages": hi, "stop": list("abcdefghijklmnopq")}, 400, "stop"),
+        ("257-character stop", comp, {"model": model, "prompt": "hi", "stop": "s" * 257}, 400, "stop"),
+        ("257 stop_token_ids", comp, {"model": model, "prompt": "hi", "stop_token_ids": list(range(1, 258))}, 400, "stop_token_ids"),
     ]
 
 
@@ -94,3 +100,15 @@ def test_chunked_body_over_the_limit_is_413(gateway_factory, disagg_workers):
     response = httpx.post(f"http://{gateway.address}/v1/completions", content=body(), timeout=30)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(("request_id", "status"), [("r" * 129, 400), (b"caf\xc3\xa9", 400),
+                                                     ("r" * 128, 200)])
+def test_request_ids_over_the_limit_are_refused_not_replaced(disagg_stack, tiny_llama_dir,
+                                                            request_id, status):
+    response = httpx.post(f"{disagg_stack.url}/v1/completions", timeout=30,
+                          headers={"x-request-id": request_id},
+                          json={"model": tiny_llama_dir.name, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert response.json()["error"]["param"] == "x-request-id"
