@@ -6,12 +6,15 @@ cancel its worker RPC, which is what frees its KV on a real worker."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import grpc
 import httpx
 import pytest
 from fake_workers import FakeDecode, hangs
+from gateway_processes import start_worker, worker_stats
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # Well above the timeouts the tests set (0.5-1 s), well below "hung forever".
@@ -159,3 +162,39 @@ def test_grpc_stall_after_output_ends_with_an_error_message_not_a_status(
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
     assert "stall" in responses[-1].error
     assert worker.servicer.cancelled.wait(5)
+
+
+@pytest.fixture
+def frozen_worker(tiny_llama_dir):
+    """A real role-both worker of this test's own, which the test may freeze (SIGSTOP)."""
+    worker = start_worker(tiny_llama_dir, "both").wait_ready()
+    yield worker
+    os.kill(worker.process.pid, signal.SIGCONT)  # our own child, by its handle
+    worker.stop()
+
+
+def test_a_stream_stuck_on_a_frozen_worker_is_cut_off_and_the_worker_frees_its_kv(
+        frozen_worker, gateway_factory, model):
+    gateway = gateway_factory("--worker", frozen_worker.address, "--stall-timeout-s", "0.5")
+    baseline = worker_stats(frozen_worker.address)
+    events = []
+    with httpx.stream("POST", f"http://{gateway.address}/v1/completions",
+                      timeout=CLIENT_TIMEOUT_S, json={
+                          "model": model, "prompt": "hi", "max_tokens": 400,
+                          "ignore_eos": True, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+            if len(events) == 3:  # mid-stream: freeze the worker, wherever it is
+                os.kill(frozen_worker.process.pid, signal.SIGSTOP)
+    os.kill(frozen_worker.process.pid, signal.SIGCONT)
+    _ends_with_error_event(events, "stream_stalled")
+    # Thawed, the worker finds its RPC cancelled, aborts the request and frees its blocks.
+    deadline = time.monotonic() + CLIENT_TIMEOUT_S
+    while True:
+        stats = worker_stats(frozen_worker.address)
+        if stats.kv_blocks_free == baseline.kv_blocks_free and stats.running == 0:
+            break
+        assert time.monotonic() < deadline, f"KV not freed: {stats} (baseline {baseline})"
+        time.sleep(0.05)
