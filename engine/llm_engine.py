@@ -216,6 +216,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         return {
             "running": len(self.scheduler.running),
+            "max_running": self.scheduler.config.max_num_seqs,
             "waiting": len(self.scheduler.waiting),
             "waiting_for_kv": len(self.scheduler.waiting_for_kv),
             "kv_blocks_total": self.kv.num_blocks,
