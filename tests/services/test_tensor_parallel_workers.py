@@ -10,8 +10,10 @@ import random
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -83,18 +85,34 @@ def test_tp2_aggregated_matches_one_rank(tp2_pair, reference_engine):
     assert tokens == _expected(reference_engine, [prompt], 12)[0]
 
 
-def test_unequal_tp_degrees_are_refused_with_a_clear_error(tp2_pair, tiny_llama_dir,
-                                                           reference_engine):
+def test_unequal_tp_degrees_fail_the_prefill_call_with_a_clear_error(tp2_pair, tiny_llama_dir):
     decode, _ = tp2_pair
     prefill = start_worker("prefill", tiny_llama_dir, *FLOAT32)
     try:
         prompt = _prompts(1, seed=3)[0]
-        tokens = asyncio.run(disaggregated(decode.address, prefill.address, "tp-mismatch",
-                                           prompt, greedy(6)))
-        # Nothing wrong was scattered: the decode worker recomputed the prompt itself.
-        assert tokens == _expected(reference_engine, [prompt], 6)[0]
+
+        async def run() -> grpc.aio.AioRpcError:
+            async with grpc.aio.insecure_channel(decode.address) as dch, \
+                    grpc.aio.insecure_channel(prefill.address) as pch:
+                stream = decode_pb2_grpc.DecodeStub(dch).Generate(decode_pb2.GenerateRequest(
+                    request_id="tp-mismatch", prompt_token_ids=prompt, sampling=greedy(6),
+                    remote_prefill=True))
+                first = await stream.read()
+                # Refused before anything is sent, and said at once: the caller retries the
+                # attempt elsewhere instead of the decode worker waiting for KV.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await prefill_pb2_grpc.PrefillStub(pch).Prefill(prefill_pb2.PrefillRequest(
+                        request_id="tp-mismatch", prompt_token_ids=prompt, sampling=greedy(6),
+                        decode_kv_endpoint=first.reserved.kv_endpoint), timeout=30)
+                stream.cancel()
+                return err.value
+
+        error = asyncio.run(run())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert ("tensor-parallel degree mismatch: decode worker has TP=2, prefill worker TP=1"
-                in prefill.output), prefill.output
+                in error.details()), error.details()
+        decode.wait_for(lambda h: h.stats.kv_blocks_free == h.stats.kv_blocks_total
+                        and h.stats.waiting_for_kv == 0, what="every block back")
     finally:
         prefill.kill()
 
