@@ -54,6 +54,15 @@ class RequestStream:
         self.num_got += 1
         return out
 
+    def get_ready(self) -> list[RequestOutput]:
+        """The outputs already queued, without waiting (a reader that fell behind catches
+        up by sending them as one message)."""
+        outs = []
+        while not self.queue.empty():
+            outs.append(self.queue.get_nowait())
+        self.num_got += len(outs)
+        return outs
+
     def put(self, out: RequestOutput) -> None:
         """Engine thread. An event loop that has closed has no reader left: drop the output."""
         self.num_put += 1

@@ -100,19 +100,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.kv_wait_timeout_s, self._kv_timed_out, rid
                 )
             while not finished:
-                out = await stream.get()
+                # Whatever queued while the last message was written goes out as one message:
+                # a handler slower per message than the engine per step never falls behind.
+                outs = [await stream.get(), *stream.get_ready()]
                 if timer is not None:
                     timer.cancel()
                     timer = None
-                finished = out.finished
                 if first_delta:
                     first_delta = False
-                    _record_phases(span, remote, reserved_ns, out.kv_arrived_ns)
-                if finished:
-                    span.set_attribute("splitserve.output_tokens", out.num_output_tokens)
-                    span.set_attribute("splitserve.finish_reason", out.finish_reason or "")
-                    span.set_attribute("splitserve.cached_prefix_tokens", out.num_cached_tokens)
-                yield decode_pb2.GenerateResponse(delta=_delta(out, prompt))
+                    _record_phases(span, remote, reserved_ns, outs[0].kv_arrived_ns)
+                for run in _contiguous_runs(outs):
+                    out = run[-1]
+                    finished = out.finished
+                    if finished:
+                        span.set_attribute("splitserve.output_tokens", out.num_output_tokens)
+                        span.set_attribute("splitserve.finish_reason", out.finish_reason or "")
+                        span.set_attribute("splitserve.cached_prefix_tokens",
+                                           out.num_cached_tokens)
+                    yield decode_pb2.GenerateResponse(delta=_delta(run, prompt))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -143,29 +148,47 @@ def _record_phases(span, remote: bool, reserved_ns: int, kv_arrived_ns: int | No
     _tracer.start_span("decode.first_step", context=parent, start_time=first_step_start).end()
 
 
-def _delta(out: RequestOutput, prompt: list[int]) -> decode_pb2.TokenDelta:
+def _contiguous_runs(outs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Consecutive outputs whose tokens follow on from each other, to merge into one delta."""
+    runs: list[list[RequestOutput]] = []
+    for out in outs:
+        if runs and _start(out) == runs[-1][-1].num_output_tokens and out.prompt_logprobs is None:
+            runs[-1].append(out)
+        else:
+            runs.append([out])
+    return runs
+
+
+def _start(out: RequestOutput) -> int:
+    return out.num_output_tokens - len(out.new_token_ids)
+
+
+def _delta(run: list[RequestOutput], prompt: list[int]) -> decode_pb2.TokenDelta:
+    """One TokenDelta for a run of outputs (see _contiguous_runs); only the last may finish."""
+    first, last = run[0], run[-1]
     delta = decode_pb2.TokenDelta(
-        token_ids=out.new_token_ids,
-        output_index=out.num_output_tokens - len(out.new_token_ids),
-        finish_reason=convert.FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR),
+        token_ids=[t for out in run for t in out.new_token_ids],
+        output_index=_start(first),
+        finish_reason=convert.FINISH_REASONS.get(last.finish_reason, common_pb2.FINISH_REASON_ERROR),
     )
-    if out.new_logprobs:
-        delta.logprobs.extend(
-            convert.logprob_to_pb(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)
-        )
-    if out.prompt_logprobs is not None:
+    for out in run:
+        if out.new_logprobs:
+            delta.logprobs.extend(
+                convert.logprob_to_pb(t, lp)
+                for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)
+            )
+    if first.prompt_logprobs is not None:
         delta.prompt_logprobs.extend(
-            convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, out.prompt_logprobs, strict=False)
+            convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, first.prompt_logprobs, strict=False)
         )
-    if out.finished:
+    if last.finished:
         delta.usage.CopyFrom(
             common_pb2.Usage(
-                prompt_tokens=out.num_prompt_tokens,
-                completion_tokens=out.num_output_tokens,
-                cached_tokens=out.num_cached_tokens,
+                prompt_tokens=last.num_prompt_tokens,
+                completion_tokens=last.num_output_tokens,
+                cached_tokens=last.num_cached_tokens,
             )
         )
-        if out.error:
+        if last.error:
             delta.finish_reason = common_pb2.FINISH_REASON_ERROR
     return delta
-

@@ -249,3 +249,34 @@ def test_watchdog_reports_a_stuck_step_and_what_it_held(make_loop, engine, caplo
     report = " ".join(r.getMessage() for r in caplog.records)
     assert "1 requests, 40 tokens" in report and "watched-" + "x" * 32 in report, report
     assert rid not in report  # ids are cut short in the report
+
+
+def test_a_reader_that_fell_behind_catches_up_in_one_message(make_loop, engine):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=7, logprobs=2)
+    prompt = list(range(200, 230))
+    want = engine.generate([prompt], params)[0].token_ids  # before a loop thread owns it
+    loop = make_loop()
+    servicer = DecodeServicer(loop, "", WorkerState("both", "w", "tiny"), 60.0)
+
+    async def scenario() -> list:
+        messages = servicer.Generate(decode_pb2.GenerateRequest(
+            request_id="behind", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+                max_tokens=12, temperature=0.0, has_temperature=True, ignore_eos=True, seed=7,
+                logprobs=2)), _Context())
+        first = await messages.__anext__()
+        deadline = time.monotonic() + 30
+        while leftovers(await loop.call(lambda e: e.stats())):  # finished, nothing read yet
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        return [first] + [m async for m in messages]
+
+    deltas = [m.delta for m in asyncio.run(scenario())]
+    # Twelve outputs, but the first message went out before the rest were made (or, on a slow
+    # machine, with them): everything after it comes as one message, not one per step.
+    assert len(deltas) <= 2, [list(d.token_ids) for d in deltas]
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert [d.output_index for d in deltas] == [0, len(deltas[0].token_ids)][: len(deltas)]
+    last = deltas[-1]
+    assert len(last.logprobs) == len(last.token_ids)
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 12
