@@ -22,6 +22,7 @@ from services.gateway.admission_metrics import AdmissionMetrics
 from services.gateway.capacity import ClusterRoom
 from services.gateway.errors import APIError
 from services.gateway.fair_queue import FairQueue
+from services.gateway.inflight import InFlight
 from services.gateway.preprocess import GenerationSpec
 from services.gateway.quota import Lease, QuotaRefused, Quotas
 from services.gateway.tenants import Tenant, TenantDirectory
@@ -47,7 +48,7 @@ class Ticket:
     lease: Lease | None = None
     seq: int = 0
     released_at: float | None = None  # left the queue for the workers
-    inflight_at_release: int = 0  # requests in flight when it was released
+    prefill_at_release: int = 0  # prompt tokens to prefill before its first token, its own too
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
     output_tokens: int = 0
@@ -78,6 +79,7 @@ class Ticket:
             self.first_token_at = time.monotonic()
             self.admission._first_token(self)
         self.output_tokens += count
+        self.admission.running.tokens(self, count)
         self.admission.queue.charge_output(self.tenant, count)
 
 
@@ -117,6 +119,8 @@ class Admission:
         self.metrics = metrics or AdmissionMetrics()
         self.metrics.admission = self
         self.inflight = 0  # choices released to the workers and not finished
+        self.prefilling_tokens = 0  # prompt tokens of released requests without a first token
+        self.running = InFlight()  # the released requests, and when they will end
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task | None = None
 
@@ -188,8 +192,10 @@ class Admission:
         room = requests == 0 and (
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
+        slot_in = None if room else self.running.nth_end_s(
+            requests, self.estimator.service_at(self.prefilling_tokens))
         plain = self.estimator.estimate(requests, tokens, ticket.prompt_tokens, room,
-                                        self.inflight)
+                                        self.inflight, self.prefilling_tokens, slot_in)
         if plain is None:
             return
         ticket.predicted_ttft_s = plain
@@ -230,14 +236,16 @@ class Admission:
         (and whose first token re-teaches the estimator whatever a burst taught it)."""
         if self.inflight == 0:
             return False
-        return ticket.deadline < now + self.estimator.service_at(self.inflight,
-                                                                 ticket.prompt_tokens)
+        return ticket.deadline < now + self.estimator.service_at(self.prefilling_tokens
+                                                                 + ticket.prompt_tokens)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
         self.estimator.released(ticket.prompt_tokens)
-        ticket.inflight_at_release = self.inflight
+        self.prefilling_tokens += ticket.prompt_tokens
+        ticket.prefill_at_release = self.prefilling_tokens
         self.inflight += ticket.slots
+        self.running.add(ticket)
         ticket.released_at = now
         self.room.released(ticket.prompt_tokens, ticket.blocks)
         self.metrics.queue_wait.labels(self.metrics.model, ticket.tenant.name).observe(
@@ -257,7 +265,8 @@ class Admission:
         ticket.done = True
         now = time.monotonic()
         self.estimator.missed(ticket.predicted_ttft_s, now - ticket.arrival
-                              + self.estimator.service_at(self.inflight, ticket.prompt_tokens))
+                              + self.estimator.service_at(self.prefilling_tokens
+                                                          + ticket.prompt_tokens))
         self.quotas.release(ticket.lease, 0)
         retry = max(1, math.ceil(self.ttft_target_s))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(
@@ -272,7 +281,11 @@ class Admission:
             self.queue.remove(ticket)
         else:
             self.inflight -= ticket.slots
+            self.running.remove(ticket)
+            if ticket.first_token_at is None:
+                self.prefilling_tokens -= ticket.prompt_tokens
             self.queue.finished(ticket)
+            self.room.finished(self._blocks_held(ticket))
             self.estimator.finished(time.monotonic() - ticket.released_at)
         served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
         if ticket.lease is not None:
@@ -282,13 +295,21 @@ class Admission:
         tokens.labels(ticket.tenant.name, "output").inc(ticket.output_tokens)
         self._drain()
 
+    def _blocks_held(self, ticket: Ticket) -> int:
+        """Decode KV blocks the request's choices held at their end: prompt and output so far."""
+        block_size = self.room.pool.block_size()
+        output = -(-ticket.output_tokens // ticket.slots)  # per choice, rounded up
+        return sum(-(-(len(s.prompt_token_ids) + min(output, s.params.max_tokens)) // block_size)
+                   for s in ticket.specs)
+
     def _first_token(self, ticket: Ticket) -> None:
+        self.prefilling_tokens -= ticket.prompt_tokens
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
             ticket.first_token_at - ticket.arrival)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
                                    ticket.first_token_at - ticket.arrival,
-                                   ticket.inflight_at_release, ticket.prompt_tokens)
+                                   ticket.prefill_at_release)
 
     def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
         self.metrics.rejected.labels(tenant.name, reason).inc()

@@ -4,7 +4,10 @@ Health stats (decode KV blocks, prefill backlog). Owned by the gateway's event l
 
 The rule, every part optional (0 turns it off):
   in flight   requests this gateway released and not finished < max_inflight, and
-              < max_inflight_per_decode x routable decode workers;
+              < max_inflight_per_decode x routable decode workers; with no per-decode limit
+              set, < the routable decode workers' own batch limits together (max_running,
+              their max_num_seqs), so that no more is released than they can batch and the
+              rest waits here, where the TTFT estimate sees it, not inside a worker;
   decode KV   the request's worst case (prompt + max_tokens) fits in the decode workers'
               free blocks, leaving kv_headroom of their total free (always checked);
   prefill     prompt tokens waiting on prefill workers (their queued_prefill_tokens plus what
@@ -40,8 +43,8 @@ class ClusterRoom:
     def __init__(self, rule: CapacityRule, pool: WorkerPool) -> None:
         self.rule = rule
         self.pool = pool
-        # What this gateway released since the workers' last poll, which the polled stats
-        # cannot show yet; reset when a new Health answer replaces the old one.
+        # What this gateway released (less what ended) since the workers' last poll, which the
+        # polled stats cannot show yet; reset when a new Health answer replaces the old one.
         self._polls: tuple[int, ...] = ()
         self._blocks_since_poll = 0
         self._prefill_tokens_since_poll = 0
@@ -55,10 +58,11 @@ class ClusterRoom:
     def inflight_limit(self) -> int:
         """The in-flight part of the rule now (0: none)."""
         limits = [self.rule.max_inflight] if self.rule.max_inflight else []
-        if self.rule.max_inflight_per_decode:
-            decoders = sum(e.available() for e in self.pool.decoders())
-            if decoders:
-                limits.append(self.rule.max_inflight_per_decode * decoders)
+        decoders = [e for e in self.pool.decoders() if e.available()]
+        if decoders and self.rule.max_inflight_per_decode:
+            limits.append(self.rule.max_inflight_per_decode * len(decoders))
+        elif decoders and all(e.stats.max_running for e in decoders):
+            limits.append(sum(e.stats.max_running for e in decoders))
         return min(limits) if limits else 0
 
     def fits(self, prompt_tokens: int, blocks: int) -> bool:
@@ -71,8 +75,10 @@ class ClusterRoom:
         stats = [e.stats for e in decoders]
         free = sum(s.kv_blocks_free for s in stats) - self._blocks_since_poll
         total = sum(s.kv_blocks_total for s in stats)
+        # Blocks freed since the poll may be on any decoder: the largest could hold them all.
+        credit = max(0, -self._blocks_since_poll)
         if total and (free - blocks < rule.kv_headroom * total
-                      or blocks > max(s.kv_blocks_free for s in stats)):
+                      or blocks > max(s.kv_blocks_free for s in stats) + credit):
             return False
         if rule.max_prefill_queue_tokens:
             prefillers = [e for e in self._prefillers() if e.available()]
@@ -87,6 +93,12 @@ class ClusterRoom:
         self._catch_up()
         self._blocks_since_poll += blocks
         self._prefill_tokens_since_poll += prompt_tokens
+
+    def finished(self, blocks: int) -> None:
+        """A released request ended: the decode worker frees `blocks` now. Credited at once, so
+        a request waiting for KV room goes when the blocks free up, not at the next poll."""
+        self._catch_up()
+        self._blocks_since_poll -= blocks
 
     def _prefillers(self):
         return self.pool.prefillers() if self.pool.disaggregated else self.pool.decoders()

@@ -75,7 +75,7 @@ class GatewayConfig:
     fairness: str = "vtc"  # vtc | round_robin | fcfs
     output_token_weight: float = 2.0  # an output token's cost in the virtual token counter
     ttft_target_s: float = 1.0  # predicted or waited past it -> 503 (0: off)
-    max_inflight_per_decode: int = 0  # released requests per routable decode worker (0: no limit)
+    max_inflight_per_decode: int = 0  # released requests per routable decode worker (0: its max_running)
     kv_headroom: float = 0.0  # fraction of decode KV blocks kept free when releasing
     max_prefill_queue_tokens: int = 0  # queued prompt tokens per prefill worker (0: no limit)
 

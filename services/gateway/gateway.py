@@ -34,6 +34,7 @@ from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.worker_pool import WorkerPool
 
 T = TypeVar("T")
+INLINE_INPUT_BYTES = 4096  # parsed and tokenized on the event loop: about 1,000 tokens at most
 
 
 class Gateway:
@@ -83,8 +84,13 @@ class Gateway:
         await self.pool.close()
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def off_loop(self, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` in a tokenizer thread (CPU work: parsing, templates, tokenizing)."""
+    async def off_loop(self, size: int, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` (CPU work: parsing, templates, tokenizing) for an input of `size`
+        bytes: in a tokenizer thread, or here when it is small enough to take well under a
+        millisecond. Under load the thread hop costs more than that: the pool thread and this
+        loop contend for the GIL, and each hand-over waits for a turn of a busy loop."""
+        if size <= INLINE_INPUT_BYTES:
+            return fn(*args)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 

@@ -58,7 +58,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 gateway.check_model(request.model)
             deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival)
             spec = await deadline.within(gateway.off_loop(
-                self._spec, request, worker_request_id(record.request_id), gateway.limits()),
+                request.ByteSize(), self._spec, request, worker_request_id(record.request_id), gateway.limits()),
                 "tokenizing")
             record.prompt(len(spec.prompt_token_ids),
                           lambda: gateway.tokenizer.decode(spec.prompt_token_ids))

@@ -98,7 +98,7 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
                                      "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
         req, specs = await deadline.within(gateway.off_loop(
-            _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
+            len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
             gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
         return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,

@@ -5,26 +5,29 @@ TTFT = wait in the fair queue + service (release -> first token). The wait is th
 of the request divided by the rate the cluster takes work, measured only while requests are
 waiting (otherwise the release rate is the arrival rate, not the capacity); it is measured in
 requests and in prompt tokens, and the slower of the two governs, so the estimate holds
-whether decode slots or prefill compute is the bottleneck. The service time is an average of
-what released requests took to their first token, kept per load level (requests in flight at
-release, in powers of two): a burst's multi-second first tokens say nothing about a quiet
-cluster, and one average over both would keep rejecting long after the burst is gone. Within a
-level it is corrected for the prompt's length by the per-token cost seen across all levels, so
-that long prompts' slow first tokens do not make a short prompt look late.
+whether decode slots or prefill compute is the bottleneck. The wait is never taken below the
+time until enough requests in flight end (services/gateway/inflight.py), which also covers a
+backlog that began a moment ago, before any drain rate was measured. The drain rate is never taken
+above the rate requests in flight end at, by Little's law (slots in use over the average
+request duration): a queued request goes when one ends, and releases into room that was free
+(the start of a backlog) would overstate it.
 
-Every learned figure fades towards fresher evidence: a load level not measured for a while is
-read as drifting towards the level below it (half-life `half_life_s`), old errors leave the
-margin after `error_window_s`, and a new sample after a quiet spell outweighs the old average.
-Nothing learned under a burst can keep refusing once the burst is over.
+The service time is a line in the prompt tokens that must be prefilled before the request's
+first token: those of requests released and still without a first token, plus its own. Its
+intercept and slope are a least-squares fit over released requests, from exponentially
+weighted moments. So it grows with the prefill backlog as soon as requests are released, before
+their slow first tokens are seen (a flood admitted on yesterday's quiet figure would all be
+late), and a short prompt is not judged by long prompts' first tokens.
 
+Every learned figure fades towards fresher evidence: after a quiet spell a new sample outweighs
+the old fit (half-life `half_life_s`), and old errors leave the margin after `error_window_s`.
 An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
-to wait behind, and a refusal there would also stop the estimate from ever learning that the
-cluster is quick again.
+to wait behind, and its first token re-teaches the fit whatever a burst taught it. Nothing
+learned under a burst can keep refusing once the burst is over.
 
-Before any backlog was measured, the drain rate is taken from Little's law (slots in use over
-the average request duration). And the estimate learns its own error: the 95th percentile of
-(actual - predicted) over recent requests is added, so that at most about one admitted request
-in twenty misses a target the plain estimate would have promised.
+And the estimate learns its own error: the 95th percentile of (actual - predicted) over recent
+requests is added, so that at most about one admitted request in twenty misses a target the
+plain estimate would have promised.
 """
 
 from __future__ import annotations
@@ -58,14 +61,6 @@ class _Aged:
         self.at = now
 
 
-@dataclass
-class _Level:
-    """Release -> first token at one load level, and the prompt length it was measured at."""
-
-    service: _Aged
-    prompt: _Aged
-
-
 class TTFTEstimator:
     def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic,
                  half_life_s: float = 10.0, error_window_s: float = 60.0) -> None:
@@ -78,10 +73,9 @@ class TTFTEstimator:
         self.tokens_per_s: float | None = None
         self._rate_at = 0.0
         self.service_s: float | None = None  # release -> first token, any load
-        self._levels: dict[int, _Level] = {}  # the same, by _load_level(in flight)
-        # Seconds of first-token time per prompt token: exponentially weighted moments of
-        # (prompt tokens, service seconds) over all levels, for a least-squares slope.
-        self._moments = [_Aged() for _ in range(4)]  # E[x], E[y], E[x^2], E[xy]
+        # Exponentially weighted moments of (x = prompt tokens to prefill before the first
+        # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
+        self._moments = [_Aged() for _ in range(4)]
         self.duration_s: float | None = None  # release -> end
         self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
         self._busy_since: float | None = None
@@ -110,23 +104,17 @@ class TTFTEstimator:
         self._close_window()
 
     def first_token(self, seconds: float, predicted_ttft: float | None = None,
-                    actual_ttft: float | None = None, inflight_at_release: int | None = None,
-                    prompt_tokens: int | None = None) -> None:
-        """A released request's first token, `seconds` after its release (into a cluster with
-        `inflight_at_release` requests in flight, for a prompt of `prompt_tokens`); with what
-        its TTFT was predicted to be and turned out to be, when it was predicted."""
+                    actual_ttft: float | None = None,
+                    prefill_tokens: int | None = None) -> None:
+        """A released request's first token, `seconds` after its release, when `prefill_tokens`
+        prompt tokens (its own included) were to be prefilled before it; with what its TTFT
+        was predicted to be and turned out to be, when it was predicted."""
         now = self._clock()
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
-        if inflight_at_release is not None:
-            level = self._levels.setdefault(_load_level(inflight_at_release),
-                                            _Level(_Aged(), _Aged()))
-            level.service.add(seconds, self.alpha, now, self.half_life_s)
-            if prompt_tokens is not None:
-                level.prompt.add(prompt_tokens, self.alpha, now, self.half_life_s)
-        if prompt_tokens is not None:
-            for moment, sample in zip(self._moments, (prompt_tokens, seconds, prompt_tokens ** 2,
-                                                      prompt_tokens * seconds), strict=True):
-                moment.add(sample, _SLOPE_ALPHA, now, self.half_life_s * 6)
+        if prefill_tokens is not None:
+            for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
+                                                      prefill_tokens * seconds), strict=True):
+                moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
         if predicted_ttft is not None and actual_ttft is not None:
             self._errors.append((now, actual_ttft - predicted_ttft))
 
@@ -140,17 +128,23 @@ class TTFTEstimator:
         self.duration_s = _ewma(self.duration_s, seconds, self.alpha)
 
     def estimate(self, requests_ahead: int, tokens_ahead: int, prompt_tokens: int,
-                 room_now: bool, slots_in_use: int = 0) -> float | None:
+                 room_now: bool, slots_in_use: int = 0, prefilling_tokens: int = 0,
+                 slot_free_in_s: float | None = None) -> float | None:
         """Seconds to this request's first token (the plain estimate), or None before
-        anything was measured."""
-        service = self.service_at(slots_in_use, prompt_tokens)
+        anything was measured. `prefilling_tokens`: prompt tokens released and still without
+        a first token; `slot_free_in_s`: when the request in flight whose end lets this one
+        go will end, where known (the wait is at least that)."""
+        service = self.service_at(prefilling_tokens + prompt_tokens)
         if room_now and requests_ahead == 0:
             return 0.0 if slots_in_use == 0 else service  # idle: see the module docstring
         rate, tokens_rate = self.requests_per_s, self.tokens_per_s
-        if rate is None and self.duration_s and slots_in_use:
-            rate = slots_in_use / self.duration_s
+        if self.duration_s and slots_in_use:
+            # A queued request goes when one in flight ends: the rate they end at (Little's
+            # law) bounds the drain rate, which a burst of releases into free room overstates.
+            ending = slots_in_use / self.duration_s
+            rate = ending if rate is None else min(rate, ending)
         if rate is None:
-            return None
+            return None if slot_free_in_s is None else slot_free_in_s + service
         # A backlog that has drained slower than usual for a whole window (a stall) counts
         # now, not when the window closes.
         busy = self._window.busy_s + (self._clock() - self._busy_since
@@ -166,37 +160,36 @@ class TTFTEstimator:
             # backlog's own prompts per second and would make any long prompt look late.
             # The request's own prefill is part of the service time.
             wait = max(wait, tokens_ahead / tokens_rate)
+        if slot_free_in_s is not None:
+            wait = max(wait, slot_free_in_s)
         return wait + service
 
-    def service_at(self, inflight: int, prompt_tokens: int | None = None) -> float:
-        """Release -> first token with `inflight` requests in flight, for a prompt of
-        `prompt_tokens` (None: of the length measured there): what was measured at that load
-        level, fading with its age towards the nearest lower level measured; with no level
-        below, what was measured at any load."""
-        now = self._clock()
-        slope = self.seconds_per_prompt_token()
-        value = None
-        for number in range(0, _load_level(inflight) + 1):
-            level = self._levels.get(number)
-            if level is None:
-                continue
-            own = level.service.value
-            if prompt_tokens is not None and level.prompt.value is not None:
-                own = max(0.0, own + slope * (prompt_tokens - level.prompt.value))
-            value = own if value is None else (
-                value + (own - value) * _fade(now - level.service.at, self.half_life_s))
-        return (self.service_s or 0.0) if value is None else value
+    def service_at(self, prefill_tokens: int) -> float:
+        """Release -> first token when `prefill_tokens` prompt tokens (its own included) are to
+        be prefilled before it: the fitted line, never below 0; the plain average before any
+        length was seen."""
+        line = self._line()
+        if line is None:
+            return self.service_s or 0.0
+        intercept, slope = line
+        return max(0.0, intercept + slope * prefill_tokens)
 
     def seconds_per_prompt_token(self) -> float:
-        """The least-squares slope of first-token time over prompt length (0 until prompts of
-        clearly different lengths were seen); never negative."""
+        """The fit's slope: what one more prompt token to prefill adds to a first token."""
+        line = self._line()
+        return 0.0 if line is None else line[1]
+
+    def _line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the least-squares line; through the origin while the
+        lengths seen were too alike for a slope. The slope is never negative."""
         x, y, xx, xy = (m.value for m in self._moments)
         if x is None:
-            return 0.0
+            return None
         variance = xx - x * x
-        if variance < _MIN_PROMPT_SPREAD ** 2:
-            return 0.0
-        return max(0.0, (xy - x * y) / variance)
+        if variance < _MIN_SPREAD_TOKENS ** 2:
+            return 0.0, (xy / xx if xx > 0 else 0.0)
+        slope = max(0.0, (xy - x * y) / variance)
+        return y - slope * x, slope
 
     def margin(self, target_s: float) -> float:
         """What to add to a plain estimate: its recent 95th-percentile error, within half the
@@ -223,13 +216,8 @@ class TTFTEstimator:
         self._window = _Window()
 
 
-_SLOPE_ALPHA = 0.05  # the slope needs many prompts; it changes only with the model and machine
-_MIN_PROMPT_SPREAD = 16.0  # tokens of standard deviation before a slope is believed
-
-
-def _load_level(inflight: int) -> int:
-    """0 for an idle cluster, then one level per power of two: 1, 2-3, 4-7, 8-15, ..."""
-    return max(0, inflight).bit_length()
+_FIT_ALPHA = 0.1  # a slope needs many requests' worth of evidence
+_MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is believed
 
 
 def _fade(age_s: float, half_life_s: float) -> float:

@@ -19,6 +19,21 @@ def test_in_flight_limits_per_gateway_and_per_decode_worker():
     assert not ClusterRoom(CapacityRule(max_inflight=3), pool).has_room(3, 10, 1)
 
 
+def test_by_default_no_more_is_released_than_the_decoders_batch():
+    pool = FakePool(FakeEndpoint(role="decode"), FakeEndpoint(role="decode"))
+    for endpoint in pool.endpoints:
+        endpoint.health.stats.max_running = 3
+    room = ClusterRoom(CapacityRule(), pool)
+    assert room.inflight_limit() == 6
+    assert room.has_room(5, 10, 1) and not room.has_room(6, 10, 1)
+    pool.endpoints[0].up = False
+    assert room.inflight_limit() == 3
+    pool.endpoints[1].health.stats.max_running = 0  # an older worker that does not say
+    assert room.inflight_limit() == 0 and room.has_room(100, 10, 1)
+    explicit = ClusterRoom(CapacityRule(max_inflight_per_decode=2), pool)
+    assert explicit.inflight_limit() == 2
+
+
 def test_nothing_in_flight_always_has_room():
     pool = FakePool(FakeEndpoint(kv_free=0))
     assert ClusterRoom(CapacityRule(max_inflight_per_decode=1), pool).has_room(0, 10**6, 10**6)
@@ -34,6 +49,18 @@ def test_kv_headroom_counts_blocks_released_since_the_last_poll():
     assert room.has_room(1, 10, 30) and not room.has_room(1, 10, 31)
     decode.set_stats(kv_free=100, kv_total=100)  # they finished
     assert room.has_room(1, 10, 80)
+
+
+def test_blocks_of_a_finished_request_count_as_free_before_the_next_poll():
+    """A request waiting for KV room goes when another ends, not up to a poll interval later."""
+    decode = FakeEndpoint(role="decode", kv_free=20, kv_total=100)
+    room = ClusterRoom(CapacityRule(), FakePool(decode))
+    room.released(10, 18)
+    assert not room.has_room(1, 10, 18)  # 2 blocks left
+    room.finished(18)  # the worker frees them now; the poll still says 20
+    assert room.has_room(1, 10, 20) and not room.has_room(1, 10, 21)
+    decode.set_stats(kv_free=20, kv_total=100)  # the next poll shows the truth
+    assert room.has_room(1, 10, 20) and not room.has_room(1, 10, 21)
 
 
 def test_a_request_must_fit_in_one_decode_worker():
@@ -100,17 +127,22 @@ def test_an_idle_cluster_is_never_predicted_late():
     admitted (predicted 0): refusing it would also keep the estimate from ever relearning."""
     estimator = TTFTEstimator(alpha=1.0)
     for inflight in range(32):  # a burst: everything released at once, first tokens late
-        estimator.first_token(3.5, inflight_at_release=inflight)
-    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=5) == pytest.approx(3.5)
+        estimator.first_token(3.5, prefill_tokens=100 * (inflight + 1))
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=5,
+                              prefilling_tokens=3100) == pytest.approx(3.5, rel=0.05)
     assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=0) == 0.0
 
 
-def test_service_time_is_kept_per_load_level():
-    estimator = TTFTEstimator(alpha=1.0, clock=Clock())  # no time passes: nothing fades
-    estimator.first_token(3.0, inflight_at_release=20)  # under a burst
-    estimator.first_token(0.2, inflight_at_release=1)  # light load
-    assert estimator.service_at(1) == pytest.approx(0.2)
-    assert estimator.service_at(3) == pytest.approx(0.2)  # 2-3 not measured: the level below
-    assert estimator.service_at(20) == pytest.approx(3.0)
-    assert estimator.service_at(40) == pytest.approx(3.0)
-    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=1) == pytest.approx(0.2)
+def test_service_time_grows_with_the_prefill_backlog_at_release():
+    """First-token time is a line in the prompt tokens to prefill before it, so a backlog
+    never measured (a flood's first seconds) is predicted from the slope, not from the
+    quiet figure."""
+    estimator = TTFTEstimator(clock=Clock())  # no time passes: nothing fades
+    for _ in range(50):
+        for tokens in (100, 300, 500):
+            estimator.first_token(0.05 + 0.001 * tokens, prefill_tokens=tokens)
+    assert estimator.service_at(100) == pytest.approx(0.15, rel=0.02)
+    assert estimator.service_at(2000) == pytest.approx(2.05, rel=0.02)  # never seen: extrapolated
+    assert estimator.seconds_per_prompt_token() == pytest.approx(0.001, rel=0.02)
+    assert estimator.estimate(0, 0, 100, room_now=True, slots_in_use=3,
+                              prefilling_tokens=1900) == pytest.approx(2.05, rel=0.02)

@@ -1,6 +1,9 @@
-"""Overload, on real processes: 10x the cluster's capacity offered for 30 s. Admitted requests
-meet the TTFT target (at least 95% of them), the others are refused at once (within 50 ms),
-nothing hangs, and the gateway's memory stays flat.
+"""Overload, on real processes and with the gateway's shipped admission settings (TTFT target
+1 s, no in-flight limit): 10x the cluster's capacity offered for 30 s. Admitted requests meet
+the TTFT target (at least 95% of them), the others are refused at once (within 50 ms), nothing
+hangs, and the gateway's memory stays flat. Within 5 s of the overload's end, and likewise
+after a burst of cancelled streams, a normal load is admitted and served in full: nothing the
+overload taught the admission estimator locks the gateway out.
 
 Latencies are measured by the load generator, in this process. A refusal the generator could
 not have seen in time because its own event loop was stalled (the machine's other work
@@ -10,22 +13,26 @@ still come back within a second."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
 
+import httpx
 import pytest
-from gateway_processes import start_gateway, start_worker
+from gateway_processes import start_gateway, start_worker, worker_stats
 from tenant_load import metric
 
 from bench.fairness import TenantLoad, run_closed, run_loads
+from services.gateway.config import GatewayConfig
 
 SMALL_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 1024,
                "head_dim": 32}
-INFLIGHT = 4
+CLIENTS = 8  # closed-loop clients that measure capacity
 PROMPT, OUTPUT = 32, 256
-TTFT_TARGET_S = 1.0
+TTFT_TARGET_S = 1.0  # the gateway's default, asserted by test_the_stack_runs_the_shipped_defaults
 DURATION_S = 30.0
+RECOVERY_S = 5.0  # after the overload, a normal load starts this much later
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +43,19 @@ def overload_stack(tmp_path_factory):
 
     model = build_tiny_model(tmp_path_factory.mktemp("small-llama"), arch="llama", seed=0,
                              **SMALL_MODEL)
-    workers = [start_worker(model, "prefill"), start_worker(model, "decode")]
+    # The KV cache at its shipped size (the test harness otherwise makes it small). Decode
+    # batches at most 32: with this tiny model, 128 streams' tokens would saturate the gateway
+    # on the same 2 cores and this test would measure its streaming, not its admission.
+    workers = [start_worker(model, role, "--num-kv-blocks", "0", "--max-num-seqs", "32")
+               for role in ("prefill", "decode")]
     try:
         for worker in workers:
             worker.wait_ready()
         prefill, decode = workers
-        gateway = start_gateway(model, "--prefill", prefill.address, "--decode", decode.address,
-                                "--max-inflight-per-decode", str(INFLIGHT),
-                                "--ttft-target-s", str(TTFT_TARGET_S))
+        # No admission flags: what a user gets.
+        gateway = start_gateway(model, "--prefill", prefill.address, "--decode", decode.address)
         try:
-            yield model, gateway
+            yield model, gateway, decode
         finally:
             gateway.stop()
     finally:
@@ -87,13 +97,55 @@ def _code(record) -> str:
         return ""
 
 
-def test_ten_times_capacity_for_30s(overload_stack):
-    model, gateway = overload_stack
-    url = f"http://{gateway.address}"
+def _capacity(url: str, model: str) -> float:
+    """Requests per second served by CLIENTS closed-loop clients, after a warm-up."""
     load = TenantLoad("anonymous", 1, PROMPT, OUTPUT)
-    asyncio.run(run_closed(url, model.name, [load], 2 * INFLIGHT, 3.0))  # warm the workers
-    warm = asyncio.run(run_closed(url, model.name, [load], 2 * INFLIGHT, 8.0))
-    capacity = sum(r.ok for r in warm) / 8.0
+    asyncio.run(run_closed(url, model, [load], CLIENTS, 3.0))  # warm the workers
+    warm = asyncio.run(run_closed(url, model, [load], CLIENTS, 8.0))
+    return sum(r.ok for r in warm) / 8.0
+
+
+def _normal_load(url: str, model: str, capacity: float, seed: int, delay_s: float = 0.0):
+    """Half the capacity for 8 s, starting `delay_s` from now."""
+
+    async def offer():
+        await asyncio.sleep(delay_s)
+        return await run_loads(url, model, [TenantLoad("anonymous", capacity / 2, PROMPT, 32)],
+                               8.0, seed=seed, drain_s=30.0)
+
+    return offer()
+
+
+def _assert_all_served(records, what: str) -> None:
+    failed = [r for r in records if not r.ok]
+    assert records and not failed, (f"{what}: {len(failed)} of {len(records)} not served",
+                                    [(r.status, r.error[:200]) for r in failed[:5]])
+
+
+def _wait_for_idle(decode_address: str, baseline, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(decode_address)
+        idle = (stats.kv_blocks_free == baseline.kv_blocks_free and stats.running == 0
+                and stats.waiting == 0 and stats.waiting_for_kv == 0)
+        if idle or time.monotonic() > deadline:
+            return idle, stats
+        time.sleep(0.05)
+
+
+def test_the_stack_runs_the_shipped_defaults(overload_stack):
+    _, gateway, _ = overload_stack
+    defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    assert defaults["ttft_target_s"] == TTFT_TARGET_S
+    assert defaults["max_inflight"] == 0 and defaults["max_inflight_per_decode"] == 0
+    assert "--ttft-target-s" not in gateway.process.args
+
+
+def test_ten_times_capacity_for_30s_then_a_normal_load(overload_stack):
+    model, gateway, decode = overload_stack
+    url = f"http://{gateway.address}"
+    baseline = worker_stats(decode.address)
+    capacity = _capacity(url, model.name)
     flood = TenantLoad("anonymous", 10 * capacity, PROMPT, OUTPUT)
 
     rss: list[tuple[float, int]] = []
@@ -107,11 +159,15 @@ def test_ten_times_capacity_for_30s(overload_stack):
             queued.append(metric(url, "splitserve_gateway_queued_requests",
                                  'tenant="anonymous"'))
 
+    async def overload_then_normal():
+        return await asyncio.gather(
+            _with_stalls(run_loads(url, model.name, [flood], DURATION_S, seed=5, drain_s=30.0)),
+            _normal_load(url, model.name, capacity, seed=6, delay_s=DURATION_S + RECOVERY_S))
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        records, stalls = asyncio.run(_with_stalls(
-            run_loads(url, model.name, [flood], DURATION_S, seed=5, drain_s=30.0)))
+        (records, stalls), after = asyncio.run(overload_then_normal())
     finally:
         stop.set()
         sampler.join(10)
@@ -132,7 +188,8 @@ def test_ten_times_capacity_for_30s(overload_stack):
               f"slowest {max((r.e2e_s for r in refused), default=0) * 1000:.0f} ms, "
               f"{len(other)} other; "
               f"gateway RSS {rss[0][1] >> 20} -> {rss[-1][1] >> 20} MiB, "
-              f"max queued {max(queued, default=0):.0f}")
+              f"max queued {max(queued, default=0):.0f}; "
+              f"afterwards {sum(r.ok for r in after)} of {len(after)} served")
     print(report)  # shown with -s, and on failure
     assert not other, (report, other[:3])  # nothing hung, nothing failed otherwise
     assert len(refused) > 0.5 * len(records), report  # it really was overloaded
@@ -143,4 +200,39 @@ def test_ten_times_capacity_for_30s(overload_stack):
     settled = [b for t, b in rss if t >= 10]
     assert max(settled) <= 1.10 * settled[0], report
     # The queue holds about one TTFT target's worth of work, never the offered backlog.
-    assert max(queued) <= 2 * capacity * TTFT_TARGET_S + INFLIGHT, report
+    assert max(queued) <= 2 * capacity * TTFT_TARGET_S + CLIENTS, report
+    _assert_all_served(after, f"normal load {RECOVERY_S:g}s after the overload")
+    idle, stats = _wait_for_idle(decode.address, baseline)
+    assert idle, (baseline, stats)
+
+
+def test_a_burst_of_cancelled_streams_then_a_normal_load(overload_stack):
+    """64 streams at once, each cut after its first content chunk or before any byte; the
+    decode worker is back at its baseline and a normal load is served in full."""
+    model, gateway, decode = overload_stack
+    url = f"http://{gateway.address}"
+    baseline = worker_stats(decode.address)
+    capacity = _capacity(url, model.name)
+
+    async def cut(client: httpx.AsyncClient, index: int) -> None:
+        body = {"model": model.name, "prompt": [3 + index % 500] * PROMPT, "max_tokens": OUTPUT,
+                "stream": True, "ignore_eos": True}
+        try:
+            async with asyncio.timeout(0.02 if index % 4 == 0 else 10.0):
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            return  # leaving the block closes the connection mid-stream
+        except TimeoutError:
+            return  # cut before any byte
+
+    async def burst_then_normal():
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            await asyncio.gather(*(cut(client, i) for i in range(64)))
+        return await _normal_load(url, model.name, capacity, seed=7, delay_s=0.5)
+
+    after = asyncio.run(burst_then_normal())
+    _assert_all_served(after, "normal load after 64 cancelled streams")
+    idle, stats = _wait_for_idle(decode.address, baseline)
+    assert idle, (baseline, stats)
