@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.compare.report import render, render_from
 from bench.compare.sweep import full_plan, quick_plan, run_sweep
-from bench.compare.systems import SYSTEMS, ServeOptions
+from bench.compare.systems import SYSTEMS, ServeOptions, serve_settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -40,15 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="",
                    help="every system's dtype (default: bfloat16 where this CPU multiplies it "
-                   "natively, else float32; the tiny --quick model: float32)")
+                   "natively, else float32; the tiny --quick model: float32; auto: splitserve's "
+                   "shipped dtype, and transformers serve's own)")
     p.add_argument("--peer-dtype", default="", help="transformers serve --dtype (default: --dtype)")
     p.add_argument("--peer-blocks", type=int, default=4096, help="transformers serve blocks")
     p.add_argument("--peer-threads", type=int, default=0,
                    help="OMP_NUM_THREADS for transformers serve (0: the machine's cores, the "
                    "total splitserve's workers get)")
-    p.add_argument("--gateway-ttft-target-s", type=float, default=0.0,
-                   help="splitserve gateway's early rejection by predicted TTFT (0: off, the "
-                   "default, so that every system is measured without admission control)")
+    p.add_argument("--gateway-ttft-target-s", type=float, default=None,
+                   help="splitserve gateway's early rejection by predicted TTFT (0: off; "
+                   "default: the gateway's shipped default, so the sweep measures what ships)")
     p.add_argument("--append", action="store_true",
                    help="keep the other systems' results already in --out (re-run some systems)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<date>, "
@@ -59,12 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_dtype(quick: bool) -> str:
+def default_dtype(quick: bool) -> tuple[str, str]:
+    """(dtype, why): the sweep runs every system in one dtype, so they do the same arithmetic."""
     if quick:
-        return "float32"
+        return "float32", "the tiny random --quick model (a smoke test); the peer runs the same"
     from engine.config import cpu_has_fast_bf16
 
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    if cpu_has_fast_bf16():
+        return "bfloat16", ("this CPU multiplies bfloat16 natively, several times faster than "
+                            "float32 for splitserve and the peer alike, and both run the same "
+                            "dtype (the shipped CPU dtype is float32 for batch-invariant greedy "
+                            "tokens; pass --dtype auto to measure it)")
+    return "float32", "this CPU has no native bfloat16; the peer runs the same dtype"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = args.model or DEFAULT_MODEL
     plan = (quick_plan if args.quick else full_plan)(str(model), systems)
-    plan = replace(plan, seed=args.seed, serve=ServeOptions(
-        dtype=args.dtype or default_dtype(args.quick), peer_dtype=args.peer_dtype,
+    dtype, dtype_reason = (args.dtype, "--dtype given") if args.dtype else default_dtype(args.quick)
+    serve = ServeOptions(
+        dtype=dtype, dtype_reason=dtype_reason, peer_dtype=args.peer_dtype,
         cb_num_blocks=args.peer_blocks, peer_threads=args.peer_threads,
-        gateway_ttft_target_s=args.gateway_ttft_target_s))
+        gateway_ttft_target_s=args.gateway_ttft_target_s)
+    plan = replace(plan, seed=args.seed, serve=serve)
+    print(serve_settings(serve).text(), flush=True)
     workloads = plan.workloads
     if args.workloads:
         wanted = set(args.workloads.split(","))

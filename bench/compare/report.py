@@ -8,12 +8,15 @@ from pathlib import Path
 from bench.compare.machine import machine
 from bench.compare.plots import plot_workload
 from bench.compare.targets import (
+    MAX_REFUSED_SHARE,
     class_metric,
     max_sustainable_rate,
     peak_goodput,
     points_of,
     ratio,
+    refused,
 )
+from bench.run_settings import markdown
 
 DISAGG, AGG, PEER = "splitserve-disagg", "splitserve-agg", "transformers-serve"
 
@@ -80,9 +83,15 @@ def headline(results: dict) -> list[str]:
     bounds = {s: max_sustainable_rate(points_of(results, s, "chat"), slo["ttft_s"])
               for s in systems}
     lines.append(
-        f"| chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s) "
+        f"| chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s, "
+        f"<= {MAX_REFUSED_SHARE:.0%} refused) "
         + "".join(f"| {bounds[s].text() if bounds[s] else '-'} " for s in systems)
         + f"| {_x(ratio(*(b.value if b else None for b in (bounds[DISAGG], bounds[PEER]))))} |")
+    sent = {s: [(refused(p["summary"]), p["summary"]["requests"])
+                for w in ("burst", "chat") for p in points_of(results, s, w)] for s in systems}
+    lines.append("| burst and chat requests refused (429 + 503) / sent, all points "
+                 + "".join(f"| {sum(r for r, _ in sent[s])} / {sum(n for _, n in sent[s])} "
+                           if sent[s] else "| - " for s in systems) + "| |")
     inter = {s: next(iter(points_of(results, s, "interference")), None) for s in (DISAGG, AGG)}
     itl = {s: class_metric(p, "steady", "itl_s", "p99") if p else None for s, p in inter.items()}
     lines += ["", "| interference (steady streams) | splitserve disaggregated "
@@ -128,7 +137,7 @@ def render(results: dict, out_dir: Path) -> Path:
                   + ". Other work competed for the cores; expect noise.**", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
-    lines += ["## Targets", "", *headline(results), ""]
+    lines += ["## Settings", "", *_settings(plan), "", "## Targets", "", *headline(results), ""]
     notes = out_dir / "notes.md"  # written by hand: what the tables alone do not say
     if notes.exists():
         lines += ["## Notes", "", notes.read_text().strip(), ""]
@@ -171,6 +180,16 @@ def _setup(plan: dict, m: dict) -> list[str]:
             "and share the same cores. 'CPU to others' is the share of the machine's CPU time "
             "during a point that went to neither the system under test nor the load generator "
             "(other jobs, hypervisor steal): 0% is a quiet machine."]
+
+
+def _settings(plan: dict) -> list[str]:
+    """The admission settings and every change from the shipped defaults, with the reasons."""
+    settings = plan.get("settings")
+    if settings is None:  # results from before these were recorded: admission was off then
+        ttft = (plan.get("serve") or {}).get("gateway_ttft_target_s", 0.0)
+        return [f"- splitserve gateway --ttft-target-s {ttft if ttft is not None else 'default'} "
+                "(recorded before the sweep printed its settings)"]
+    return markdown(settings)
 
 
 def _class_rows(results: dict, workload: str) -> list[str]:

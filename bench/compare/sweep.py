@@ -12,7 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.compare.machine import ForeignCpu, machine
-from bench.compare.systems import SYSTEMS, RunningSystem, ServeOptions, start_system
+from bench.compare.systems import (
+    SYSTEMS,
+    RunningSystem,
+    ServeOptions,
+    serve_settings,
+    start_system,
+)
 from bench.loadgen.arrivals import Burst, Poisson
 from bench.loadgen.client import Target
 from bench.loadgen.metrics import SLO
@@ -141,6 +147,7 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
                     point = _run_point(plan, wp, running, builders[wp.endpoint], rate, raw_dir,
                                        progress)
                     results["points"].append(point)
+                    print(point_line(point), flush=True)
                     if rate is not None and _saturated_point(point, plan):
                         if i + 1 < len(rates):
                             point["note"] = "saturated: higher rates skipped"
@@ -156,6 +163,20 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
     return results
+
+
+def point_line(point: dict) -> str:
+    """One line per point as it ends; refusals (429/503, admission's answer to overload) are
+    counted apart from failures, so a sweep under the shipped defaults shows both."""
+    s = point["summary"]
+    refused = s["rejected_429"] + s["rejected_503"]
+    other = s["errors"] + s["timeouts"] + sum(s["http_errors"].values())
+    ttft = s["ttft_s"]["p99"]
+    at = "burst" if point["rate"] is None else f"{point['rate']:g} req/s"
+    return (f"{point['system']} {point['workload']} @ {at}: {s['completed']} / {s['requests']} "
+            f"served, {refused} refused (429: {s['rejected_429']}, 503: {s['rejected_503']}), "
+            f"{other} failed; TTFT p99 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
+            f"{s['output_throughput']:.1f} out tok/s")
 
 
 def _saturated_point(point: dict, plan: SweepPlan) -> bool:
@@ -189,6 +210,7 @@ def _describe(plan: SweepPlan) -> dict:
     return {"model_dir": plan.model_dir, "systems": list(plan.systems), "quick": plan.quick,
             "seed": plan.seed, "slo": asdict(plan.slo), "drain_timeout_s": plan.drain_timeout_s,
             "stop_ttft_s": plan.stop_ttft_s, "serve": asdict(plan.serve),
+            "settings": serve_settings(plan.serve).to_json(),
             "workloads": [{"name": w.name, "about": w.about, "rates": list(w.rates),
                            "burst": w.burst, "duration_s": w.duration_s,
                            "drain_timeout_s": w.drain_timeout_s or plan.drain_timeout_s,

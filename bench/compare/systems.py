@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from bench.compare.machine import cores
+from bench.run_settings import Override, RunSettings, gateway_override, with_inherited
 from splitserve_cli.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,19 +39,36 @@ class ServeOptions:
     peer reference numbers used bf16 and 4096 blocks of 16."""
 
     dtype: str = "auto"
+    dtype_reason: str = ""  # why the sweep runs `dtype` rather than the shipped "auto"
     peer_dtype: str = ""  # "": the same as dtype
     cb_num_blocks: int = 4096
     cb_block_size: int = 16
     cb_max_batch_tokens: int = 0  # 0: transformers' own default
     peer_threads: int = 0
-    # The gateway's early rejection (503 when the predicted TTFT exceeds this; 0: off). Off by
-    # default: the sweep measures the latency of the serving path against a peer that has no
-    # admission control, and the estimator can stay pessimistic after a burst, rejecting every
-    # later request of an idle deployment (seen 2026-11-29: 503 "predicted 3.51s" at 0.1 req/s).
-    gateway_ttft_target_s: float = 0.0
+    # The gateway's early rejection (503 when the predicted TTFT exceeds this; 0: off). None:
+    # the shipped default, so the sweep measures what `make run` serves, refusals included.
+    gateway_ttft_target_s: float | None = None
 
     def peer_omp_threads(self) -> int:
         return self.peer_threads or cores()
+
+
+def serve_settings(opts: ServeOptions) -> RunSettings:
+    """What splitserve runs with in the sweep, against what ships (`make run`: `splitserve up`
+    with no flags): the gateway's admission and the workers' dtype."""
+    overrides: tuple[Override, ...] = ()
+    if opts.gateway_ttft_target_s is not None:
+        overrides += (gateway_override("ttft_target_s", opts.gateway_ttft_target_s,
+                                       "--gateway-ttft-target-s given"),)
+    if opts.dtype != "auto":
+        overrides += (Override("workers", "SPLITSERVE_DTYPE", opts.dtype,
+                               "auto (float32 on CPU, bfloat16 on GPU)",
+                               opts.dtype_reason or "--dtype given"),)
+    return RunSettings("bench.compare", with_inherited(overrides),
+                       note=f"transformers serve (the peer): --dtype {opts.peer_dtype or opts.dtype}, "
+                            f"OMP_NUM_THREADS {opts.peer_omp_threads()}, "
+                            f"{opts.cb_num_blocks} blocks of {opts.cb_block_size}; "
+                            "it has no admission control and refuses nothing")
 
 
 @dataclass(frozen=True)
@@ -138,8 +156,7 @@ def start_system(spec: SystemSpec, model_dir: str, log_dir: Path,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if spec.name.startswith("splitserve-"):
         # splitserve up sets each worker's OMP_NUM_THREADS itself (the cores split between them).
-        overrides = {"SPLITSERVE_DTYPE": opts.dtype,
-                     "SPLITSERVE_GATEWAY_TTFT_TARGET_S": f"{opts.gateway_ttft_target_s:g}"}
+        overrides = {"SPLITSERVE_DTYPE": opts.dtype, **serve_settings(opts).gateway_env()}
     else:
         threads = str(opts.peer_omp_threads())
         overrides = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}

@@ -17,10 +17,24 @@ def failed(point: dict) -> bool:
     return s["timeouts"] > 0 or s["completed"] < s["requests"] / 2
 
 
+# A rate is sustained only if (nearly) every request was served: with admission on, the gateway
+# keeps TTFT within the target by refusing the excess, and the TTFT of the served ones alone
+# would then call any rate sustainable.
+MAX_REFUSED_SHARE = 0.01
+
+
+def refused(summary: dict) -> int:
+    """Requests the server refused (429 quota / 503 capacity), as admission answers overload."""
+    return summary["rejected_429"] + summary["rejected_503"]
+
+
 def _ttft_p99(point: dict) -> float | None:
-    """TTFT p99 of a point, or None when the point failed outright: such a point is past any
-    TTFT target."""
-    return None if failed(point) else point["summary"]["ttft_s"]["p99"]
+    """TTFT p99 of a point, or None when the point failed outright or refused more than
+    MAX_REFUSED_SHARE of its requests: such a point is past any TTFT target."""
+    s = point["summary"]
+    if failed(point) or refused(s) > MAX_REFUSED_SHARE * s["requests"]:
+        return None
+    return s["ttft_s"]["p99"]
 
 
 @dataclass(frozen=True)

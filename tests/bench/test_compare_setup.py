@@ -1,4 +1,5 @@
-"""How bench.compare sets up the systems (dtype, threads) and measures other work on the CPU."""
+"""How bench.compare sets up the systems (dtype, threads, the gateway's admission settings and
+what it prints of them) and measures other work on the CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import time
 
 from bench.compare.machine import ForeignCpu, cores, process_tree
-from bench.compare.systems import SYSTEMS, ServeOptions
+from bench.compare.systems import SYSTEMS, ServeOptions, serve_settings
+from bench.compare.targets import max_sustainable_rate
 
 
 def test_peer_runs_the_same_dtype_unless_told_otherwise():
@@ -42,3 +44,48 @@ def test_cpu_this_process_burns_counts_as_its_own_not_foreign():
     share = meter.stop()
     assert share["own_cpu_share"] > 0.0
     assert 0.0 <= share["foreign_cpu_share"] <= 1.0
+
+
+def test_splitserve_starts_with_the_shipped_admission_and_no_override_by_default():
+    from bench.compare.__main__ import build_parser
+
+    args = build_parser().parse_args(["--quick"])
+    assert args.gateway_ttft_target_s is None
+    opts = ServeOptions(gateway_ttft_target_s=args.gateway_ttft_target_s)
+    settings = serve_settings(opts)
+    assert settings.gateway_env() == {}
+    command = SYSTEMS["splitserve-disagg"].command("m", 1234, opts)
+    assert not any("ttft" in part or "inflight" in part for part in command)
+    assert settings.admission()["ttft_target_s"] == "1"
+    assert settings.admission()["max_inflight_per_decode"] == "0 (the decode workers' max_running)"
+
+
+def test_printed_settings_list_admission_and_every_override_with_its_reason():
+    opts = ServeOptions(dtype="bfloat16", dtype_reason="native bf16 here",
+                        gateway_ttft_target_s=0.0)
+    settings = serve_settings(opts)
+    assert settings.gateway_env() == {"SPLITSERVE_GATEWAY_TTFT_TARGET_S": "0"}
+    text = settings.text()
+    assert "ttft_target_s=0 (off)" in text and "max_inflight=0 (no limit) [default]" in text
+    assert "--ttft-target-s 0 (off) (shipped: 1): --gateway-ttft-target-s given" in text
+    assert "SPLITSERVE_DTYPE bfloat16" in text and "native bf16 here" in text
+    default_text = serve_settings(ServeOptions()).text()
+    assert "ttft_target_s=1 [default]" in default_text
+    assert "overrides: none" in default_text and "override:" not in default_text
+
+
+def test_an_admission_setting_inherited_from_the_environment_is_an_override(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_GATEWAY_MAX_INFLIGHT", "3")
+    text = serve_settings(ServeOptions()).text()
+    assert "max_inflight=3," in text
+    assert "SPLITSERVE_GATEWAY_MAX_INFLIGHT is set in the environment" in text
+
+
+def test_a_rate_with_refusals_is_not_sustained_though_its_served_ttft_is_low():
+    def point(rate: float, ttft: float, refused: int) -> dict:
+        return {"rate": rate, "summary": {"requests": 100, "completed": 100 - refused,
+                                          "timeouts": 0, "rejected_429": 0,
+                                          "rejected_503": refused, "ttft_s": {"p99": ttft}}}
+
+    bound = max_sustainable_rate([point(1, 0.2, 0), point(2, 0.3, 40)], ttft_target_s=1.0)
+    assert (bound.low, bound.high) == (1, 2)

@@ -86,3 +86,17 @@ def test_report_has_the_targets_a_table_per_workload_and_plots(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png.name})" in text
     assert not (tmp_path / "interference_goodput.png").exists()  # one rate: nothing to plot
+
+
+def test_report_lists_the_settings_and_counts_refusals(tmp_path):
+    from bench.compare.systems import ServeOptions, serve_settings
+
+    data = results()
+    data["plan"]["settings"] = serve_settings(ServeOptions(dtype="bfloat16",
+                                                           dtype_reason="same as the peer")).to_json()
+    data["points"][0]["summary"]["rejected_503"] = 3
+    text = render(data, tmp_path).read_text()
+    assert "## Settings" in text
+    assert "- bench.compare: gateway admission: ttft_target_s=1 [default]" in text
+    assert "- override: workers SPLITSERVE_DTYPE bfloat16 (shipped: auto" in text
+    assert "| burst and chat requests refused (429 + 503) / sent, all points | 3 / 40 |" in text
