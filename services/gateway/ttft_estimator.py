@@ -180,14 +180,16 @@ class TTFTEstimator:
         return 0.0 if line is None else line[1]
 
     def _line(self) -> tuple[float, float] | None:
-        """(intercept, slope) of the least-squares line; through the origin while the
-        lengths seen were too alike for a slope. The slope is never negative."""
+        """(intercept, slope) of the least-squares line; flat while the lengths seen were too
+        alike for a slope. (A line through the origin would read a fixed cost as a cost per
+        token: after two short prompts, a first burst of long ones would be refused on that
+        guess alone. Flat, the burst is served, and teaches the slope.) Never negative."""
         x, y, xx, xy = (m.value for m in self._moments)
         if x is None:
             return None
         variance = xx - x * x
         if variance < _MIN_SPREAD_TOKENS ** 2:
-            return 0.0, (xy / xx if xx > 0 else 0.0)
+            return y, 0.0
         slope = max(0.0, (xy - x * y) / variance)
         return y - slope * x, slope
 

@@ -86,6 +86,50 @@ def _wait_until_gone(launcher: Launcher, timeout: float) -> list[str]:
     return launcher.alive_children()
 
 
+def _burst_cancel_bad_then_small(url: str, model: str) -> None:
+    """What a new user tries first, against the defaults: a burst of 32 streams (128-token
+    prompts, 128 tokens out), a stream cut after its first chunk, a bad request; then one
+    small request must still be served. Each burst request is served in full or refused with
+    a Retry-After; none fails otherwise, and nothing locks the gateway out afterwards."""
+    import asyncio
+
+    import httpx
+
+    async def stream(client: httpx.AsyncClient, index: int, cut: bool = False):
+        body = {"model": model, "prompt": [1000 + index] + [500 + i for i in range(127)],
+                "max_tokens": 128, "stream": True, "ignore_eos": True, "temperature": 0}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return response.status_code, response.headers.get("retry-after"), 0
+            chunks = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if cut:
+                        return 200, None, chunks
+            return 200, None, chunks
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+            results = await asyncio.gather(*(stream(client, i) for i in range(32)))
+            await stream(client, 99, cut=True)
+            bad = await client.post(f"{url}/v1/completions", json={"model": model, "prompt": "x",
+                                                                   "max_tokens": -3})
+            small = await client.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+            return results, bad, small
+
+    results, bad, small = asyncio.run(burst())
+    served = [r for r in results if r[0] == 200]
+    assert served and all(chunks >= 128 for _, _, chunks in served), results
+    assert all(status in (429, 503) and retry for status, retry, _ in results
+               if status != 200), results
+    assert bad.status_code == 400 and bad.json()["error"]["param"], bad.text
+    assert small.status_code == 200, small.text
+    assert small.json()["usage"]["completion_tokens"] == 4
+
+
 @pytest.mark.slow
 def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
     from openai import OpenAI
@@ -105,6 +149,7 @@ def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
                 model=smollm2_dir.name, messages=question, max_tokens=30, temperature=0,
                 stream=True))
         assert streamed == answer.choices[0].message.content
+        _burst_cancel_bad_then_small(url, smollm2_dir.name)
         launcher.process.send_signal(signal.SIGTERM)
         assert launcher.process.wait(60) == 0
         assert _wait_until_gone(launcher, 10) == []

@@ -98,12 +98,14 @@ def test_short_prompts_are_not_judged_by_long_prompts_first_tokens():
     assert estimator.service_at(512) == pytest.approx(1.30, abs=0.05)
 
 
-def test_one_backlog_length_gives_a_line_through_the_origin():
+def test_one_backlog_length_gives_no_slope():
+    """Two short prompts say nothing of what a long one costs: no guess refuses it."""
     estimator = TTFTEstimator(clock=Clock())
     for _ in range(3):
-        estimator.first_token(0.3, prefill_tokens=128)
-    assert estimator.service_at(128) == pytest.approx(0.3)
-    assert estimator.service_at(256) == pytest.approx(0.6)
+        estimator.first_token(0.3, prefill_tokens=40)
+    assert estimator.seconds_per_prompt_token() == 0.0
+    assert estimator.service_at(40) == pytest.approx(0.3)
+    assert estimator.service_at(256) == pytest.approx(0.3)
 
 
 def test_old_errors_leave_the_margin():
