@@ -7,8 +7,9 @@ tenant `short` short ones, together more than the cluster serves, with equal wei
     python -m bench.fairness --duration 20 --json bench/results/fairness.json
 
 Real processes: one prefill and one decode worker, and a gateway per policy in front of them
-with a small in-flight limit, so that requests queue and the policy decides the order. The
-load is open-loop (Poisson arrivals per tenant); the same seed gives the same arrivals.
+with the shipped admission settings except a small in-flight limit (printed, with the reason),
+so that requests queue and the policy decides the order. The load is open-loop (Poisson
+arrivals per tenant); the same seed gives the same arrivals.
 The pieces (`TenantLoad`, `run_loads`, `run_closed`, `summarize`) serve the fairness tests
 too, and `python -m bench.fairness offer ...` runs one tenant's load from its own process.
 """
@@ -34,6 +35,13 @@ import numpy as np
 from bench.loadgen.client import Target, send
 from bench.loadgen.metrics import RequestRecord, percentile
 from bench.loadgen.workload import RequestSpec
+from bench.run_settings import (
+    Override,
+    RunSettings,
+    gateway_default,
+    gateway_override,
+    with_inherited,
+)
 from services.gateway.tenants import key_digest
 
 POLICIES = ("fcfs", "round_robin", "vtc")
@@ -250,20 +258,50 @@ class Cluster:
         return gateway.wait_ready()
 
 
+def run_settings(inflight: int, ttft_target_s: float | None) -> RunSettings:
+    """The shipped admission except what fairness needs, and the other changes from the
+    shipped defaults, each with its reason. `inflight` 0 / `ttft_target_s` None: shipped."""
+    overrides: tuple[Override, ...] = ()
+    if inflight:
+        overrides += (gateway_override(
+            "max_inflight_per_decode", inflight,
+            "requests must queue at the gateway so the fairness policy decides their order; "
+            "released up to the decode worker's max_running, few would wait (--inflight 0 "
+            "keeps the shipped limit)"),)
+    if ttft_target_s is not None:
+        overrides += (gateway_override("ttft_target_s", ttft_target_s,
+                                       "--ttft-target-s given"),)
+    overrides += (
+        gateway_override("health_interval_s", 0.2, "a gateway per policy: routable sooner"),
+        Override("bench", "--fairness", "each of --policies in turn", str(gateway_default(
+            "fairness")), "the variable under test"),
+        Override("bench", "--tenants-file", "tenants long and short, equal weights", "none",
+                 "fairness is between tenants"),
+        Override("workers", "--num-kv-blocks", "512", "from --kv-cache-memory 1GiB",
+                 "a small random model on a shared machine"))
+    return RunSettings("bench.fairness", with_inherited(overrides))
+
+
+def goodput_target_s(settings: RunSettings) -> float:
+    """Goodput counts requests within the gateway's TTFT target (the shipped one if off)."""
+    target = float(settings.admission()["ttft_target_s"].split(" ")[0])
+    return target or float(gateway_default("ttft_target_s"))
+
+
 def measure_policy(cluster: Cluster, policy: str, loads: Sequence[TenantLoad], duration_s: float,
-                   inflight: int, ttft_target_s: float, seed: int) -> dict[str, TenantResult]:
+                   settings: RunSettings, seed: int) -> dict[str, TenantResult]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tenants:
         tenants.write(tenants_yaml(loads))
+    # Cluster.gateway passes --health-interval-s itself; the same value again is harmless.
     gateway = cluster.gateway("--tenants-file", tenants.name, "--fairness", policy,
-                              "--max-inflight-per-decode", str(inflight),
-                              "--ttft-target-s", str(ttft_target_s))
+                              *settings.gateway_args())
     try:
         records = asyncio.run(run_loads(gateway.url, cluster.model.name, loads, duration_s, seed))
     finally:
         gateway.stop()
         cluster.gateways.remove(gateway)
         Path(tenants.name).unlink()
-    return summarize(records, duration_s, ttft_target_s)
+    return summarize(records, duration_s, goodput_target_s(settings))
 
 
 def table(results: dict[str, dict[str, TenantResult]]) -> str:
@@ -276,11 +314,13 @@ def table(results: dict[str, dict[str, TenantResult]]) -> str:
     for policy, tenants in results.items():
         for r in tenants.values():
             rows.append(f"| {policy} | {r.tenant} | {r.token_share:.0%} | {ms(r.ttft_p50_s)} | "
-                        f"{ms(r.ttft_p99_s)} | {r.reject_rate:.0%} | {r.goodput_rps:.1f} |")
+                        f"{ms(r.ttft_p99_s)} | {r.rejected} of {r.sent} ({r.reject_rate:.0%}) "
+                        f"| {r.goodput_rps:.1f} |")
         total = sum(r.goodput_rps for r in tenants.values())
-        rows.append(f"| {policy} | (all) | | | | "
-                    f"{sum(r.rejected for r in tenants.values()) / max(1, sum(r.sent for r in tenants.values())):.0%} "
-                    f"| {total:.1f} |")
+        rejected = sum(r.rejected for r in tenants.values())
+        sent = sum(r.sent for r in tenants.values())
+        rows.append(f"| {policy} | (all) | | | | {rejected} of {sent} "
+                    f"({rejected / max(1, sent):.0%}) | {total:.1f} |")
     return "\n".join(rows)
 
 
@@ -305,24 +345,33 @@ SMALL_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 
                "head_dim": 32}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["offer"]:
-        return offer(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None,
                         help="model folder (default: a small random Llama built for the run)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per policy")
-    parser.add_argument("--inflight", type=int, default=4, help="--max-inflight-per-decode")
-    parser.add_argument("--ttft-target-s", type=float, default=1.0)
+    parser.add_argument("--inflight", type=int, default=4,
+                        help="the gateway's --max-inflight-per-decode (0: the shipped default, "
+                             "the decode worker's max_running)")
+    parser.add_argument("--ttft-target-s", type=float, default=None,
+                        help="the gateway's --ttft-target-s (default: the shipped one)")
     parser.add_argument("--long", default="12:384:32",
                         help="tenant `long`: rate:prompt_len:output_len (req/s, tokens)")
     parser.add_argument("--short", default="24:32:32", help="tenant `short`: the same")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["offer"]:
+        return offer(argv[1:])
+    args = build_parser().parse_args(argv)
+
+    settings = run_settings(args.inflight, args.ttft_target_s)
+    print(settings.text(), flush=True)
     loads = []
     for name in ("long", "short"):
         rate, prompt_len, output_len = getattr(args, name).split(":")
@@ -338,17 +387,22 @@ def main(argv: list[str] | None = None) -> int:
         with Cluster(model) as cluster:
             for policy in args.policies.split(","):
                 results[policy] = measure_policy(cluster, policy, loads, args.duration,
-                                                 args.inflight, args.ttft_target_s, args.seed)
+                                                 settings, args.seed)
                 print(f"{policy}: done", file=sys.stderr, flush=True)
     workload = ", ".join(f"{load.name}: {load.rate:g} req/s of {load.prompt_len} in + "
                          f"{load.output_len} out" for load in loads)
-    print(f"{workload}; {args.duration:g}s per policy; in-flight limit {args.inflight} per "
-          f"decode worker; TTFT target {args.ttft_target_s:g}s; equal weights")
+    admission = settings.admission()
+    print(settings.text())
+    print(f"{workload}; {args.duration:g}s per policy; in-flight limit "
+          f"{admission['max_inflight_per_decode']} per decode worker; TTFT target "
+          f"{admission['ttft_target_s']} s; goodput within {goodput_target_s(settings):g} s; "
+          "equal weights; rejected: refused with 429/503")
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps({p: {t: {**asdict(r), "reject_rate": r.reject_rate}
-                                             for t, r in ts.items()}
-                                         for p, ts in results.items()}, indent=2))
+        args.json.write_text(json.dumps({
+            "settings": settings.to_json(),
+            "results": {p: {t: {**asdict(r), "reject_rate": r.reject_rate} for t, r in ts.items()}
+                        for p, ts in results.items()}}, indent=2))
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+from bench.run_settings import Override, RunSettings
 from splitserve_cli.processes import start_worker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +122,19 @@ async def measure(mode: str, args) -> dict:
             w.kill()
 
 
-def main() -> int:
+def run_settings(args) -> RunSettings:
+    """No gateway (the streams talk to the workers' gRPC, so no admission control and no
+    refusals), and the changes from the workers' shipped defaults, with the reasons."""
+    return RunSettings("bench/interference.py", (
+        Override("workers", "--kv-cache-memory", args.kv_cache_memory, "1GiB",
+                 f"{args.steady} streams of {args.steady_tokens} tokens and "
+                 f"{args.inject_len}-token injections fit without preemption"),
+        Override("workers", "--num-threads", "1 (prefill) + 1 (decode); 2 (aggregated)",
+                 "0 (torch's own)", "both modes get the same 2 cores, as `splitserve up` "
+                 "splits them")), gateway=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO / "models/smollm2-135m-instruct"))
     parser.add_argument("--quick", action="store_true", help="tiny model, short run")
@@ -133,7 +146,11 @@ def main() -> int:
     parser.add_argument("--quiet-window-s", type=float, default=15.0)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--out", default=str(REPO / "bench/results/interference.json"))
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.quick:
         from splitserve_cli.tiny_model import build_tiny_model
 
@@ -142,7 +159,10 @@ def main() -> int:
     args.vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if not args.steady_tokens:
         args.steady_tokens = 2000 if not args.quick else 300
+    settings = run_settings(args)
+    print(settings.text(), flush=True)
     results = {mode: asyncio.run(measure(mode, args)) for mode in ("disaggregated", "aggregated")}
+    print("\n" + settings.text())
     print("\nITL of the steady streams (ms)            p50      p99      max")
     for mode, r in results.items():
         for phase in ("without_injections", "with_injections"):
@@ -151,7 +171,8 @@ def main() -> int:
         ttfts = r["with_injections"]["inject_ttft_s"]
         print(f"  {mode:14s} injected prompt TTFT (s): {', '.join(f'{t:.2f}' for t in ttfts)}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "settings": settings.to_json(),
+                                          "results": results}, indent=2))
     print(f"\nwrote {args.out}")
     return 0
 

@@ -4,7 +4,9 @@ Groups of requests share a system prompt, and each group holds multi-turn conver
 every turn resends the whole history. The same workload runs twice against real processes
 (Redis, 2 prefill workers, 1 decode worker, a gateway), each time on freshly started workers:
 once with `--routing round_robin`, once with the default scored routing (prefix-cache
-events + queued work). Prints the prefill workers' prefix-cache hit rate and client-side TTFT.
+events + queued work). Prints the prefill workers' prefix-cache hit rate and client-side TTFT,
+and the settings it runs with: the gateway's shipped admission unless --gateway-ttft-target-s
+says otherwise; a refused request (429/503) is counted and reported, not a failure.
 
     .venv/bin/python bench/routing.py            # SmolLM2-135M on CPU, a few minutes
     .venv/bin/python bench/routing.py --quick    # tiny model smoke run
@@ -29,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen.metrics import percentile
+from bench.run_settings import Override, RunSettings, gateway_override, with_inherited
 from splitserve_cli.processes import WorkerProcess, free_port, start_worker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +75,7 @@ class Workload:
 class Result:
     policy: str
     requests: int
+    refused: int  # 429/503 from admission: not routed, so not in the hit rate or TTFT
     failed: int
     prefix_hit_rate: float  # prompt tokens served from the prefill workers' prefix caches
     prefill_share: tuple[float, ...]  # of the prompt tokens, per prefill worker
@@ -137,11 +141,13 @@ def start_redis(workdir: str) -> tuple[Process, int]:
 
 
 async def run_workload(url: str, model: str, sessions: list[list[list[int]]],
-                       workload: Workload) -> tuple[list[float], list[str]]:
+                       workload: Workload) -> tuple[list[float], list[str], list[str]]:
     """`concurrency` clients each take the next session and send its turns one after the
-    other, each once the previous answer is complete. Returns TTFTs and failures."""
+    other, each once the previous answer is complete. Returns TTFTs, refusals (429/503, the
+    session goes on with its next turn) and failures."""
     queue = list(reversed(sessions))
     ttfts: list[float] = []
+    refusals: list[str] = []
     errors: list[str] = []
 
     async def one(http: httpx.AsyncClient, prompt: list[int]) -> None:
@@ -152,7 +158,8 @@ async def run_workload(url: str, model: str, sessions: list[list[list[int]]],
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                errors.append(f"HTTP {response.status_code}: {response.text[:300]}")
+                lost = refusals if response.status_code in (429, 503) else errors
+                lost.append(f"HTTP {response.status_code}: {response.text[:300]}")
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
@@ -176,7 +183,7 @@ async def run_workload(url: str, model: str, sessions: list[list[list[int]]],
 
     async with httpx.AsyncClient(timeout=300) as http:
         await asyncio.gather(*(client(http) for _ in range(workload.concurrency)))
-    return ttfts, errors
+    return ttfts, refusals, errors
 
 
 def prefix_counters(workers: list[WorkerProcess]) -> list[tuple[int, int]]:
@@ -184,8 +191,29 @@ def prefix_counters(workers: list[WorkerProcess]) -> list[tuple[int, int]]:
     return [(s.prefix_hits, s.prefix_queries) for s in (w.health().stats for w in workers)]
 
 
+def run_settings(args) -> RunSettings:
+    """The gateway's shipped admission unless a flag says otherwise, and the other changes
+    from the shipped defaults this benchmark makes, with the reasons."""
+    overrides: tuple[Override, ...] = ()
+    if args.gateway_ttft_target_s is not None:
+        overrides += (gateway_override("ttft_target_s", args.gateway_ttft_target_s,
+                                       "--gateway-ttft-target-s given"),)
+    overrides += (
+        gateway_override("health_interval_s", 0.2, "fresh workers per arm: the gateway sees "
+                         "both prefill workers' load and caches sooner"),
+        Override("bench", "--routing", "round_robin, then scored", "scored",
+                 "the variable under test: one arm per policy"),
+        Override("workers", "--num-kv-blocks", f"{args.prefill_kv_blocks} (prefill), 2048 "
+                 "(decode)", "from --kv-cache-memory 1GiB",
+                 "prefill caches smaller than the workload's prefixes, as in a busy deployment"),
+        Override("workers", "--num-threads", str(args.threads), "0 (torch's own)",
+                 "3 workers on a small machine: no oversubscription"),
+        Override("workers", "--heartbeat-ttl-s", "2", "5", "each arm's workers register anew"))
+    return RunSettings("bench/routing.py", with_inherited(overrides))
+
+
 def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
-               prefill_kv_blocks: int, threads: int) -> Result:
+               prefill_kv_blocks: int, threads: int, settings: RunSettings) -> Result:
     common = ("--redis-url", redis_url, "--heartbeat-ttl-s", "2", "--log-format", "text",
               "--num-threads", str(threads))
     workers: list[WorkerProcess] = []
@@ -196,8 +224,7 @@ def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
         workers.append(start_worker("decode", model, *common, "--num-kv-blocks", "2048"))
         gateway = Process([sys.executable, "-m", "splitserve_cli.main", "gateway", "--model",
                            str(model), "--port", "0", "--redis-url", redis_url,
-                           "--routing", policy, "--health-interval-s", "0.2",
-                           "--ttft-target-s", "0",  # admit everything: routing is measured
+                           "--routing", policy, *settings.gateway_args(),
                            "--log-level", "WARNING"],
                           ready_prefix="SPLITSERVE_READY").wait_ready()
         url = f"http://{gateway.ready_line.split()[2]}"
@@ -215,8 +242,11 @@ def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
         before = prefix_counters(workers[:2])
         start = time.perf_counter()
         sessions = workload.sessions(vocab)
-        ttfts, errors = asyncio.run(run_workload(url, model.name, sessions, workload))
+        ttfts, refusals, errors = asyncio.run(run_workload(url, model.name, sessions, workload))
         wall = time.perf_counter() - start
+        if refusals:
+            print(f"{policy}: {len(refusals)} requests refused; first: {refusals[0]}",
+                  file=sys.stderr)
         if errors:
             print(f"{policy}: {len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
         after = prefix_counters(workers[:2])
@@ -224,7 +254,8 @@ def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
         queries = [q - q0 for (_, q), (_, q0) in zip(after, before, strict=True)]
         hit_rate = sum(hits) / max(sum(queries), 1)
         share = tuple(round(q / max(sum(queries), 1), 3) for q in queries)
-        return Result(policy, sum(map(len, sessions)), len(errors), round(hit_rate, 4), share,
+        return Result(policy, sum(map(len, sessions)), len(refusals), len(errors),
+                      round(hit_rate, 4), share,
                       round(percentile(ttfts, 50) or 0, 4), round(percentile(ttfts, 90) or 0, 4),
                       round(sum(ttfts) / max(len(ttfts), 1), 4), round(wall, 2))
     finally:
@@ -234,7 +265,7 @@ def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
             worker.kill()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
     parser.add_argument("--quick", action="store_true", help="tiny random model, small workload")
@@ -242,12 +273,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV blocks per prefill worker (less than the workload's prefixes "
                              "need in total, as in a busy deployment)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--gateway-ttft-target-s", type=float, default=None,
+                        help="the gateway's --ttft-target-s (0: admit everything; default: the "
+                             "gateway's shipped default)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     for f in Workload.__dataclass_fields__.values():
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     workload = Workload(**{f: getattr(args, f) for f in Workload.__dataclass_fields__})
     model = Path(args.model)
+    settings = run_settings(args)
+    print(settings.text(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             from splitserve_cli.tiny_model import build_tiny_model
@@ -259,22 +299,26 @@ def main(argv: list[str] | None = None) -> int:
         redis, port = start_redis(tmp)
         try:
             results = [run_policy(policy, model, f"redis://127.0.0.1:{port}/{db}", workload,
-                                  args.prefill_kv_blocks, args.threads)
+                                  args.prefill_kv_blocks, args.threads, settings)
                        for db, policy in enumerate(POLICIES)]
         finally:
             redis.stop()
     print(f"\nworkload: {asdict(workload)}; model {model.name}; 2 prefill workers x "
           f"{args.prefill_kv_blocks} KV blocks, 1 decode worker")
-    print(f"{'routing':<12} {'requests':>8} {'failed':>6} {'hit rate':>9} {'TTFT p50':>9} "
-          f"{'TTFT p90':>9} {'mean':>7} {'wall':>7}  prompt tokens per prefill worker")
+    print(settings.text())
+    print(f"{'routing':<12} {'requests':>8} {'refused':>7} {'failed':>6} {'hit rate':>9} "
+          f"{'TTFT p50':>9} {'TTFT p90':>9} {'mean':>7} {'wall':>7}  prompt tokens per prefill "
+          "worker (TTFT and hit rate: served requests only)")
     for r in results:
-        print(f"{r.policy:<12} {r.requests:>8} {r.failed:>6} {r.prefix_hit_rate:>9.1%} "
+        print(f"{r.policy:<12} {r.requests:>8} {r.refused:>7} {r.failed:>6} "
+              f"{r.prefix_hit_rate:>9.1%} "
               f"{r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p90_s * 1e3:>7.0f}ms "
               f"{r.ttft_mean_s * 1e3:>5.0f}ms {r.wall_s:>6.1f}s  "
               + " / ".join(f"{x:.0%}" for x in r.prefill_share))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(workload), "model": model.name,
                                          "prefill_kv_blocks": args.prefill_kv_blocks,
+                                         "settings": settings.to_json(),
                                          "results": [asdict(r) for r in results]}, indent=2))
     return 0 if all(r.failed == 0 for r in results) else 1
 

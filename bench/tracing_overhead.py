@@ -9,6 +9,8 @@ and OTEL_TRACES_SAMPLER=always_on in every process, one with tracing off. They t
 closed-loop load in alternating rounds (off, on, on, off, ...), so drift on a shared machine
 hits both arms alike; the figure is median(on) / median(off) of requests per second. The tiny
 model makes each request cheap, so per-request costs like tracing weigh as much as they can.
+The gateways run the shipped admission settings unless --gateway-ttft-target-s says otherwise;
+refused requests (429/503) are counted per round and reported, not served.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.run_settings import Override, RunSettings, gateway_override, with_inherited
 from splitserve_cli.processes import WorkerProcess, start_worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +39,7 @@ ARMS = ("off", "on")
 class Stack:
     """Gateway, prefill and decode of one arm; `env` goes to all three processes."""
 
-    def __init__(self, model: Path, env: dict[str, str]) -> None:
+    def __init__(self, model: Path, env: dict[str, str], gateway_args: list[str]) -> None:
         self.workers: list[WorkerProcess] = []
         self.gateway: subprocess.Popen | None = None
         try:
@@ -47,7 +50,7 @@ class Stack:
             self.gateway = subprocess.Popen(
                 [sys.executable, "-m", "splitserve_cli.main", "gateway", "--model", str(model),
                  "--port", "0", "--prefill", prefill.address, "--decode", decode.address,
-                 "--health-interval-s", "0.2", "--ttft-target-s", "0"],
+                 *gateway_args],
                 cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, text=True)
             self.url = _await_ready(self.gateway)
@@ -86,12 +89,13 @@ def _await_ready(process: subprocess.Popen, timeout: float = 120.0) -> str:
 
 async def closed_loop(url: str, model: str, clients: int, seconds: float, prompt_len: int,
                       max_tokens: int, vocab_size: int) -> dict:
-    """`clients` callers sending back to back for `seconds`; completed requests per second."""
-    done = tokens = 0
+    """`clients` callers sending back to back for `seconds`; completed requests per second.
+    A refused request (429/503) is counted, and its caller pauses briefly before the next."""
+    done = tokens = refused = 0
     stop_at = time.monotonic() + seconds
 
     async def caller(index: int, http: httpx.AsyncClient) -> None:
-        nonlocal done, tokens
+        nonlocal done, tokens, refused
         n = 0
         while time.monotonic() < stop_at:
             start = index * 7919 + n * 104729  # distinct prompts: no prefix-cache hits
@@ -100,6 +104,10 @@ async def closed_loop(url: str, model: str, clients: int, seconds: float, prompt
             response = await http.post(f"{url}/v1/completions", json={
                 "model": model, "prompt": prompt,
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            if response.status_code in (429, 503):
+                refused += 1
+                await asyncio.sleep(0.05)
+                continue
             response.raise_for_status()
             done += 1
             tokens += response.json()["usage"]["completion_tokens"]
@@ -108,11 +116,31 @@ async def closed_loop(url: str, model: str, clients: int, seconds: float, prompt
     async with httpx.AsyncClient(timeout=120) as http:
         await asyncio.gather(*(caller(i, http) for i in range(clients)))
     elapsed = time.monotonic() - began
-    return {"requests": done, "seconds": elapsed, "requests_per_s": done / elapsed,
+    return {"requests": done, "refused": refused, "seconds": elapsed,
+            "requests_per_s": done / elapsed,
             "output_tokens_per_s": tokens / elapsed}
 
 
-def main() -> int:
+def run_settings(args) -> RunSettings:
+    """The shipped admission unless a flag says otherwise, and this benchmark's other changes
+    from the shipped defaults, with the reasons."""
+    overrides: tuple[Override, ...] = ()
+    if args.gateway_ttft_target_s is not None:
+        overrides += (gateway_override("ttft_target_s", args.gateway_ttft_target_s,
+                                       "--gateway-ttft-target-s given"),)
+    overrides += (
+        gateway_override("health_interval_s", 0.2, "fresh workers: routable sooner"),
+        Override("workers", "--num-kv-blocks", "512", "from --kv-cache-memory 1GiB",
+                 "two stacks share the machine; a tiny model's requests need few blocks"),
+        Override("workers", "--metrics-port", "-1 (off)", "0", "not measured; two stacks"),
+        Override("workers", "--num-threads", "1", "0 (torch's own)",
+                 "four workers on one machine: no oversubscription"))
+    return RunSettings("bench.tracing_overhead", with_inherited(overrides),
+                       note="the 'on' arm sets SPLITSERVE_TRACE_FILE and OTEL_TRACES_SAMPLER="
+                            "always_on in every process: the variable under test")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="model folder (default: a tiny random one)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds per arm")
@@ -120,8 +148,16 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--gateway-ttft-target-s", type=float, default=None,
+                        help="the gateways' --ttft-target-s (0: off; default: the shipped one)")
     parser.add_argument("--json", default="", help="write the result here")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = run_settings(args)
+    print(settings.text(), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="splitserve-tracing-") as tmp:
         model = Path(args.model) if args.model else _tiny_model(Path(tmp))
@@ -132,7 +168,7 @@ def main() -> int:
         stacks = {}
         try:
             for arm in ARMS:
-                stacks[arm] = Stack(model, envs[arm])
+                stacks[arm] = Stack(model, envs[arm], settings.gateway_args())
             name = model.name
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             for arm in ARMS:  # warm-up: first-call costs stay out of the figure
@@ -146,7 +182,8 @@ def main() -> int:
                                                      args.max_tokens, vocab))
                     rounds[arm].append(result)
                     print(f"round {i} {arm:>3}: {result['requests_per_s']:.2f} req/s "
-                          f"{result['output_tokens_per_s']:.1f} tok/s", flush=True)
+                          f"{result['output_tokens_per_s']:.1f} tok/s, "
+                          f"{result['refused']} refused", flush=True)
         finally:
             for stack in stacks.values():
                 stack.stop()
@@ -163,11 +200,14 @@ def main() -> int:
         "requests_per_s_median": median, "ratio_on_over_off": ratio,
         "cost_percent": (1 - ratio) * 100, "pair_ratios": pairs,
         "spans_exported": spans, "requests_traced": sum(r["requests"] for r in rounds["on"]),
+        "refused": {arm: sum(r["refused"] for r in rounds[arm]) for arm in ARMS},
+        "settings": settings.to_json(),
         "raw": rounds, "cpu_count": os.cpu_count(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(f"tracing on/off throughput ratio: {ratio:.3f} (cost {summary['cost_percent']:.1f}%; "
-          f"pairs {', '.join(f'{p:.3f}' for p in pairs)}; {spans} spans exported)")
+          f"pairs {', '.join(f'{p:.3f}' for p in pairs)}; {spans} spans exported; refused "
+          f"off {summary['refused']['off']}, on {summary['refused']['on']})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
