@@ -285,7 +285,6 @@ class Admission:
             if ticket.first_token_at is None:
                 self.prefilling_tokens -= ticket.prompt_tokens
             self.queue.finished(ticket)
-            self.room.finished(self._blocks_held(ticket))
             self.estimator.finished(time.monotonic() - ticket.released_at)
         served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
         if ticket.lease is not None:
@@ -294,13 +293,6 @@ class Admission:
         tokens.labels(ticket.tenant.name, "prompt").inc(served_prompt)
         tokens.labels(ticket.tenant.name, "output").inc(ticket.output_tokens)
         self._drain()
-
-    def _blocks_held(self, ticket: Ticket) -> int:
-        """Decode KV blocks the request's choices held at their end: prompt and output so far."""
-        block_size = self.room.pool.block_size()
-        output = -(-ticket.output_tokens // ticket.slots)  # per choice, rounded up
-        return sum(-(-(len(s.prompt_token_ids) + min(output, s.params.max_tokens)) // block_size)
-                   for s in ticket.specs)
 
     def _first_token(self, ticket: Ticket) -> None:
         self.prefilling_tokens -= ticket.prompt_tokens

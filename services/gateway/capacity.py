@@ -43,8 +43,10 @@ class ClusterRoom:
     def __init__(self, rule: CapacityRule, pool: WorkerPool) -> None:
         self.rule = rule
         self.pool = pool
-        # What this gateway released (less what ended) since the workers' last poll, which the
-        # polled stats cannot show yet; reset when a new Health answer replaces the old one.
+        # What this gateway released since the workers' last poll, which the polled stats
+        # cannot show yet; reset when a new Health answer replaces the old one. (Blocks freed
+        # since are not credited: the stream's end can reach us after a poll that already
+        # counted them, and a double count releases into a full cache.)
         self._polls: tuple[int, ...] = ()
         self._blocks_since_poll = 0
         self._prefill_tokens_since_poll = 0
@@ -75,10 +77,8 @@ class ClusterRoom:
         stats = [e.stats for e in decoders]
         free = sum(s.kv_blocks_free for s in stats) - self._blocks_since_poll
         total = sum(s.kv_blocks_total for s in stats)
-        # Blocks freed since the poll may be on any decoder: the largest could hold them all.
-        credit = max(0, -self._blocks_since_poll)
         if total and (free - blocks < rule.kv_headroom * total
-                      or blocks > max(s.kv_blocks_free for s in stats) + credit):
+                      or blocks > max(s.kv_blocks_free for s in stats)):
             return False
         if rule.max_prefill_queue_tokens:
             prefillers = [e for e in self._prefillers() if e.available()]
@@ -93,12 +93,6 @@ class ClusterRoom:
         self._catch_up()
         self._blocks_since_poll += blocks
         self._prefill_tokens_since_poll += prompt_tokens
-
-    def finished(self, blocks: int) -> None:
-        """A released request ended: the decode worker frees `blocks` now. Credited at once, so
-        a request waiting for KV room goes when the blocks free up, not at the next poll."""
-        self._catch_up()
-        self._blocks_since_poll -= blocks
 
     def _prefillers(self):
         return self.pool.prefillers() if self.pool.disaggregated else self.pool.decoders()

@@ -51,18 +51,6 @@ def test_kv_headroom_counts_blocks_released_since_the_last_poll():
     assert room.has_room(1, 10, 80)
 
 
-def test_blocks_of_a_finished_request_count_as_free_before_the_next_poll():
-    """A request waiting for KV room goes when another ends, not up to a poll interval later."""
-    decode = FakeEndpoint(role="decode", kv_free=20, kv_total=100)
-    room = ClusterRoom(CapacityRule(), FakePool(decode))
-    room.released(10, 18)
-    assert not room.has_room(1, 10, 18)  # 2 blocks left
-    room.finished(18)  # the worker frees them now; the poll still says 20
-    assert room.has_room(1, 10, 20) and not room.has_room(1, 10, 21)
-    decode.set_stats(kv_free=20, kv_total=100)  # the next poll shows the truth
-    assert room.has_room(1, 10, 20) and not room.has_room(1, 10, 21)
-
-
 def test_a_request_must_fit_in_one_decode_worker():
     pool = FakePool(FakeEndpoint(role="decode", kv_free=60), FakeEndpoint(role="decode", kv_free=60))
     room = ClusterRoom(CapacityRule(), pool)
