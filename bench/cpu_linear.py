@@ -102,7 +102,8 @@ def engine_decode(model: str, threads: int, tokens: int, rounds: int) -> dict:
     floor_ms = wbytes / (bandwidth * 1e9) * 1e3
     out = {"copy_bandwidth_gbs": bandwidth, "copy_bandwidth_samples_gbs": copies,
            "weight_bytes": wbytes, "floor_ms": floor_ms}
-    print(f"\nbatch-1 decode, {tokens} tokens x {rounds} rounds, {threads} threads; copy bandwidth "
+    print(f"\nbatch-1 decode in bfloat16 (the dtype the cpp linear path serves; the shipped CPU "
+          f"dtype is float32), {tokens} tokens x {rounds} rounds, {threads} threads; copy bandwidth "
           f"{bandwidth:.1f} GB/s ({', '.join(f'{c:.1f}' for c in copies)}), weights "
           f"{wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms/token")
     for choice, times in runs.items():

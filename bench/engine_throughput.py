@@ -319,7 +319,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     dtype_name = bench_dtype(cfg.dtype)
-    print(f"engine_throughput: {asdict(cfg)}; dtype {cfg.dtype} -> {dtype_name}", flush=True)
+    why = ("--dtype given" if cfg.dtype != "auto" else
+           "this bench's auto: the faster dtype on this CPU; the engine's shipped CPU dtype is "
+           "float32 (batch-invariant greedy tokens)")
+    print(f"engine_throughput: {asdict(cfg)}; dtype {cfg.dtype} -> {dtype_name} ({why})",
+          flush=True)
     vocab = ModelConfig.from_dir(cfg.model).vocab_size
     work = make_workload(cfg.num_requests, cfg.prompt_len, cfg.output_len, vocab, cfg.seed)
     warm = make_workload(2, (32, 32), (8, 8), vocab, cfg.seed + 1)

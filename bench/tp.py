@@ -112,7 +112,9 @@ def main() -> int:
     parser.add_argument("--model", help="a model folder (default: a random --size model)")
     parser.add_argument("--size", choices=sorted(SIZES), default="medium")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 by default, the shipped dtype on CPU (on GPU it is "
+                             "bfloat16; the default keeps CPU and GPU figures comparable)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps measured")
@@ -128,7 +130,10 @@ def main() -> int:
     print(f"model {model.name}: {total / 1e6:.1f}M parameters ({total * itemsize / 1e6:.0f} MB "
           f"{args.dtype}), {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}")
-    print(f"device {args.device}; batch {args.batch} x prompt {args.prompt_len}; "
+    print(f"device {args.device}; dtype {args.dtype}"
+          + (" (the shipped dtype on GPU is bfloat16; pass --dtype bfloat16)"
+             if args.device == "cuda" and args.dtype != "bfloat16" else "")
+          + f"; batch {args.batch} x prompt {args.prompt_len}; "
           f"median of {args.steps} decode steps", flush=True)
     rows = []
     for tp in args.tp:
