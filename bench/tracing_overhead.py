@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw": rounds, "cpu_count": os.cpu_count(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    print(settings.text())
     print(f"tracing on/off throughput ratio: {ratio:.3f} (cost {summary['cost_percent']:.1f}%; "
           f"pairs {', '.join(f'{p:.3f}' for p in pairs)}; {spans} spans exported; refused "
           f"off {summary['refused']['off']}, on {summary['refused']['on']})")

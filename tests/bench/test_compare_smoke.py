@@ -1,5 +1,6 @@
 """`python -m bench.compare --quick` end to end against a real tiny-model splitserve deployment
-(`splitserve up --mode disagg`): it starts, serves the workload exactly, reports, and stops."""
+(`splitserve up --mode disagg`) with the shipped admission settings: it starts, serves the
+workload exactly, reports (settings included), and stops."""
 
 from __future__ import annotations
 
@@ -32,7 +33,16 @@ def test_quick_compare_runs_against_a_real_disaggregated_deployment(tiny_llama_d
     assert s["ttft_s"]["p99"] is not None and s["output_throughput"] > 0
     raw = json.loads((out / point["raw"]).read_text())
     assert len(raw["requests"]) == s["requests"]
-    assert "## Workload `chat`" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## Workload `chat`" in report
+    # The shipped admission, printed and recorded: no gateway override on the default command line.
+    settings = results["plan"]["settings"]
+    assert [o for o in settings["overrides"] if o["process"] == "gateway"] == []
+    assert settings["admission"]["ttft_target_s"] == "1"
+    assert "## Settings" in report and "ttft_target_s=1 [default]" in report
+    assert "gateway admission: ttft_target_s=1 [default]" in proc.stdout
+    assert "chat @ 4 req/s:" in proc.stdout and " refused (429: " in proc.stdout
+    assert "SPLITSERVE_GATEWAY_TTFT_TARGET_S" not in results["systems"]["splitserve-disagg"]["command"]
     # Teardown went through `splitserve up`'s own orderly stop.
     log = (out / results["systems"]["splitserve-disagg"]["log"]).read_text()
     assert "all processes stopped" in log
