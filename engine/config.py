@@ -126,12 +126,14 @@ class EngineConfig:
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            # GPU: bfloat16. CPU: float32, although bfloat16 is faster wherever
-            # cpu_has_fast_bf16() (measured in README "Performance"): in bfloat16 a request's
-            # greedy tokens depend on which requests share its batch, and float32 keeps them
-            # equal to the float32 reference however a deployment batches or splits the work
-            # (the disaggregated tests rely on it). Ask for --dtype bfloat16 to go faster.
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            # The fast path is the default: bfloat16 on GPUs and on CPUs that multiply it
+            # natively (AVX512_BF16 or AMX; README "Performance"), float32 on CPUs where bf16
+            # would be emulated and slower. In bfloat16 a request's greedy tokens can depend on
+            # which requests share its batch; tests that compare tokens across deployments, and
+            # parity with the float32 reference, ask for --dtype float32 explicitly.
+            if device.type == "cuda" or cpu_has_fast_bf16():
+                return torch.bfloat16
+            return torch.float32
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose auto, {', '.join(DTYPES)})")
         return DTYPES[self.dtype]

@@ -16,6 +16,17 @@ import pytest
 # Set before any test module imports torch: inductor would otherwise compile with a worker per core.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Worker processes started by tests compute in float32: tokens compared across deployments
+# (disaggregated against one engine, TP against one rank) must not depend on batching, which
+# they can in bfloat16. Tests of the shipped defaults start theirs with `shipped_env()`.
+DTYPE_ENV = "SPLITSERVE_DTYPE"
+os.environ.setdefault(DTYPE_ENV, "float32")
+
+
+def shipped_env() -> dict[str, str]:
+    """This process's environment without the test-wide dtype: what a user's shell has."""
+    return {k: v for k, v in os.environ.items() if k != DTYPE_ENV}
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

@@ -4,6 +4,7 @@ gRPC front door, all on one asyncio event loop; SIGTERM/SIGINT drain and stop it
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -85,6 +86,10 @@ async def serve(config: GatewayConfig) -> None:
         mode = "disaggregated" if config.disaggregated else "aggregated"
         log.info("gateway serving %s (%s) on http://%s:%d%s", gateway.model_name, mode,
                  config.host, http_port, f" grpc={grpc_address}" if grpc_address else "")
+        # What start-up allocated (the tokenizer, modules, config) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it while
+        # requests wait (tens of ms on a loaded core).
+        gc.freeze()
         # A line launchers and tests wait for.
         print(f"SPLITSERVE_READY gateway {config.host}:{http_port} grpc={grpc_address}",
               flush=True)

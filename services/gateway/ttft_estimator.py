@@ -63,7 +63,7 @@ class _Aged:
 
 class TTFTEstimator:
     def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic,
-                 half_life_s: float = 10.0, error_window_s: float = 60.0) -> None:
+                 half_life_s: float = 3.0, error_window_s: float = 20.0) -> None:
         self.window_s = window_s
         self.alpha = alpha
         self.half_life_s = half_life_s

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import shipped_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
 
@@ -29,7 +31,8 @@ class Launcher:
         self._up = threading.Event()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "splitserve_cli.main", "up", *args], cwd=REPO_ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            env=shipped_env())  # what `make run` starts: the shipped dtype
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

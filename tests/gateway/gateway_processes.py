@@ -4,7 +4,6 @@ SPLITSERVE_READY line, stopped by their handle (never by name)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+from tests.conftest import shipped_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 90.0
@@ -25,6 +26,7 @@ class ServiceProcess:
     """A splitserve child process; its merged output is kept for failure messages."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        """`env`: the child's whole environment (default: this process's)."""
         self.name = name
         self.lines: list[str] = []
         self.ready_line = ""
@@ -32,7 +34,7 @@ class ServiceProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "splitserve_cli.main", *args], cwd=REPO_ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, **env} if env else None,
+            env=env,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -80,9 +82,11 @@ class ServiceProcess:
                 self.process.wait(timeout=10)
 
 
-def start_worker(model: Path, role: str, *extra: str) -> ServiceProcess:
+def start_worker(model: Path, role: str, *extra: str, shipped_dtype: bool = False) -> ServiceProcess:
+    """A worker on the tests' float32, or with `shipped_dtype` on what a user gets (auto)."""
     return ServiceProcess(role, ["worker", "--role", role, "--model", str(model), "--port", "0",
-                                 *WORKER_FLAGS, *extra])
+                                 *WORKER_FLAGS, *extra],
+                          env=shipped_env() if shipped_dtype else None)
 
 
 def start_gateway(model: Path, *routing: str) -> ServiceProcess:

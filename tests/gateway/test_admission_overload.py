@@ -26,8 +26,10 @@ from tenant_load import metric
 from bench.fairness import TenantLoad, run_closed, run_loads
 from services.gateway.config import GatewayConfig
 
-SMALL_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 1024,
-               "head_dim": 32}
+# Big enough that 10x its capacity (a few req/s in bfloat16 on 2 cores) is a load the test's
+# own client and the gateway can still offer and answer on the same 2 cores.
+SMALL_MODEL = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 2048,
+               "head_dim": 64}
 CLIENTS = 8  # closed-loop clients that measure capacity
 PROMPT, OUTPUT = 32, 256
 TTFT_TARGET_S = 1.0  # the gateway's default, asserted by test_the_stack_runs_the_shipped_defaults
@@ -46,8 +48,8 @@ def overload_stack(tmp_path_factory):
     # The KV cache at its shipped size (the test harness otherwise makes it small). Decode
     # batches at most 32: with this tiny model, 128 streams' tokens would saturate the gateway
     # on the same 2 cores and this test would measure its streaming, not its admission.
-    workers = [start_worker(model, role, "--num-kv-blocks", "0", "--max-num-seqs", "32")
-               for role in ("prefill", "decode")]
+    workers = [start_worker(model, role, "--num-kv-blocks", "0", "--max-num-seqs", "32",
+                            shipped_dtype=True) for role in ("prefill", "decode")]
     try:
         for worker in workers:
             worker.wait_ready()

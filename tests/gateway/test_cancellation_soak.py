@@ -34,7 +34,7 @@ def soak_stack(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("soak-llama"), arch="llama", seed=0,
                              max_position_embeddings=1024)
     # The KV cache at its shipped size (the harness's default is small).
-    workers = {role: start_worker(model, role, "--num-kv-blocks", "0")
+    workers = {role: start_worker(model, role, "--num-kv-blocks", "0", shipped_dtype=True)
                for role in ("prefill", "decode")}
     try:
         for worker in workers.values():

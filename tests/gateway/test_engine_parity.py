@@ -21,7 +21,8 @@ def engine(tiny_llama_dir):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, num_threads=1))
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
+                                  num_threads=1))
 
 
 @pytest.fixture(scope="module")

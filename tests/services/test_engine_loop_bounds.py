@@ -32,7 +32,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, seed=7)
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     """One engine for the module; each test gets its own loop over it and leaves it idle."""
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, num_threads=1))
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
+                                  num_threads=1))
 
 
 @pytest.fixture
