@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, help="override seconds of arrivals per rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="",
-                   help="every system's dtype (default: bfloat16 where this CPU multiplies it "
-                   "natively, else float32; the tiny --quick model: float32; auto: splitserve's "
-                   "shipped dtype, and transformers serve's own)")
+                   help="every system's dtype (default: splitserve's shipped auto, bfloat16 where "
+                   "this CPU multiplies it natively, else float32, and the same for the peer; "
+                   "the tiny --quick model: float32)")
     p.add_argument("--peer-dtype", default="", help="transformers serve --dtype (default: --dtype)")
     p.add_argument("--peer-blocks", type=int, default=4096, help="transformers serve blocks")
     p.add_argument("--peer-threads", type=int, default=0,
@@ -61,17 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_dtype(quick: bool) -> tuple[str, str]:
-    """(dtype, why): the sweep runs every system in one dtype, so they do the same arithmetic."""
+    """(dtype, why): splitserve runs its shipped dtype ("auto"), except on the tiny --quick
+    model, which runs float32 like the peer."""
     if quick:
         return "float32", "the tiny random --quick model (a smoke test); the peer runs the same"
+    return "auto", ""
+
+
+def shipped_dtype() -> str:
+    """What `--dtype auto` resolves to on this CPU, for the peer to run the same arithmetic."""
     from engine.config import cpu_has_fast_bf16
 
-    if cpu_has_fast_bf16():
-        return "bfloat16", ("this CPU multiplies bfloat16 natively, several times faster than "
-                            "float32 for splitserve and the peer alike, and both run the same "
-                            "dtype (the shipped CPU dtype is float32 for batch-invariant greedy "
-                            "tokens; pass --dtype auto to measure it)")
-    return "float32", "this CPU has no native bfloat16; the peer runs the same dtype"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = (quick_plan if args.quick else full_plan)(str(model), systems)
     dtype, dtype_reason = (args.dtype, "--dtype given") if args.dtype else default_dtype(args.quick)
     serve = ServeOptions(
-        dtype=dtype, dtype_reason=dtype_reason, peer_dtype=args.peer_dtype,
+        dtype=dtype, dtype_reason=dtype_reason,
+        peer_dtype=args.peer_dtype or (shipped_dtype() if dtype == "auto" else ""),
         cb_num_blocks=args.peer_blocks, peer_threads=args.peer_threads,
         gateway_ttft_target_s=args.gateway_ttft_target_s)
     plan = replace(plan, seed=args.seed, serve=serve)

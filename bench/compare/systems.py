@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 class ServeOptions:
     """What every system is started with, so they all run the same arithmetic on the same
     cores. `dtype` goes to splitserve's workers (SPLITSERVE_DTYPE, which `splitserve up` passes
-    on) and to `transformers serve --dtype`. On a CPU with native bfloat16 dot products
-    (AVX512-BF16, AMX) bfloat16 is several times faster than float32 for both; splitserve's own
-    CPU default is float32 only for batch-invariant greedy tokens (engine/config.py).
+    on) and to `transformers serve --dtype`; "auto", the default, is splitserve's shipped dtype
+    (bfloat16 on a CPU with native bfloat16 dot products, AVX512-BF16 or AMX; engine/config.py),
+    and the peer then runs what it resolves to.
 
     Threads: splitserve up splits the cores between its workers (disaggregated: 1 torch thread
     each for prefill and decode on 2 cores; aggregated: 2 for the one worker); the peer gets
@@ -62,7 +62,7 @@ def serve_settings(opts: ServeOptions) -> RunSettings:
                                        "--gateway-ttft-target-s given"),)
     if opts.dtype != "auto":
         overrides += (Override("workers", "SPLITSERVE_DTYPE", opts.dtype,
-                               "auto (float32 on CPU, bfloat16 on GPU)",
+                               "auto (bfloat16 where the CPU multiplies it natively, else float32)",
                                opts.dtype_reason or "--dtype given"),)
     return RunSettings("bench.compare", with_inherited(overrides),
                        note=f"transformers serve (the peer): --dtype {opts.peer_dtype or opts.dtype}, "
