@@ -2,6 +2,8 @@
 
     python -m bench.compare --quick     # tiny random model, a few minutes (make bench)
     python -m bench.compare             # SmolLM2-135M, bf16: about 30 minutes on 2 cores
+    python -m bench.compare --plan peer --systems splitserve-disagg,splitserve-agg,vllm
+                                        # the side-by-side with vLLM (make peers): ~20 minutes
     python -m bench.compare --report-only bench/results/2026-11-29   # re-render a report
 """
 
@@ -18,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.compare.report import render, render_from
-from bench.compare.sweep import full_plan, quick_plan, run_sweep
+from bench.compare.sweep import PLANS, quick_plan, run_sweep
 from bench.compare.systems import SYSTEMS, ServeOptions, serve_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny random model, short runs (a smoke test, not a measurement)")
     p.add_argument("--model", type=Path, help=f"model folder (default {DEFAULT_MODEL.name}; "
                    "--quick: a tiny random Llama)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--plan", choices=tuple(PLANS), default="full",
+                   help="which workloads: full (every workload, several rates) or peer (burst, "
+                   "batch-1 ITL, chat at 1 and 3 req/s: the side-by-side with vLLM); "
+                   "--quick has its own")
+    p.add_argument("--systems", default="",
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all of them "
+                   "that are installed; vllm needs `make peers`)")
     p.add_argument("--workloads", help="comma-separated subset of the plan's workloads")
     p.add_argument("--rates", help="override the chat workload's rates, e.g. 0.5,1,2")
     p.add_argument("--duration", type=float, help="override seconds of arrivals per rate")
@@ -75,6 +82,25 @@ def shipped_dtype() -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
+def choose_systems(asked: str) -> tuple[str, ...]:
+    """The systems named (each must be known and installed), or by default every installed one;
+    a peer left out for want of its install is said so."""
+    if not asked:
+        missing = [s for s in SYSTEMS.values() if not s.installed()]
+        for spec in missing:
+            print(f"{spec.name}: not installed, left out (`{spec.installed_by}` installs it)")
+        return tuple(name for name, spec in SYSTEMS.items() if spec not in missing)
+    systems = tuple(s for s in asked.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    absent = [SYSTEMS[s] for s in systems if not SYSTEMS[s].installed()]
+    if absent:
+        raise SystemExit("; ".join(f"{s.name} is not installed: `{s.installed_by}` installs it"
+                                   for s in absent))
+    return systems
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -83,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         print(render_from(args.report_only))
         return 0
-    systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    systems = choose_systems(args.systems)
     out = args.out or REPO / "bench" / "results" / (time.strftime("%Y-%m-%d")
                                                     + ("-quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_model(scratch / "tiny-llama", arch="llama", seed=0)
     else:
         model = args.model or DEFAULT_MODEL
-    plan = (quick_plan if args.quick else full_plan)(str(model), systems)
+    plan = (quick_plan if args.quick else PLANS[args.plan])(str(model), systems)
     dtype, dtype_reason = (args.dtype, "--dtype given") if args.dtype else default_dtype(args.quick)
     serve = ServeOptions(
         dtype=dtype, dtype_reason=dtype_reason,
@@ -106,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         cb_num_blocks=args.peer_blocks, peer_threads=args.peer_threads,
         gateway_ttft_target_s=args.gateway_ttft_target_s)
     plan = replace(plan, seed=args.seed, serve=serve)
-    print(serve_settings(serve).text(), flush=True)
+    print(serve_settings(serve, systems).text(), flush=True)
     workloads = plan.workloads
     if args.workloads:
         wanted = set(args.workloads.split(","))

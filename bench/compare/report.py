@@ -11,6 +11,7 @@ from bench.compare.targets import (
     MAX_REFUSED_SHARE,
     class_metric,
     max_sustainable_rate,
+    offered,
     peak_goodput,
     points_of,
     ratio,
@@ -18,11 +19,16 @@ from bench.compare.targets import (
 )
 from bench.run_settings import markdown
 
-DISAGG, AGG, PEER = "splitserve-disagg", "splitserve-agg", "transformers-serve"
+DISAGG, AGG = "splitserve-disagg", "splitserve-agg"
+PEERS = ("vllm", "transformers-serve")  # the first that ran is the one the ratios compare with
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def _ms1(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
 
 
 def _num(v: float | None, digits: int = 2) -> str:
@@ -47,13 +53,13 @@ def workload_table(results: dict, workload: str) -> list[str]:
     for system, info in results["systems"].items():
         for p in points_of(results, system, workload):
             s = p["summary"]
-            offered = "burst" if p["rate"] is None else f"{p['rate']:g}"
+            shown = offered(p).removesuffix(" req/s")
             other = s["errors"] + s["timeouts"] + sum(s["http_errors"].values())
             tput = f"{s['output_throughput']:.1f}"
             if s.get("streamed_output_throughput", 0) > 1.01 * s["output_throughput"]:
                 tput += f" ({s['streamed_output_throughput']:.1f} streamed)"
             rows.append(
-                f"| {info['label']} | {offered} "
+                f"| {info['label']} | {shown} "
                 f"| {s['request_throughput']:.2f} | {tput} "
                 f"| {_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} "
                 f"| {_ms(s['tpot_s']['p50'])} / {_ms(s['tpot_s']['p99'])} "
@@ -63,40 +69,80 @@ def workload_table(results: dict, workload: str) -> list[str]:
     return rows
 
 
+def peers_of(results: dict) -> list[str]:
+    """The peer systems of a sweep, in the order they ran; the first in PEERS is the reference."""
+    ran = [s for s in results["systems"] if s not in (DISAGG, AGG)]
+    return sorted(ran, key=lambda s: PEERS.index(s) if s in PEERS else len(PEERS))
+
+
+def _row(label: str, values: dict[str, str], ratios: list[str]) -> str:
+    return f"| {label} | " + " | ".join(values.values()) + " | " + " | ".join(ratios) + " |"
+
+
 def headline(results: dict) -> list[str]:
+    """One row per target: splitserve's two modes, every peer, and each mode over the reference
+    peer (vLLM when it ran)."""
     slo = results["plan"]["slo"]
-    lines = ["| target | splitserve disaggregated | splitserve aggregated | transformers serve "
-             "| disaggregated / transformers serve |", "|---|---|---|---|---|"]
-    systems = (DISAGG, AGG, PEER)
+    peers = peers_of(results)
+    systems = (DISAGG, AGG, *peers)
+    ref = peers[0] if peers else None
+    labels = [results["systems"][s]["label"] if s in results["systems"] else s for s in systems]
+    ref_label = results["systems"][ref]["label"] if ref else "peer"
+    lines = ["| target | " + " | ".join(labels) + f" | disaggregated / {ref_label} "
+             f"| aggregated / {ref_label} |", "|---" * (len(systems) + 3) + "|"]
+
+    def ratios(v: dict) -> list[str]:
+        return [_x(ratio(v.get(DISAGG), v.get(ref))), _x(ratio(v.get(AGG), v.get(ref)))]
+
     if any(p["workload"] == "burst" for p in results["points"]):
         tput = {s: next((p["summary"]["output_throughput"] for p in points_of(results, s, "burst")),
                         None) for s in systems}
-        lines.append(f"| burst output throughput (tok/s) | {_num(tput[DISAGG], 1)} "
-                     f"| {_num(tput[AGG], 1)} | {_num(tput[PEER], 1)} "
-                     f"| {_x(ratio(tput[DISAGG], tput[PEER]))} |")
+        lines.append(_row("burst output throughput (tok/s)",
+                          {s: _num(v, 1) for s, v in tput.items()}, ratios(tput)))
+    if any(p["workload"] == "batch1" for p in results["points"]):
+        itl = {s: next((p["summary"]["itl_s"]["p50"] for p in points_of(results, s, "batch1")),
+                       None) for s in systems}
+        lines.append(_row("batch-1 ITL p50 through HTTP (ms; lower is better)",
+                          {s: _ms1(v) for s, v in itl.items()}, ratios(itl)))
+    chat_rates = sorted({p["rate"] for p in results["points"]
+                         if p["workload"] == "chat" and p["rate"] is not None})
+    for rate in chat_rates:
+        at = {s: next((p for p in points_of(results, s, "chat") if p["rate"] == rate), None)
+              for s in systems}
+        good = {s: p["summary"]["goodput"] if p else None for s, p in at.items()}
+        shown = {s: f"{p['summary']['goodput_fraction']:.0%} ({p['summary']['goodput']:.2f} req/s"
+                    f", TTFT p99 {_ms(p['summary']['ttft_s']['p99'])} ms, TPOT p50 "
+                    f"{_ms(p['summary']['tpot_s']['p50'])} ms)" if p else "-"
+                 for s, p in at.items()}
+        lines.append(_row(f"chat at {rate:g} req/s: share meeting TTFT <= {slo['ttft_s']:g} s and "
+                          f"TPOT <= {slo['tpot_s'] * 1e3:g} ms (goodput)", shown, ratios(good)))
     good = {s: peak_goodput(points_of(results, s, "chat")) for s in systems}
     shown = {s: f"{g:.2f} (at {r:g})" if r is not None else f"{g:.2f}" for s, (g, r) in good.items()}
-    lines.append(
-        f"| chat peak goodput, TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s'] * 1e3:g} ms "
-        f"(req/s, at offered rate) | {shown[DISAGG]} | {shown[AGG]} | {shown[PEER]} "
-        f"| {_x(ratio(good[DISAGG][0], good[PEER][0]))} |")
+    lines.append(_row(f"chat peak goodput, TTFT <= {slo['ttft_s']:g} s and TPOT <= "
+                      f"{slo['tpot_s'] * 1e3:g} ms (req/s, at offered rate)", shown,
+                      ratios({s: g for s, (g, _) in good.items()})))
     bounds = {s: max_sustainable_rate(points_of(results, s, "chat"), slo["ttft_s"])
               for s in systems}
-    lines.append(
-        f"| chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s, "
-        f"<= {MAX_REFUSED_SHARE:.0%} refused) "
-        + "".join(f"| {bounds[s].text() if bounds[s] else '-'} " for s in systems)
-        + f"| {_x(ratio(*(b.value if b else None for b in (bounds[DISAGG], bounds[PEER]))))} |")
+    lines.append(_row(f"chat max sustainable rate (TTFT p99 <= {slo['ttft_s']:g} s, "
+                      f"<= {MAX_REFUSED_SHARE:.0%} refused)",
+                      {s: b.text() if b else "-" for s, b in bounds.items()},
+                      ratios({s: b.value if b else None for s, b in bounds.items()})))
     sent = {s: [(refused(p["summary"]), p["summary"]["requests"])
                 for w in ("burst", "chat") for p in points_of(results, s, w)] for s in systems}
-    lines.append("| burst and chat requests refused (429 + 503) / sent, all points "
-                 + "".join(f"| {sum(r for r, _ in sent[s])} / {sum(n for _, n in sent[s])} "
-                           if sent[s] else "| - " for s in systems) + "| |")
+    lines.append(_row("burst and chat requests refused (429 + 503) / sent, all points",
+                      {s: f"{sum(r for r, _ in v)} / {sum(n for _, n in v)}" if v else "-"
+                       for s, v in sent.items()}, ["", ""]))
+    if any(p["workload"] == "interference" for p in results["points"]):
+        lines += ["", *_interference(results)]
+    return lines
+
+
+def _interference(results: dict) -> list[str]:
     inter = {s: next(iter(points_of(results, s, "interference")), None) for s in (DISAGG, AGG)}
     itl = {s: class_metric(p, "steady", "itl_s", "p99") if p else None for s, p in inter.items()}
-    lines += ["", "| interference (steady streams) | splitserve disaggregated "
-              "| splitserve aggregated | aggregated / disaggregated |", "|---|---|---|---|",
-              f"| ITL p99 ms | {_ms(itl[DISAGG])} | {_ms(itl[AGG])} | {_x(ratio(itl[AGG], itl[DISAGG]))} |"]
+    lines = ["| interference (steady streams) | splitserve disaggregated "
+             "| splitserve aggregated | aggregated / disaggregated |", "|---|---|---|---|",
+             f"| ITL p99 ms | {_ms(itl[DISAGG])} | {_ms(itl[AGG])} | {_x(ratio(itl[AGG], itl[DISAGG]))} |"]
     for metric, label in (("tpot_s", "TPOT p99 ms"),):
         v = {s: class_metric(p, "steady", metric, "p99") if p else None for s, p in inter.items()}
         lines.append(f"| {label} | {_ms(v[DISAGG])} | {_ms(v[AGG])} | {_x(ratio(v[AGG], v[DISAGG]))} |")
@@ -115,13 +161,19 @@ def headline(results: dict) -> list[str]:
 def render(results: dict, out_dir: Path) -> Path:
     plan, m = results["plan"], results.get("machine") or machine()
     command = results.get("command", "")
-    lines = [f"# splitserve vs transformers serve ({'quick' if plan['quick'] else 'full'} sweep)",
+    peers = " and ".join(results["systems"][s]["label"] for s in peers_of(results)) or "peers"
+    versions = "".join(f", {info['label']} {info['version']}"
+                       for info in results["systems"].values() if info.get("version"))
+    kind = "quick" if plan["quick"] else plan.get("name", "full")
+    lines = [f"# splitserve vs {peers} ({kind} sweep)",
              "", f"Run {results['started']} to {results.get('finished', '(unfinished)')}; "
              f"model `{plan['model_dir']}`; {m['cores']} CPU cores ({m['cpu']}); "
-             f"torch {m['torch']}, transformers {m['transformers']}; commit {m['commit']}.",
+             f"torch {m['torch']}, transformers {m['transformers']}{versions}; "
+             f"commit {m['commit']}.",
              "Every system ran alone on this machine, one after another; the load generator "
-             "shared its cores. Output lengths were forced exactly (splitserve: `ignore_eos`; "
-             "transformers serve: `generation_config` with `eos_token_id: -1`); prompts were built "
+             "shared its cores. Output lengths were forced exactly (splitserve and vLLM: "
+             "`ignore_eos`; transformers serve: `generation_config` with `eos_token_id: -1`); "
+             "prompts were built "
              "to exact token counts with the model's tokenizer. Goodput counts requests with "
              f"TTFT <= {plan['slo']['ttft_s']:g} s and TPOT <= {plan['slo']['tpot_s'] * 1e3:g} ms.",
              *_setup(plan, m), ""]
@@ -148,6 +200,9 @@ def render(results: dict, out_dir: Path) -> Path:
     for w in plan["workloads"]:
         lines += [f"## Workload `{w['name']}`", "", f"{w['about']}. `{w['workload']}`; "
                   + (f"one burst of {w['burst']}." if w["burst"] else
+                     f"{w['concurrency']} client(s) in a closed loop, "
+                     f"{w.get('num_requests') or 'as many as fit in'} requests"
+                     f" (at most {w['duration_s']:g} s)." if w.get("concurrency") else
                      f"Poisson arrivals for {w['duration_s']:g} s per rate."), "",
                   *workload_table(results, w["name"]), ""]
         if w["name"] == "interference":
@@ -174,9 +229,10 @@ def _setup(plan: dict, m: dict) -> list[str]:
     threads = serve["peer_threads"] or m["cores"]
     prefill = max(1, m["cores"] // 2)
     return [f"dtype {serve['dtype']} for splitserve, {serve['peer_dtype'] or serve['dtype']} for "
-            f"transformers serve. Torch threads: disaggregated {prefill} (prefill) + "
+            f"the peers. Torch threads: disaggregated {prefill} (prefill) + "
             f"{max(1, m['cores'] - prefill)} (decode); aggregated {m['cores']} (one worker); "
-            f"transformers serve {threads}; the gateway and the load generator run no torch "
+            f"each peer {threads} (vLLM's bound to cores, see Settings); the gateway and the "
+            "load generator run no torch "
             "and share the same cores. 'CPU to others' is the share of the machine's CPU time "
             "during a point that went to neither the system under test nor the load generator "
             "(other jobs, hypervisor steal): 0% is a quiet machine."]

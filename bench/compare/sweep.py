@@ -19,7 +19,9 @@ from bench.compare.systems import (
     serve_settings,
     start_system,
 )
-from bench.loadgen.arrivals import Burst, Poisson
+from bench.compare.targets import offered
+from bench.compare.vllm_peer import vllm_version
+from bench.loadgen.arrivals import Burst, ClosedLoop, Poisson
 from bench.loadgen.client import Target
 from bench.loadgen.metrics import SLO
 from bench.loadgen.prompts import PromptBuilder, load_tokenizer
@@ -32,7 +34,9 @@ class WorkloadPlan:
     name: str
     workload: Workload
     rates: tuple[float, ...] = ()  # a Poisson run per rate ...
-    burst: int = 0  # ... or, when > 0, one burst of this many requests
+    burst: int = 0  # ... or, when > 0, one burst of this many requests ...
+    concurrency: int = 0  # ... or, when > 0, this many clients in a closed loop (1: batch 1)
+    num_requests: int | None = None  # at most this many requests (closed loop: in all)
     duration_s: float = 30.0
     systems: tuple[str, ...] = ()  # empty: all systems of the sweep
     endpoint: str = "completions"
@@ -52,6 +56,7 @@ class SweepPlan:
     stop_ttft_s: float = 5.0  # a rate whose TTFT p99 exceeds this ends that system's sweep
     serve: ServeOptions = field(default_factory=ServeOptions)
     quick: bool = False
+    name: str = "full"
 
 
 def full_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
@@ -70,6 +75,24 @@ def full_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> Swee
     ), drain_timeout_s=45.0)
 
 
+def peer_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
+    """The side-by-side with vLLM (issue 23's rows), bounded: about 5 minutes per system on
+    2 cores plus its start-up. Throughput under a burst, batch-1 inter-token latency through
+    HTTP, and chat goodput at one rate every system should sustain and one that separates them."""
+    return SweepPlan(model_dir, systems, (
+        WorkloadPlan("burst", preset("fixed", input_len=128, output_len=128), burst=32,
+                     drain_timeout_s=300.0, about="32 requests of 128 in / 128 out sent at once"),
+        WorkloadPlan("batch1", preset("fixed", input_len=128, output_len=256), concurrency=1,
+                     num_requests=8, duration_s=120.0, drain_timeout_s=60.0,
+                     about="one request at a time (128 in / 256 out), 8 in a row: batch-1 ITL"),
+        WorkloadPlan("chat", preset("chat"), rates=(1.0, 3.0), duration_s=60.0,
+                     about="chat-like long-tailed mix, prompt 64-512, output 32-256, Poisson"),
+    ), drain_timeout_s=45.0, name="peer")
+
+
+PLANS = {"full": full_plan, "peer": peer_plan}
+
+
 def quick_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
     """A tiny random model (512 positions): a few minutes in all."""
     return SweepPlan(model_dir, systems, (
@@ -81,7 +104,7 @@ def quick_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> Swe
         WorkloadPlan("interference", preset("interference", long_prompt_len=400), rates=(4.0,),
                      duration_s=8.0, systems=("splitserve-disagg", "splitserve-agg"),
                      about="80% steady (64 in / 192 out) + 20% long prompts (400 in / 4 out)"),
-    ), drain_timeout_s=30.0, quick=True)
+    ), drain_timeout_s=30.0, quick=True, name="quick")
 
 
 def _warm_up(running: RunningSystem, builder: PromptBuilder) -> None:
@@ -137,6 +160,8 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
             save()
             continue
         info.update(command=" ".join(running.command), startup_s=round(time.monotonic() - t0, 1))
+        if spec.name == "vllm":
+            info["version"] = vllm_version()
         try:
             _warm_up(running, builders.get("completions") or next(iter(builders.values())))
             for wp in plan.workloads:
@@ -172,7 +197,7 @@ def point_line(point: dict) -> str:
     refused = s["rejected_429"] + s["rejected_503"]
     other = s["errors"] + s["timeouts"] + sum(s["http_errors"].values())
     ttft = s["ttft_s"]["p99"]
-    at = "burst" if point["rate"] is None else f"{point['rate']:g} req/s"
+    at = offered(point)
     return (f"{point['system']} {point['workload']} @ {at}: {s['completed']} / {s['requests']} "
             f"served, {refused} refused (429: {s['rejected_429']}, 503: {s['rejected_503']}), "
             f"{other} failed; TTFT p99 {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
@@ -188,19 +213,22 @@ def _saturated_point(point: dict, plan: SweepPlan) -> bool:
 
 def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builder, rate,
                raw_dir: Path, progress: bool) -> dict:
-    arrivals = Burst(wp.burst) if wp.burst else Poisson(rate)
+    arrivals = (Burst(wp.burst) if wp.burst else ClosedLoop(wp.concurrency) if wp.concurrency
+                else Poisson(rate))
     target = Target(running.url, running.model_name, wp.endpoint, running.spec.flavor)
     drain = plan.drain_timeout_s if wp.drain_timeout_s is None else wp.drain_timeout_s
     config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=plan.seed,
-                       slo=plan.slo, drain_timeout_s=drain, progress=progress)
+                       num_requests=wp.num_requests, slo=plan.slo, drain_timeout_s=drain,
+                       progress=progress)
     load_start = round(os.getloadavg()[0], 2)
     foreign = ForeignCpu(running.process.pid)
     result = asyncio.run(run_load(config, builder))
     cpu = {"loadavg_1m_start": load_start, **foreign.stop()}
-    raw = raw_dir / f"{running.spec.name}_{wp.name}_{'burst' if rate is None else rate}.json"
+    kind = "burst" if wp.burst else f"c{wp.concurrency}" if wp.concurrency else rate
+    raw = raw_dir / f"{running.spec.name}_{wp.name}_{kind}.json"
     raw.write_text(json.dumps(result.to_json()))
     return {"system": running.spec.name, "workload": wp.name, "rate": rate,
-            "summary": result.summary.to_json(),
+            "concurrency": wp.concurrency or None, "summary": result.summary.to_json(),
             "by_class": {k: v.to_json() for k, v in result.by_class.items()},
             "send_lag_s": asdict(result.send_lag_s), "config": config.describe(), "cpu": cpu,
             "raw": str(raw.relative_to(raw_dir.parent))}
@@ -210,9 +238,10 @@ def _describe(plan: SweepPlan) -> dict:
     return {"model_dir": plan.model_dir, "systems": list(plan.systems), "quick": plan.quick,
             "seed": plan.seed, "slo": asdict(plan.slo), "drain_timeout_s": plan.drain_timeout_s,
             "stop_ttft_s": plan.stop_ttft_s, "serve": asdict(plan.serve),
-            "settings": serve_settings(plan.serve).to_json(),
+            "name": plan.name, "settings": serve_settings(plan.serve, plan.systems).to_json(),
             "workloads": [{"name": w.name, "about": w.about, "rates": list(w.rates),
-                           "burst": w.burst, "duration_s": w.duration_s,
+                           "burst": w.burst, "concurrency": w.concurrency,
+                           "num_requests": w.num_requests, "duration_s": w.duration_s,
                            "drain_timeout_s": w.drain_timeout_s or plan.drain_timeout_s,
                            "systems": list(w.systems) or list(plan.systems),
                            "workload": w.workload.describe(), "endpoint": w.endpoint}

@@ -1,6 +1,6 @@
 """The systems under comparison, each started as child processes on this machine and stopped in
-teardown: splitserve disaggregated and aggregated (`splitserve up`) and `transformers serve
---continuous-batching`, the peer.
+teardown: splitserve disaggregated and aggregated (`splitserve up`) and the peers: vLLM's CPU
+build (its own venv, `make peers`) and `transformers serve --continuous-batching`.
 
 The sweep's main thread owns every process started here; one system runs at a time, so each has
 the machine's cores to itself (the load generator shares them).
@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from bench.compare.machine import cores
+from bench.compare.vllm_peer import VLLM_VENV, vllm_command, vllm_env, vllm_settings_note
 from bench.run_settings import Override, RunSettings, gateway_override, with_inherited
 from splitserve_cli.processes import free_port
 
@@ -53,9 +54,10 @@ class ServeOptions:
         return self.peer_threads or cores()
 
 
-def serve_settings(opts: ServeOptions) -> RunSettings:
+def serve_settings(opts: ServeOptions, systems: tuple[str, ...] | None = None) -> RunSettings:
     """What splitserve runs with in the sweep, against what ships (`make run`: `splitserve up`
-    with no flags): the gateway's admission and the workers' dtype."""
+    with no flags): the gateway's admission and the workers' dtype; the note says how the peers
+    among `systems` (None: all) are configured."""
     overrides: tuple[Override, ...] = ()
     if opts.gateway_ttft_target_s is not None:
         overrides += (gateway_override("ttft_target_s", opts.gateway_ttft_target_s,
@@ -65,10 +67,21 @@ def serve_settings(opts: ServeOptions) -> RunSettings:
                                "auto (bfloat16 where the CPU multiplies it natively, else float32)",
                                opts.dtype_reason or "--dtype given"),)
     return RunSettings("bench.compare", with_inherited(overrides),
-                       note=f"transformers serve (the peer): --dtype {opts.peer_dtype or opts.dtype}, "
-                            f"OMP_NUM_THREADS {opts.peer_omp_threads()}, "
-                            f"{opts.cb_num_blocks} blocks of {opts.cb_block_size}; "
-                            "it has no admission control and refuses nothing")
+                       note=peer_settings_note(opts, systems))
+
+
+def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None) -> str:
+    """How each peer in the sweep is configured (its changes from its own defaults, and why);
+    `peers` None: all of them."""
+    notes = {
+        "vllm": vllm_settings_note(opts.peer_dtype or opts.dtype, opts.peer_omp_threads()),
+        "transformers-serve": (
+            f"transformers serve: --dtype {opts.peer_dtype or opts.dtype}, "
+            f"OMP_NUM_THREADS {opts.peer_omp_threads()}, "
+            f"{opts.cb_num_blocks} blocks of {opts.cb_block_size}; "
+            "it has no admission control and refuses nothing"),
+    }
+    return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
 
 @dataclass(frozen=True)
@@ -76,12 +89,30 @@ class SystemSpec:
     name: str
     label: str
     flavor: str  # how loadgen asks it for exact output lengths
+    probe: str = "/health"  # answers 200 once the system serves
+    startup_timeout_s: float = 300.0
+    installed_by: str = ""  # the make target that installs it, where the main venv lacks it
+
+    def installed(self) -> bool:
+        return self.name != "vllm" or (VLLM_VENV / "bin" / "python").exists()
+
+    def env(self, opts: ServeOptions) -> dict[str, str]:
+        """The environment it is started with beyond this process's own."""
+        if self.name.startswith("splitserve-"):
+            # splitserve up sets each worker's OMP_NUM_THREADS itself (the cores split between them).
+            return {"SPLITSERVE_DTYPE": opts.dtype, **serve_settings(opts).gateway_env()}
+        if self.name == "vllm":
+            return vllm_env(VLLM_VENV, opts.peer_omp_threads())
+        threads = str(opts.peer_omp_threads())
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
     def command(self, model_dir: str, port: int, opts: ServeOptions) -> list[str]:
         if self.name.startswith("splitserve-"):
             mode = self.name.removeprefix("splitserve-")
             return [sys.executable, "-m", "splitserve_cli.main", "up", "--mode", mode,
                     "--port", str(port), "--model", model_dir]
+        if self.name == "vllm":
+            return vllm_command(VLLM_VENV, model_dir, port, opts.peer_dtype or opts.dtype)
         return [str(Path(sys.executable).with_name("transformers")), "serve",
                 "--continuous-batching", "--device", "cpu",
                 "--dtype", opts.peer_dtype or opts.dtype,
@@ -94,8 +125,11 @@ class SystemSpec:
 
 SYSTEMS = {
     s.name: s for s in (
-        SystemSpec("splitserve-disagg", "splitserve disaggregated", "openai"),
-        SystemSpec("splitserve-agg", "splitserve aggregated", "openai"),
+        SystemSpec("splitserve-disagg", "splitserve disaggregated", "openai", probe="/ready"),
+        SystemSpec("splitserve-agg", "splitserve aggregated", "openai", probe="/ready"),
+        # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
+        SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
+                   installed_by="make peers"),
         SystemSpec("transformers-serve", "transformers serve (CB)", "transformers"),
     )
 }
@@ -131,9 +165,13 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 def _wait_ready(spec: SystemSpec, process: subprocess.Popen, url: str, log_path: Path,
-                deadline: float) -> None:
-    probe = f"{url}/ready" if spec.name.startswith("splitserve-") else f"{url}/health"
-    while time.monotonic() < deadline:
+                timeout_s: float, progress_every_s: float = 15.0) -> None:
+    """Polls the probe until it answers 200; every `progress_every_s` prints how long it has
+    waited and the log's last line, so a slow start (vLLM compiles for about 90 s) shows life."""
+    probe = url + spec.probe
+    start = time.monotonic()
+    shown = start
+    while (waited := time.monotonic() - start) < timeout_s:
         if process.poll() is not None:
             raise RuntimeError(f"{spec.name} exited with code {process.returncode}:\n"
                                f"{_log_tail(log_path)}")
@@ -142,24 +180,27 @@ def _wait_ready(spec: SystemSpec, process: subprocess.Popen, url: str, log_path:
                 return
         except httpx.HTTPError:
             pass
+        if time.monotonic() - shown >= progress_every_s:
+            shown = time.monotonic()
+            last = _log_tail(log_path, 1).strip()[:120]
+            print(f"  {spec.name}: not ready after {waited:.0f} s of {timeout_s:.0f} s"
+                  + (f"; log: {last}" if last else ""), flush=True)
         time.sleep(0.5)
-    raise RuntimeError(f"{spec.name} was not ready at {probe} in time:\n{_log_tail(log_path)}")
+    raise RuntimeError(f"{spec.name} was not ready at {probe} in {timeout_s:.0f} s:\n"
+                       f"{_log_tail(log_path)}")
 
 
 def start_system(spec: SystemSpec, model_dir: str, log_dir: Path,
                  opts: ServeOptions = ServeOptions(),
-                 startup_timeout_s: float = 300.0) -> RunningSystem:
+                 startup_timeout_s: float | None = None) -> RunningSystem:
+    if not spec.installed():
+        raise RuntimeError(f"{spec.name} is not installed here; `{spec.installed_by}` installs it")
     port = free_port()
     command = spec.command(model_dir, port, opts)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    if spec.name.startswith("splitserve-"):
-        # splitserve up sets each worker's OMP_NUM_THREADS itself (the cores split between them).
-        overrides = {"SPLITSERVE_DTYPE": opts.dtype, **serve_settings(opts).gateway_env()}
-    else:
-        threads = str(opts.peer_omp_threads())
-        overrides = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    overrides = spec.env(opts)
     env.update(overrides)
     shown = [f"{k}={v}" for k, v in overrides.items()]  # for the report
     with open(log_path, "w") as log:
@@ -169,8 +210,8 @@ def start_system(spec: SystemSpec, model_dir: str, log_dir: Path,
     url = f"http://127.0.0.1:{port}"
     running = RunningSystem(spec, url, model_dir, process, log_path, shown + command)
     try:
-        _wait_ready(spec, process, url, log_path, time.monotonic() + startup_timeout_s)
-        if spec.name.startswith("splitserve-"):
+        _wait_ready(spec, process, url, log_path, startup_timeout_s or spec.startup_timeout_s)
+        if spec.flavor == "openai":  # splitserve and vLLM: the name they serve it under
             running.model_name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         # transformers serve is pinned to the path it was given and wants exactly that name.
     except BaseException:

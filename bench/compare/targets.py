@@ -11,6 +11,14 @@ def points_of(results: dict, system: str, workload: str) -> list[dict]:
     return sorted(pts, key=lambda p: -1.0 if p["rate"] is None else p["rate"])
 
 
+def offered(point: dict) -> str:
+    """The load a point offered: a rate, a burst or a closed loop of N clients."""
+    if point["rate"] is not None:
+        return f"{point['rate']:g} req/s"
+    concurrency = point.get("concurrency")
+    return f"{concurrency} at a time" if concurrency else "burst"
+
+
 def failed(point: dict) -> bool:
     """Timeouts, or most requests lost: the latencies of the few that finished say little."""
     s = point["summary"]
