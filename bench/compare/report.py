@@ -84,15 +84,18 @@ def headline(results: dict) -> list[str]:
     peer (vLLM when it ran)."""
     slo = results["plan"]["slo"]
     peers = peers_of(results)
-    systems = (DISAGG, AGG, *peers)
+    modes = [s for s in (DISAGG, AGG) if s in results["systems"]]
+    systems = (*modes, *peers)
     ref = peers[0] if peers else None
-    labels = [results["systems"][s]["label"] if s in results["systems"] else s for s in systems]
+    labels = [results["systems"][s]["label"] for s in systems]
     ref_label = results["systems"][ref]["label"] if ref else "peer"
-    lines = ["| target | " + " | ".join(labels) + f" | disaggregated / {ref_label} "
-             f"| aggregated / {ref_label} |", "|---" * (len(systems) + 3) + "|"]
+    short = {DISAGG: "disaggregated", AGG: "aggregated"}
+    lines = ["| target | " + " | ".join(labels)
+             + "".join(f" | {short[m]} / {ref_label}" for m in modes) + " |",
+             "|---" * (len(systems) + len(modes) + 1) + "|"]
 
     def ratios(v: dict) -> list[str]:
-        return [_x(ratio(v.get(DISAGG), v.get(ref))), _x(ratio(v.get(AGG), v.get(ref)))]
+        return [_x(ratio(v.get(m), v.get(ref))) for m in modes]
 
     if any(p["workload"] == "burst" for p in results["points"]):
         tput = {s: next((p["summary"]["output_throughput"] for p in points_of(results, s, "burst")),
@@ -116,6 +119,23 @@ def headline(results: dict) -> list[str]:
                  for s, p in at.items()}
         lines.append(_row(f"chat at {rate:g} req/s: share meeting TTFT <= {slo['ttft_s']:g} s and "
                           f"TPOT <= {slo['tpot_s'] * 1e3:g} ms (goodput)", shown, ratios(good)))
+    if chat_rates:
+        lines += _chat_bounds(results, systems, ratios)
+    if any(p["workload"] in ("burst", "chat") for p in results["points"]):
+        sent = {s: [(refused(p["summary"]), p["summary"]["requests"])
+                    for w in ("burst", "chat") for p in points_of(results, s, w)] for s in systems}
+        lines.append(_row("burst and chat requests refused (429 + 503) / sent, all points",
+                          {s: f"{sum(r for r, _ in v)} / {sum(n for _, n in v)}" if v else "-"
+                           for s, v in sent.items()}, [""] * len(modes)))
+    if any(p["workload"] == "interference" for p in results["points"]):
+        lines += ["", *_interference(results)]
+    return lines
+
+
+def _chat_bounds(results: dict, systems: tuple[str, ...], ratios) -> list[str]:
+    """Peak goodput and the highest rate within the TTFT target, over the swept rates."""
+    slo = results["plan"]["slo"]
+    lines = []
     good = {s: peak_goodput(points_of(results, s, "chat")) for s in systems}
     shown = {s: f"{g:.2f} (at {r:g})" if r is not None else f"{g:.2f}" for s, (g, r) in good.items()}
     lines.append(_row(f"chat peak goodput, TTFT <= {slo['ttft_s']:g} s and TPOT <= "
@@ -127,13 +147,6 @@ def headline(results: dict) -> list[str]:
                       f"<= {MAX_REFUSED_SHARE:.0%} refused)",
                       {s: b.text() if b else "-" for s, b in bounds.items()},
                       ratios({s: b.value if b else None for s, b in bounds.items()})))
-    sent = {s: [(refused(p["summary"]), p["summary"]["requests"])
-                for w in ("burst", "chat") for p in points_of(results, s, w)] for s in systems}
-    lines.append(_row("burst and chat requests refused (429 + 503) / sent, all points",
-                      {s: f"{sum(r for r, _ in v)} / {sum(n for _, n in v)}" if v else "-"
-                       for s, v in sent.items()}, ["", ""]))
-    if any(p["workload"] == "interference" for p in results["points"]):
-        lines += ["", *_interference(results)]
     return lines
 
 
