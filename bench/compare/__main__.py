@@ -82,18 +82,31 @@ def shipped_dtype() -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
-def choose_systems(asked: str) -> tuple[str, ...]:
+# vLLM's CPU attention has kernels for real head sizes only; the tiny model's is 8.
+TINY_MODEL_UNSUPPORTED = {"vllm": "vLLM's CPU attention has no kernel for the tiny model's "
+                                  "head_dim 8 (pass --model with a real model)"}
+
+
+def choose_systems(asked: str, tiny_model: bool = False) -> tuple[str, ...]:
     """The systems named (each must be known and installed), or by default every installed one;
-    a peer left out for want of its install is said so."""
+    a peer left out for want of its install, or because it cannot serve the tiny --quick model,
+    is said so."""
     if not asked:
-        missing = [s for s in SYSTEMS.values() if not s.installed()]
-        for spec in missing:
-            print(f"{spec.name}: not installed, left out (`{spec.installed_by}` installs it)")
-        return tuple(name for name, spec in SYSTEMS.items() if spec not in missing)
+        chosen = []
+        for name, spec in SYSTEMS.items():
+            if not spec.installed():
+                print(f"{name}: not installed, left out (`{spec.installed_by}` installs it)")
+            elif tiny_model and name in TINY_MODEL_UNSUPPORTED:
+                print(f"{name}: left out: {TINY_MODEL_UNSUPPORTED[name]}")
+            else:
+                chosen.append(name)
+        return tuple(chosen)
     systems = tuple(s for s in asked.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if tiny_model and (cannot := [s for s in systems if s in TINY_MODEL_UNSUPPORTED]):
+        raise SystemExit("; ".join(TINY_MODEL_UNSUPPORTED[s] for s in cannot))
     absent = [SYSTEMS[s] for s in systems if not SYSTEMS[s].installed()]
     if absent:
         raise SystemExit("; ".join(f"{s.name} is not installed: `{s.installed_by}` installs it"
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         print(render_from(args.report_only))
         return 0
-    systems = choose_systems(args.systems)
+    systems = choose_systems(args.systems, tiny_model=args.quick and args.model is None)
     out = args.out or REPO / "bench" / "results" / (time.strftime("%Y-%m-%d")
                                                     + ("-quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ def vllm_version(venv: Path = VLLM_VENV) -> str:
 def vllm_settings_note(dtype: str, threads: int) -> str:
     bind = f"0-{threads - 1}" if threads > 1 else "0"
     return (f"vLLM {vllm_version()} (CPU build, bench/.peers/vllm): --dtype {dtype}, "
-            f"--max-model-len {MAX_MODEL_LEN}, VLLM_CPU_KVCACHE_SPACE={KVCACHE_SPACE_GIB} GiB, "
+            f"--max-model-len {MAX_MODEL_LEN} (fewer if the model has fewer positions), VLLM_CPU_KVCACHE_SPACE={KVCACHE_SPACE_GIB} GiB, "
             f"{threads} OpenMP threads bound to cores {bind} "
             f"(VLLM_CPU_OMP_THREADS_BIND={bind}, VLLM_CPU_NUM_OF_RESERVED_CPU=0; its default binds "
             "one core and reserves the other), libiomp5 preloaded (LD_PRELOAD), its own defaults "

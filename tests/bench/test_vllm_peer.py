@@ -100,6 +100,13 @@ def test_vllm_is_chosen_by_default_once_installed(fake_venv):
         "splitserve-disagg", "splitserve-agg", "vllm")
 
 
+def test_the_tiny_quick_model_leaves_vllm_out_and_refuses_it_by_name(fake_venv, capsys):
+    assert "vllm" not in choose_systems("", tiny_model=True)
+    assert "head_dim 8" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--model"):
+        choose_systems("vllm", tiny_model=True)
+
+
 def test_printed_settings_give_vllms_configuration_when_it_runs():
     opts = ServeOptions(dtype="auto", peer_dtype="bfloat16", peer_threads=2)
     text = serve_settings(opts, ("splitserve-disagg", "vllm")).text()
@@ -165,13 +172,16 @@ def test_headline_compares_both_modes_with_vllm_and_keeps_transformers_as_a_seco
     assert "interference" not in text  # no such points: no such table
 
 
+SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not (VLLM_VENV / ".installed").exists(),
-                    reason="vLLM is not installed here (make peers); CI does not install it")
-def test_quick_compare_runs_against_a_real_vllm(tiny_llama_dir, tmp_path):
+@pytest.mark.skipif(not (VLLM_VENV / ".installed").exists() or not SMOLLM2.exists(),
+                    reason="vLLM is not installed here (make peers; CI does not) or no SmolLM2")
+def test_quick_compare_runs_against_a_real_vllm(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.compare", "--quick", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "bench.compare", "--quick", "--model", str(SMOLLM2),
          "--systems", "vllm", "--workloads", "burst", "--out", str(out), "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
