@@ -29,7 +29,22 @@ def machine() -> dict:
     except OSError:
         commit = ""
     return {"cores": cores(), "cpu": cpu, "python": platform.python_version(), "commit": commit,
-            **versions}
+            "uncommitted": uncommitted(), **versions}
+
+
+# The code a benchmark runs: an uncommitted change here means the commit alone does not say what
+# was measured (a shared working tree can change under a sweep).
+MEASURED_CODE = ("engine", "services", "kernels", "kv_transfer", "splitserve_cli", "protos")
+
+
+def uncommitted() -> list[str]:
+    """Paths under MEASURED_CODE that differ from HEAD (staged, unstaged or untracked)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED_CODE],
+                             capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return []
+    return [line[3:] for line in out.splitlines() if line.strip()]
 
 
 def cores() -> int:

@@ -182,7 +182,7 @@ def render(results: dict, out_dir: Path) -> Path:
              "", f"Run {results['started']} to {results.get('finished', '(unfinished)')}; "
              f"model `{plan['model_dir']}`; {m['cores']} CPU cores ({m['cpu']}); "
              f"torch {m['torch']}, transformers {m['transformers']}{versions}; "
-             f"commit {m['commit']}.",
+             f"commit {m['commit']}{_uncommitted(m)}.",
              "Every system ran alone on this machine, one after another; the load generator "
              "shared its cores. Output lengths were forced exactly (splitserve and vLLM: "
              "`ignore_eos`; transformers serve: `generation_config` with `eos_token_id: -1`); "
@@ -232,6 +232,15 @@ def render(results: dict, out_dir: Path) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _uncommitted(m: dict) -> str:
+    changed = m.get("uncommitted") or []
+    if not changed:
+        return ""
+    shown = ", ".join(f"`{p}`" for p in changed[:5]) + (", ..." if len(changed) > 5 else "")
+    return (f" **plus uncommitted changes to {len(changed)} path(s) of the measured code when the "
+            f"sweep started** ({shown})")
 
 
 def _setup(plan: dict, m: dict) -> list[str]:

@@ -100,3 +100,12 @@ def test_report_lists_the_settings_and_counts_refusals(tmp_path):
     assert "- bench.compare: gateway admission: ttft_target_s=1 [default]" in text
     assert "- override: workers SPLITSERVE_DTYPE bfloat16 (shipped: auto" in text
     assert "| burst and chat requests refused (429 + 503) / sent, all points | 3 / 40 |" in text
+
+
+def test_report_says_when_the_measured_code_had_uncommitted_changes(tmp_path):
+    data = results()
+    assert "uncommitted" not in render(data, tmp_path).read_text()
+    data["machine"]["uncommitted"] = ["services/gateway/config.py"]
+    text = render(data, tmp_path).read_text()
+    assert "commit abc **plus uncommitted changes to 1 path(s) of the measured code" in text
+    assert "`services/gateway/config.py`" in text
