@@ -101,8 +101,10 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank)
-    # CPU decode attention: "cpp" reads K/V in place from the paged cache (kernels/cpu, built
-    # on first use), "torch" is the reference (gather, then SDPA); "auto": cpp if it builds.
+    # CPU attention: "cpp" runs the C++ kernels (kernels/cpu, built on first use): decode reads
+    # K/V in place from the paged cache, and in bfloat16 on a CPU with AVX-512 BF16 prefill is
+    # a flash kernel of bf16 dot products; "torch" is the reference (SDPA); "auto": cpp if it
+    # builds.
     cpu_attention: str = "auto"
     # CPU linear layers in bfloat16 with few rows (decode): "cpp" reads each weight row once for
     # all rows with AVX-512 BF16 dot products (kernels/linear.py), "torch" is torch's mm;

@@ -49,6 +49,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.native_decode = self._use_native_decode()
+        self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
+                               and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
+                               and small_m_linear_available())
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = self._use_small_m_linear()
         use_small_m_linear(self.model, SMALL_M_MAX_ROWS if self.small_m_linear else 0)
@@ -245,6 +248,7 @@ class ModelRunner:
             decode_groups=plan_decode_groups(decode_lens, decode_tables, bs, dev)
             if decode_lens and not self.native_decode else None,
             native_decode=self.native_decode,
+            native_prefill=self.native_prefill,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Decode rows through torch.ops.splitserve_cpu.paged_decode_attention (kernels/cpu), which
     # reads the paged cache in place; needs decode_seq_lens.
     native_decode: bool = False
+    # Prefill rows through torch.ops.splitserve_cpu.prefill_attention (kernels/cpu): bfloat16
+    # on a CPU with AVX-512 BF16, head_dim a multiple of 16 (ModelRunner decides once).
+    native_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,11 @@ def paged_attention(
             num_blocks = -(-ctx_len // k_cache.shape[1])
             k = gather_blocks(k_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
             v = gather_blocks(v_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
-        out[start:end] = prefill_attention(query[start:end], k, v, scale)
+        if meta.native_prefill:
+            out[start:end] = torch.ops.splitserve_cpu.prefill_attention(query[start:end], k, v,
+                                                                         scale)
+        else:
+            out[start:end] = prefill_attention(query[start:end], k, v, scale)
     return out
 
 

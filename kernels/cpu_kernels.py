@@ -19,7 +19,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in (
-    "paged_decode_attention.cpp", "small_m_linear.cpp", "fused_decode.cpp")]
+    "paged_decode_attention.cpp", "small_m_linear.cpp", "fused_decode.cpp",
+    "prefill_attention.cpp")]
 # Vector instructions per torch CPU capability. The capability is part of the build's name,
 # so a cache shared between machines never hands one CPU code built for another. (The AVX-512
 # BF16 code in small_m_linear.cpp is compiled for its own functions only and chosen at run time.)

@@ -21,7 +21,11 @@
 #include <immintrin.h>
 #endif
 
+#include "vector_math.h"
+
 namespace {
+
+using splitserve_cpu::exp_nonpositive;
 
 constexpr int kLanes = 16;  // partial sums per dot product: one AVX-512 register of floats
 
@@ -39,26 +43,6 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the maximum), written so the compiler
-// vectorizes it: 2^n * 2^f with n = round(x / ln 2), |f| <= 1/2, 2^f by its Taylor series to
-// degree 6 (relative error below 2e-7); underflows to 0 below -87.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = (y - n) * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof(float));
-  return p * scale;
-}
 
 // One task's share of the work: query heads [group] of one KV head over context tokens
 // [t0, t1). Leaves the scores' maximum, the sum of exp(score - maximum) and the V rows
