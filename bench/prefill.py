@@ -1,0 +1,82 @@
+"""Benchmark: CPU prefill in bfloat16, the C++ prefill attention against torch's SDPA, in the
+same run: one attention layer on random inputs (SmolLM2's 9 query and 3 KV heads of 64), then a
+whole prompt through the engine with `cpu_attention` torch and cpp (every repetition a new
+prompt: a cold prefix cache).
+
+    python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
+    python bench/prefill.py --threads 2 --lengths 128,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
+from kernels.attention import prefill_attention
+from kernels.linear import small_m_linear_available
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def attention_layer(lengths: list[int], repeats: int) -> None:
+    print("one attention layer, 9 query / 3 KV heads of 64, bf16 (best of", repeats, "):")
+    for n in lengths:
+        q, k, v = (torch.randn(n, heads, 64).bfloat16() for heads in (9, 3, 3))
+        sdpa = _best_ms(lambda: prefill_attention(q, k, v, 0.125), repeats)
+        cpp = _best_ms(lambda: torch.ops.splitserve_cpu.prefill_attention(q, k, v, 0.125), repeats)
+        print(f"  {n:5d} tokens: SDPA {sdpa:7.2f} ms  C++ {cpp:7.2f} ms  ({sdpa / cpp:.2f}x)")
+
+
+def whole_prefill(model: str, lengths: list[int], repeats: int, threads: int) -> None:
+    print(f"whole prefill through the engine ({model}, bf16, {threads} thread(s), best of "
+          f"{repeats}, a new prompt each time):")
+    engines = {choice: LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=threads,
+                                              num_kv_blocks=1024, cpu_attention=choice))
+               for choice in ("torch", "cpp")}
+    salt = iter(range(10**6))
+
+    def prefill(engine: LLMEngine, n: int) -> None:
+        s = next(salt)
+        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.scheduler.waiting or engine.scheduler.running:
+            engine.step()
+
+    for n in lengths:
+        ms = {c: _best_ms(lambda e=e: prefill(e, n), repeats) for c, e in engines.items()}
+        print(f"  {n:5d} tokens: torch attention {ms['torch']:8.1f} ms  C++ {ms['cpp']:8.1f} ms  "
+              f"({ms['torch'] / ms['cpp']:.2f}x; {n / ms['cpp'] * 1e3:.0f} tokens/s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--lengths", default="512,1024,2048")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not (cpu_kernels.load() and small_m_linear_available()):
+        raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
+    torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    attention_layer(lengths, max(5, args.repeats))
+    whole_prefill(args.model, lengths, args.repeats, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
