@@ -42,7 +42,7 @@ from bench.run_settings import (
     gateway_override,
     with_inherited,
 )
-from services.gateway.tenants import key_digest
+from services.gateway.admission.tenants import key_digest
 
 POLICIES = ("fcfs", "round_robin", "vtc")
 REPO_ROOT = Path(__file__).resolve().parent.parent

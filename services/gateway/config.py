@@ -36,7 +36,7 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     prefill_timeout_s: float = 120.0
     max_body_bytes: int = 8 << 20
-    # Edge limits (services/gateway/request_limits.py): over one -> 400, before tokenizing.
+    # Edge limits (services/gateway/api/request_limits.py): over one -> 400, before tokenizing.
     max_prompts_per_request: int = 1024  # strings/token lists in a completions `prompt` list
     max_choices_per_request: int = 1024  # prompts x n: the worker requests one request opens
     max_stop_strings: int = 16
@@ -44,7 +44,7 @@ class GatewayConfig:
     max_stop_token_ids: int = 256
     max_request_id_length: int = 128  # x-request-id / gRPC request_id characters
     tokenizer_threads: int = 2  # chat templates and tokenization run here, off the event loop
-    # Time bounds (services/gateway/deadline.py); 0: none.
+    # Time bounds (services/gateway/api/deadline.py); 0: none.
     request_timeout_s: float = 600.0  # arrival to last token; a caller may lower it
     stall_timeout_s: float = 90.0  # no token for this long after the first -> error, aborted
     stream_buffer_chunks: int = 64  # SSE chunks buffered per response before backpressure
@@ -57,7 +57,7 @@ class GatewayConfig:
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
     log_prompts: bool = False  # debug: prompt text in the access log
-    # Routing (services/gateway/router.py). With a Redis URL, workers are discovered from the
+    # Routing (services/gateway/routing/router.py). With a Redis URL, workers are discovered from the
     # registry (on top of any given by address) and prefix-cache events are followed.
     redis_url: str = ""
     registry_interval_s: float = 0.5
@@ -68,7 +68,7 @@ class GatewayConfig:
     prefill_backlog_tokens: int = 8192  # all prefill workers this backed up -> decode prefills (0: off)
     breaker_failures: int = 3  # consecutive RPC failures that take a worker out of rotation
     breaker_open_s: float = 2.0  # before a trial request probes it again
-    # Admission (services/gateway/admission.py): tenants, quotas (shared via redis_url),
+    # Admission (services/gateway/admission/admission.py): tenants, quotas (shared via redis_url),
     # fair queueing, the capacity rule for releasing queued requests, early rejection.
     tenants_file: str = ""  # YAML; empty: no tenants file
     quota_fail_mode: str = "open"  # Redis unreachable: open (local limits) | closed (503)
@@ -87,13 +87,16 @@ class GatewayConfig:
         if not self.redis_url and not self.worker and not (self.prefill and self.decode):
             raise ValueError("give --redis-url URL, or --prefill ADDR and --decode ADDR, or "
                              "--worker ADDR")
-        from services.gateway.routing_config import validate_routing
+        # Imported here so that reading this module (`splitserve gateway --help`,
+        # bench/run_settings.py) costs none of the parts' imports. One way only: the parts read
+        # their settings through Protocols (RoutingSettings, AdmissionSettings), not this module.
+        from services.gateway.routing.config import validate_routing
 
         validate_routing(self)
-        from services.gateway.admission_config import validate_admission
+        from services.gateway.admission.config import validate_admission
 
         validate_admission(self)
-        from services.gateway.request_limits import validate_limits
+        from services.gateway.api.request_limits import validate_limits
 
         validate_limits(self)
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):

@@ -15,23 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from services.gateway.admission import Ticket
-from services.gateway.admission_config import make_admission
-from services.gateway.circuit_breaker import CircuitBreaker
+from services.gateway.admission.admission import Ticket
+from services.gateway.admission.config import make_admission
+from services.gateway.api.deadline import RequestDeadline
+from services.gateway.api.preprocess import ModelLimits, Preprocessor
+from services.gateway.api.request_limits import RequestLimits
+from services.gateway.api.text_stream import TextDelta, stream_text
+from services.gateway.api.tokenizer import ModelTokenizer
 from services.gateway.config import GatewayConfig
-from services.gateway.deadline import RequestDeadline
-from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.prefix_index import PrefixIndex
-from services.gateway.preprocess import ModelLimits, Preprocessor
-from services.gateway.registry_follower import RegistryFollower
-from services.gateway.request_limits import RequestLimits
 from services.gateway.request_record import RequestObserver, RequestRecord
-from services.gateway.router import Router
-from services.gateway.routing_config import make_router
-from services.gateway.text_stream import TextDelta, stream_text
-from services.gateway.tokenizer import ModelTokenizer
-from services.gateway.worker_pool import WorkerPool
+from services.gateway.routing.circuit_breaker import CircuitBreaker
+from services.gateway.routing.config import make_router
+from services.gateway.routing.dispatcher import Dispatcher
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.registry_follower import RegistryFollower
+from services.gateway.routing.router import Router
+from services.gateway.routing.worker_pool import WorkerPool
 
 T = TypeVar("T")
 INLINE_INPUT_BYTES = 4096  # parsed and tokenized on the event loop: about 1,000 tokens at most

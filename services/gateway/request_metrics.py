@@ -1,6 +1,6 @@
 """Prometheus metrics of requests as the gateway serves them: token latencies, end-to-end time,
 outcomes, routing decisions and client disconnects. Admission's own series (TTFT, queue wait,
-queue depth, in-flight, tokens per tenant, rejections) live in admission_metrics.py; both share
+queue depth, in-flight, tokens per tenant, rejections) live in admission/metrics.py; both share
 one registry, the one `/metrics` serves.
 
 Updated on the gateway's event loop only. Label values are bounded: `tenant` comes from the

@@ -17,9 +17,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.common import tracing
+from services.gateway.api.text_stream import TextDelta
 from services.gateway.errors import APIError
 from services.gateway.request_metrics import RequestMetrics
-from services.gateway.text_stream import TextDelta
 
 access_log = logging.getLogger("splitserve.access")
 _tracer = tracing.tracer("splitserve.gateway")

@@ -14,10 +14,10 @@ import uvicorn
 
 from services.common.logs import setup_logging
 from services.common.tracing import setup_tracing, shutdown_tracing
-from services.gateway import grpc_api
+from services.gateway.api import grpc as grpc_api
+from services.gateway.api.http import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
-from services.gateway.http_api import create_app
 
 log = logging.getLogger("splitserve.gateway")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from splitserve.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
-from services.gateway.admission import Admission
-from services.gateway.capacity import CapacityRule, ClusterRoom
-from services.gateway.fair_queue import FairQueue
-from services.gateway.preprocess import GenerationSpec
-from services.gateway.quota import Quotas
-from services.gateway.tenants import Tenant, TenantDirectory
-from services.gateway.ttft_estimator import TTFTEstimator
+from services.gateway.admission.admission import Admission
+from services.gateway.admission.capacity import CapacityRule, ClusterRoom
+from services.gateway.admission.fair_queue import FairQueue
+from services.gateway.admission.quota import Quotas
+from services.gateway.admission.tenants import Tenant, TenantDirectory
+from services.gateway.admission.ttft_estimator import TTFTEstimator
+from services.gateway.generation_spec import GenerationSpec
 
 
 class FakeEndpoint:

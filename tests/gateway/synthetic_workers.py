@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.v1 import common_pb2
 
-from services.gateway.worker_pool import WorkerEndpoint
+from services.gateway.routing.worker_pool import WorkerEndpoint
 
 
 def worker(address: str, role: str = "decode", *, worker_id: str = "", model: str = "m",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.gateway.tenants import key_digest
+from services.gateway.admission.tenants import key_digest
 
 
 def tenants_file(tmp_path, tenants: dict[str, dict]) -> str:

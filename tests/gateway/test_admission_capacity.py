@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from admission_harness import FakeEndpoint, FakePool
 
-from services.gateway.capacity import CapacityRule, ClusterRoom
-from services.gateway.ttft_estimator import TTFTEstimator
+from services.gateway.admission.capacity import CapacityRule, ClusterRoom
+from services.gateway.admission.ttft_estimator import TTFTEstimator
 
 
 def test_in_flight_limits_per_gateway_and_per_decode_worker():

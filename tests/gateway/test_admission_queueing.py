@@ -10,9 +10,9 @@ import time
 import pytest
 from admission_harness import make_admission, spec
 
-from services.gateway.capacity import CapacityRule
+from services.gateway.admission.capacity import CapacityRule
+from services.gateway.admission.tenants import Tenant
 from services.gateway.errors import APIError
-from services.gateway.tenants import Tenant
 
 A, B = Tenant("a"), Tenant("b")
 

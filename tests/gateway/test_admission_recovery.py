@@ -9,9 +9,9 @@ import asyncio
 import pytest
 from admission_harness import make_admission, spec
 
-from services.gateway.capacity import CapacityRule
-from services.gateway.tenants import Tenant
-from services.gateway.ttft_estimator import TTFTEstimator
+from services.gateway.admission.capacity import CapacityRule
+from services.gateway.admission.tenants import Tenant
+from services.gateway.admission.ttft_estimator import TTFTEstimator
 
 A = Tenant("a")
 

@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
+from services.gateway.admission.tenants import ANONYMOUS, key_digest, load_tenants
 from services.gateway.errors import APIError
-from services.gateway.tenants import ANONYMOUS, key_digest, load_tenants
 
 TENANTS_YAML = """
 defaults:

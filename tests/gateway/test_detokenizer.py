@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.tokenizer import ModelTokenizer
+from services.gateway.api.detokenizer import IncrementalDetokenizer
+from services.gateway.api.tokenizer import ModelTokenizer
 
 TEXTS = [
     "Ünïcödé text: 東京, Москва, Αθήνα, القاهرة, 🙂 🚀 ✨",

@@ -18,10 +18,10 @@ from fake_workers import (
 )
 from splitserve.v1 import common_pb2
 
-from services.gateway.dispatcher import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.router import ScoringRouter
-from services.gateway.worker_pool import WorkerPool
+from services.gateway.routing.dispatcher import Dispatcher
+from services.gateway.routing.router import ScoringRouter
+from services.gateway.routing.worker_pool import WorkerPool
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=1, logprobs=0)
 

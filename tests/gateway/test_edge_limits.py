@@ -12,8 +12,8 @@ import pytest
 from gateway_processes import start_gateway, worker_stats
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+from services.gateway.api.request_ids import gateway_request_id, worker_request_id
 from services.gateway.config import GatewayConfig
-from services.gateway.request_ids import gateway_request_id, worker_request_id
 
 LIMIT_FLAGS = ("--max-prompts-per-request", "4", "--max-choices-per-request", "6",
                "--max-stop-strings", "2", "--max-stop-string-chars", "8",
@@ -116,7 +116,7 @@ def test_a_request_id_at_the_default_limit_is_served_end_to_end(disagg_stack, ti
 
 def test_worker_request_ids_fit_the_kv_header_with_every_suffix():
     from kv_transfer import MAX_KEY_BYTES
-    from services.gateway.request_limits import MAX_CHOICES_CEILING
+    from services.gateway.api.request_limits import MAX_CHOICES_CEILING
 
     ids = set()
     for supplied in ("a" * 128, "a" * 127 + "b", "short", None):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.gateway.fair_queue import FairQueue
-from services.gateway.tenants import Tenant
+from services.gateway.admission.fair_queue import FairQueue
+from services.gateway.admission.tenants import Tenant
 
 A, B, C = Tenant("a"), Tenant("b"), Tenant("c")
 

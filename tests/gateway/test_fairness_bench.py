@@ -7,7 +7,7 @@ import pytest
 
 from bench.fairness import TenantLoad, summarize, table, tenants_yaml
 from bench.loadgen.metrics import RequestRecord
-from services.gateway.tenants import load_tenants
+from services.gateway.admission.tenants import load_tenants
 
 
 def _record(tenant: str, status: str = "ok", ttft: float | None = 0.1, prompt: int = 10,

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from services.gateway.api.tokenizer import ModelTokenizer
 from services.gateway.config import GatewayConfig, add_gateway_arguments, gateway_config_from_args
-from services.gateway.tokenizer import ModelTokenizer
 from splitserve_cli.up import UpConfig
 
 

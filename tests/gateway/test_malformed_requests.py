@@ -42,7 +42,7 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("empty prompt list", comp, {"model": model, "prompt": []}, 400, "prompt"),
         ("stream is a string", chat, {"model": model, "messages": hi, "stream": "yes"}, 400, "stream"),
         ("oversized body", comp, {"model": model, "prompt": "x" * (9 << 20)}, 413, None),
-        # The edge limits at their defaults (services/gateway/request_limits.py).
+        # The edge limits at their defaults (services/gateway/api/request_limits.py).
         ("1025 prompts", comp, {"model": model, "prompt": ["hi"] * 1025}, 400, "prompt"),
         ("200 prompts x n=8", comp, {"model": model, "prompt": ["hi"] * 200, "n": 8}, 400, "n"),
         ("17 stop strings", chat, {"model": model, "messages": hi, "stop": list("abcdefghijklmnopq")}, 400, "stop"),

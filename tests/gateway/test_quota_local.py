@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from services.gateway.admission.quota import LocalQuota, Quotas
+from services.gateway.admission.tenants import Tenant
 from services.gateway.errors import APIError
-from services.gateway.quota import LocalQuota, Quotas
-from services.gateway.tenants import Tenant
 
 
 class Clock:

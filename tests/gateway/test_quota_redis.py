@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis_restart import RestartedRedis, kill
 
-from services.gateway import redis_quota
+from services.gateway.admission import redis_quota
+from services.gateway.admission.quota import Quotas
+from services.gateway.admission.redis_quota import RedisQuota
+from services.gateway.admission.tenants import Tenant
 from services.gateway.errors import APIError
-from services.gateway.quota import Quotas
-from services.gateway.redis_quota import RedisQuota
-from services.gateway.tenants import Tenant
 
 
 def test_two_gateways_never_spend_the_same_tokens(redis_server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.registry import WorkerInfo
-from services.gateway.worker_pool import WorkerPool
+from services.gateway.routing.worker_pool import WorkerPool
 
 
 def info(worker_id: str, role: str, port: int, **kw) -> WorkerInfo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.gateway.circuit_breaker import BreakerState, CircuitBreaker
+from services.gateway.routing.circuit_breaker import BreakerState, CircuitBreaker
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 

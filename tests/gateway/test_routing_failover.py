@@ -12,10 +12,10 @@ import grpc
 from fake_workers import FIRST_TOKEN, FakeDecode, FakePrefill, reserved, streams
 from splitserve.v1 import common_pb2
 
-from services.gateway.circuit_breaker import BreakerState, CircuitBreaker
-from services.gateway.dispatcher import Dispatcher
-from services.gateway.router import ScoringRouter
-from services.gateway.worker_pool import WorkerPool
+from services.gateway.routing.circuit_breaker import BreakerState, CircuitBreaker
+from services.gateway.routing.dispatcher import Dispatcher
+from services.gateway.routing.router import ScoringRouter
+from services.gateway.routing.worker_pool import WorkerPool
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=4, seed=1)
 

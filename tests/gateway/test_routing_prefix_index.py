@@ -5,7 +5,7 @@ routed (events lag by a heartbeat)."""
 from __future__ import annotations
 
 from engine.block_pool import hash_prompt_blocks
-from services.gateway.prefix_index import PrefixIndex
+from services.gateway.routing.prefix_index import PrefixIndex
 
 SYSTEM = list(range(1000, 1064))  # 4 blocks of 16
 HASHES = hash_prompt_blocks(SYSTEM + list(range(5000, 5032)), 16)  # 6 blocks

@@ -11,9 +11,9 @@ from synthetic_workers import StaticPool, worker
 
 from engine.block_pool import hash_prompt_blocks
 from services.gateway.config import GatewayConfig
-from services.gateway.prefix_index import PrefixIndex
-from services.gateway.router import ScoringRouter
-from services.gateway.scorers import (
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.router import ScoringRouter
+from services.gateway.routing.scorers import (
     DEFAULT_DECODE_WEIGHTS,
     DEFAULT_PREFILL_WEIGHTS,
     build_scorers,

@@ -3,7 +3,7 @@ merely looks like the start of one is released once it is clearly not."""
 
 from __future__ import annotations
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.api.stop_strings import StopStringMatcher
 
 
 def _run(stop, pieces):

@@ -10,7 +10,7 @@ import time
 import httpx
 from fake_workers import FakeDecode, delta
 
-from services.gateway.tokenizer import ModelTokenizer
+from services.gateway.api.tokenizer import ModelTokenizer
 
 TICK_S = 0.01  # the scripted worker's time per token
 # ~2 MiB: under --max-body-bytes (8 MiB), and seconds of tokenizing on a small machine.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from synthetic_workers import worker
 
-from services.gateway.scorers.base import RoutingRequest
-from services.gateway.scorers.free_kv import FreeKVScorer
+from services.gateway.routing.scorers.base import RoutingRequest
+from services.gateway.routing.scorers.free_kv import FreeKVScorer
 
 REQUEST = RoutingRequest.build(range(40), max_tokens=24, block_size=16)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from synthetic_workers import worker
 
 from engine.block_pool import hash_prompt_blocks
-from services.gateway.prefix_index import PrefixIndex
-from services.gateway.scorers.base import RoutingRequest
-from services.gateway.scorers.prefix_cache import PrefixCacheScorer
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.scorers.base import RoutingRequest
+from services.gateway.routing.scorers.prefix_cache import PrefixCacheScorer
 
 PROMPT = list(range(100, 170))  # 70 tokens: 4 full blocks of 16
 

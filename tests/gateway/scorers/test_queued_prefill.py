@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from synthetic_workers import worker
 
-from services.gateway.scorers.base import RoutingRequest
-from services.gateway.scorers.queued_prefill import QueuedPrefillScorer
+from services.gateway.routing.scorers.base import RoutingRequest
+from services.gateway.routing.scorers.queued_prefill import QueuedPrefillScorer
 
 REQUEST = RoutingRequest.build(range(64), max_tokens=8, block_size=16)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from synthetic_workers import worker
 
-from services.gateway.scorers.base import RoutingRequest
-from services.gateway.scorers.running_load import RunningLoadScorer
+from services.gateway.routing.scorers.base import RoutingRequest
+from services.gateway.routing.scorers.running_load import RunningLoadScorer
 
 REQUEST = RoutingRequest.build(range(8), max_tokens=8, block_size=16)
 

@@ -1,0 +1,319 @@
+"""Admission at the gateway: authenticate (API key -> tenant), check the tenant's limits, predict
+whether the request can still meet its TTFT target (503 now if not), charge its quota (429 if
+over), then hold it in the fair queue until the cluster has room. `admit` hands back a Ticket
+once the request may go to the workers; `Ticket.release` ends it (refund, slot, next request).
+
+Everything here is owned by the gateway's event loop; a ticker task on that loop releases
+queued requests when room appears and drops those whose deadline has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from services.gateway.admission.capacity import ClusterRoom
+from services.gateway.admission.fair_queue import FairQueue
+from services.gateway.admission.inflight import InFlight
+from services.gateway.admission.metrics import AdmissionMetrics
+from services.gateway.admission.quota import Lease, QuotaRefused, Quotas
+from services.gateway.admission.tenants import Tenant, TenantDirectory
+from services.gateway.admission.ttft_estimator import TTFTEstimator
+from services.gateway.errors import APIError
+from services.gateway.generation_spec import GenerationSpec
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02  # how often a non-empty queue is re-checked for room and deadlines
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request, from the quota charge to its end; `release` it exactly once."""
+
+    admission: Admission
+    tenant: Tenant
+    specs: list[GenerationSpec]  # max_tokens capped to the tenant's limit
+    prompt_tokens: int
+    reserved_tokens: int  # charged at admission: prompt + every choice's max_tokens
+    blocks: int  # decode KV blocks it may need
+    arrival: float
+    deadline: float
+    lease: Lease | None = None
+    seq: int = 0
+    released_at: float | None = None  # left the queue for the workers
+    prefill_at_release: int = 0  # prompt tokens to prefill before its first token, its own too
+    first_token_at: float | None = None
+    predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
+    output_tokens: int = 0
+    finished_choices: int = 0
+    done: bool = False
+    _ready: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def slots(self) -> int:
+        return len(self.specs)
+
+    @property
+    def max_output_tokens(self) -> int:
+        return self.reserved_tokens - self.prompt_tokens
+
+    def metered(self, dispatcher) -> _MeteredDispatcher:
+        """`dispatcher`, counting this request's tokens (first token, fair-queue service,
+        the refund)."""
+        return _MeteredDispatcher(dispatcher, self)
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.admission._finish(self)
+
+    def _tokens(self, count: int) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            self.admission._first_token(self)
+        self.output_tokens += count
+        self.admission.running.tokens(self, count)
+        self.admission.queue.charge_output(self.tenant, count)
+
+
+class _MeteredDispatcher:
+    """The dispatcher as one ticket's choices see it: tokens are counted as they come, and
+    the ticket is released when every choice has its last token (its slot is free then, not
+    when the client has read the end of the response)."""
+
+    def __init__(self, dispatcher, ticket: Ticket) -> None:
+        self.dispatcher = dispatcher
+        self.ticket = ticket
+
+    async def generate(self, request_id, prompt_token_ids, sampling) -> AsyncIterator:
+        ticket = self.ticket
+        async with aclosing(self.dispatcher.generate(request_id, prompt_token_ids,
+                                                     sampling)) as events:
+            async for event in events:
+                if event.token_ids:
+                    ticket._tokens(len(event.token_ids))
+                if event.finish_reason is not None:
+                    ticket.finished_choices += 1
+                    if ticket.finished_choices == ticket.slots:
+                        ticket.release()
+                yield event
+
+
+class Admission:
+    def __init__(self, directory: TenantDirectory, quotas: Quotas, queue: FairQueue,
+                 room: ClusterRoom, estimator: TTFTEstimator | None = None,
+                 ttft_target_s: float = 1.0, metrics: AdmissionMetrics | None = None) -> None:
+        self.directory = directory
+        self.quotas = quotas
+        self.queue = queue
+        self.room = room
+        self.estimator = estimator or TTFTEstimator()
+        self.ttft_target_s = ttft_target_s  # 0: no early rejection, no deadline
+        self.metrics = metrics or AdmissionMetrics()
+        self.metrics.admission = self
+        self.inflight = 0  # choices released to the workers and not finished
+        self.prefilling_tokens = 0  # prompt tokens of released requests without a first token
+        self.running = InFlight()  # the released requests, and when they will end
+        self._wake = asyncio.Event()
+        self._ticker: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.quotas.start()
+        self._ticker = asyncio.create_task(self._tick(), name="admission-ticker")
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self.quotas.close()
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        return self.directory.authenticate(authorization)
+
+    async def admit(self, tenant: Tenant, specs: list[GenerationSpec],
+                    prompt_tokens: int) -> Ticket:
+        """Waits in the fair queue until released. Raises APIError: 400 (over the tenant's
+        prompt limit), 429 (quota, queue full), 503 (cannot meet the TTFT target, or the
+        quota service is down under fail-closed). Cancelling it leaves nothing behind."""
+        specs = self._within_limits(tenant, specs)
+        block_size = self.room.pool.block_size()
+        now = time.monotonic()
+        ticket = Ticket(
+            self, tenant, specs, prompt_tokens,
+            reserved_tokens=prompt_tokens + sum(s.params.max_tokens for s in specs),
+            blocks=sum(-(-(len(s.prompt_token_ids) + s.params.max_tokens) // block_size)
+                       for s in specs),
+            arrival=now, deadline=now + self.ttft_target_s if self.ttft_target_s else math.inf)
+        if tenant.max_queued and self.queue.queued(tenant.name) >= tenant.max_queued:
+            raise self._reject(tenant, "queue_full", APIError.rate_limited(
+                f"Tenant {tenant.name} already has {tenant.max_queued} requests waiting; retry "
+                "when some finish."))
+        self._check_on_time(ticket)
+        try:
+            ticket.lease = await self.quotas.acquire(tenant, ticket.reserved_tokens)
+        except QuotaRefused as exc:
+            raise self._reject(tenant, exc.reason, exc) from None
+        self.metrics.admitted.labels(tenant.name).inc()
+        ticket._ready = asyncio.get_running_loop().create_future()
+        self.queue.push(ticket)
+        self._drain()
+        try:
+            await ticket._ready
+        except asyncio.CancelledError:
+            ticket.release()  # still queued: leaves the queue, quota refunded
+            raise
+        return ticket
+
+    # -- the parts --------------------------------------------------------------------------
+
+    def _within_limits(self, tenant: Tenant, specs: list[GenerationSpec]) -> list[GenerationSpec]:
+        longest = max(len(s.prompt_token_ids) for s in specs)
+        if tenant.max_prompt_tokens and longest > tenant.max_prompt_tokens:
+            raise self._reject(tenant, "too_long", APIError.invalid(
+                f"The prompt has {longest} tokens; tenant {tenant.name} may send at most "
+                f"{tenant.max_prompt_tokens}.", code="prompt_too_long"))
+        cap = tenant.max_output_tokens
+        if not cap or all(s.params.max_tokens <= cap for s in specs):
+            return specs
+        return [dataclasses.replace(s, params=dataclasses.replace(
+            s.params, max_tokens=min(cap, s.params.max_tokens))) for s in specs]
+
+    def _check_on_time(self, ticket: Ticket) -> None:
+        if not self.ttft_target_s:
+            return
+        requests, tokens = self.queue.ahead(ticket.tenant)
+        room = requests == 0 and (
+            self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
+            or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
+        slot_in = None if room else self.running.nth_end_s(
+            requests, self.estimator.service_at(self.prefilling_tokens))
+        plain = self.estimator.estimate(requests, tokens, ticket.prompt_tokens, room,
+                                        self.inflight, self.prefilling_tokens, slot_in)
+        if plain is None:
+            return
+        ticket.predicted_ttft_s = plain
+        predicted = plain + self.estimator.margin(self.ttft_target_s)
+        if predicted > self.ttft_target_s:
+            retry = max(1, math.ceil(predicted - self.ttft_target_s))
+            raise self._reject(ticket.tenant, "ttft_predicted", APIError(
+                503, f"Overloaded: the predicted time to first token ({predicted:.2f}s) exceeds "
+                     f"the {self.ttft_target_s:g}s target; retry in {retry}s.",
+                "server_error", None, "ttft_unattainable", retry))
+
+    def _drain(self) -> None:
+        """Release requests in the policy's order while the cluster has room, then those of
+        tenants below their share; then drop those left waiting that can no longer be on
+        time. (A request with room goes, whatever the estimate says now: it was judged when it
+        was admitted, and only waiting for room can make it later than that.)"""
+        now = time.monotonic()
+        while (ticket := self.queue.peek()) is not None:
+            if not self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks):
+                break
+            self._release(ticket, now)
+        while True:
+            owed = [t for t in self.queue.heads()
+                    if self._owed(t) and self.room.fits(t.prompt_tokens, t.blocks)]
+            if not owed:
+                break
+            self._release(min(owed, key=lambda t: t.seq), now)
+        while expired := [t for t in self.queue.heads() if self._late(t, now)]:
+            for ticket in expired:
+                self._drop(ticket)
+        self.estimator.backlog(len(self.queue) > 0)
+        if len(self.queue):
+            self._wake.set()
+
+    def _late(self, ticket: Ticket, now: float) -> bool:
+        """Released now, it would still miss its deadline: judged at the load it would be
+        released into, for its prompt. Never in an idle cluster, which has room for anything
+        (and whose first token re-teaches the estimator whatever a burst taught it)."""
+        if self.inflight == 0:
+            return False
+        return ticket.deadline < now + self.estimator.service_at(self.prefilling_tokens
+                                                                 + ticket.prompt_tokens)
+
+    def _release(self, ticket: Ticket, now: float) -> None:
+        self.queue.pop(ticket)
+        self.estimator.released(ticket.prompt_tokens)
+        self.prefilling_tokens += ticket.prompt_tokens
+        ticket.prefill_at_release = self.prefilling_tokens
+        self.inflight += ticket.slots
+        self.running.add(ticket)
+        ticket.released_at = now
+        self.room.released(ticket.prompt_tokens, ticket.blocks)
+        self.metrics.queue_wait.labels(self.metrics.model, ticket.tenant.name).observe(
+            now - ticket.arrival)
+        if not ticket._ready.done():
+            ticket._ready.set_result(None)
+
+    def _owed(self, ticket: Ticket) -> bool:
+        """Below its tenant's weighted share of the in-flight limit: such a request need not
+        wait for the limit, so a tenant crowded out while it was idle gets its share back at
+        once rather than after others' requests finish. The limit is then exceeded briefly
+        (by at most the limit itself), and nothing else is released until it is back under."""
+        return self.queue.within_share(ticket, self.room.inflight_limit())
+
+    def _drop(self, ticket: Ticket) -> None:
+        self.queue.remove(ticket)
+        ticket.done = True
+        now = time.monotonic()
+        self.estimator.missed(ticket.predicted_ttft_s, now - ticket.arrival
+                              + self.estimator.service_at(self.prefilling_tokens
+                                                          + ticket.prompt_tokens))
+        self.quotas.release(ticket.lease, 0)
+        retry = max(1, math.ceil(self.ttft_target_s))
+        error = self._reject(ticket.tenant, "ttft_expired", APIError(
+            503, f"Overloaded: the request waited past its {self.ttft_target_s:g}s time-to-first-"
+                 f"token target; retry in {retry}s.", "server_error", None,
+            "ttft_deadline_passed", retry))
+        if not ticket._ready.done():
+            ticket._ready.set_exception(error)
+
+    def _finish(self, ticket: Ticket) -> None:
+        if ticket.released_at is None:
+            self.queue.remove(ticket)
+        else:
+            self.inflight -= ticket.slots
+            self.running.remove(ticket)
+            if ticket.first_token_at is None:
+                self.prefilling_tokens -= ticket.prompt_tokens
+            self.queue.finished(ticket)
+            self.estimator.finished(time.monotonic() - ticket.released_at)
+        served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
+        if ticket.lease is not None:
+            self.quotas.release(ticket.lease, served_prompt + ticket.output_tokens)
+        tokens = self.metrics.tokens
+        tokens.labels(ticket.tenant.name, "prompt").inc(served_prompt)
+        tokens.labels(ticket.tenant.name, "output").inc(ticket.output_tokens)
+        self._drain()
+
+    def _first_token(self, ticket: Ticket) -> None:
+        self.prefilling_tokens -= ticket.prompt_tokens
+        self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
+            ticket.first_token_at - ticket.arrival)
+        self.estimator.first_token(ticket.first_token_at - ticket.released_at,
+                                   ticket.predicted_ttft_s,
+                                   ticket.first_token_at - ticket.arrival,
+                                   ticket.prefill_at_release)
+
+    def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
+        self.metrics.rejected.labels(tenant.name, reason).inc()
+        error.rejected_by = reason
+        return error
+
+    async def _tick(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(TICK_S)
+            self._wake.clear()
+            try:
+                self._drain()
+            except Exception:  # a bug here must not stop releasing requests
+                log.exception("admission dispatcher failed")

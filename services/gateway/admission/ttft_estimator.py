@@ -1,0 +1,234 @@
+"""Predicts a request's time to first token before it is queued, so that one which cannot meet
+the TTFT target is rejected at once instead of after waiting. Owned by the event loop.
+
+TTFT = wait in the fair queue + service (release -> first token). The wait is the backlog ahead
+of the request divided by the rate the cluster takes work, measured only while requests are
+waiting (otherwise the release rate is the arrival rate, not the capacity); it is measured in
+requests and in prompt tokens, and the slower of the two governs, so the estimate holds
+whether decode slots or prefill compute is the bottleneck. The wait is never taken below the
+time until enough requests in flight end (admission/inflight.py), which also covers a
+backlog that began a moment ago, before any drain rate was measured. The drain rate is never taken
+above the rate requests in flight end at, by Little's law (slots in use over the average
+request duration): a queued request goes when one ends, and releases into room that was free
+(the start of a backlog) would overstate it.
+
+The service time is a line in the prompt tokens that must be prefilled before the request's
+first token: those of requests released and still without a first token, plus its own. Its
+intercept and slope are a least-squares fit over released requests, from exponentially
+weighted moments. So it grows with the prefill backlog as soon as requests are released, before
+their slow first tokens are seen (a flood admitted on yesterday's quiet figure would all be
+late), and a short prompt is not judged by long prompts' first tokens.
+
+Every learned figure fades towards fresher evidence: after a quiet spell a new sample outweighs
+the old fit (half-life `half_life_s`), and old errors leave the margin after `error_window_s`.
+An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
+to wait behind, and its first token re-teaches the fit whatever a burst taught it. Nothing
+learned under a burst can keep refusing once the burst is over.
+
+And the estimate learns its own error: the 95th percentile of (actual - predicted) over recent
+requests is added, so that at most about one admitted request in twenty misses a target the
+plain estimate would have promised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class _Window:
+    busy_s: float = 0.0
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class _Aged:
+    """An exponentially weighted average whose old value counts for less the longer it went
+    without a sample: after a quiet spell, one new sample mostly replaces it."""
+
+    value: float | None = None
+    at: float = 0.0
+
+    def add(self, sample: float, alpha: float, now: float, half_life_s: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            keep = (1 - alpha) * _fade(now - self.at, half_life_s)
+            self.value = keep * self.value + (1 - keep) * sample
+        self.at = now
+
+
+class TTFTEstimator:
+    def __init__(self, window_s: float = 0.5, alpha: float = 0.3, clock=time.monotonic,
+                 half_life_s: float = 3.0, error_window_s: float = 20.0) -> None:
+        self.window_s = window_s
+        self.alpha = alpha
+        self.half_life_s = half_life_s
+        self.error_window_s = error_window_s
+        self._clock = clock
+        self.requests_per_s: float | None = None  # drain rate while backlogged
+        self.tokens_per_s: float | None = None
+        self._rate_at = 0.0
+        self.service_s: float | None = None  # release -> first token, any load
+        # Exponentially weighted moments of (x = prompt tokens to prefill before the first
+        # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
+        self._moments = [_Aged() for _ in range(4)]
+        self.duration_s: float | None = None  # release -> end
+        self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
+        self._busy_since: float | None = None
+        self._window = _Window()
+
+    def backlog(self, waiting: bool) -> None:
+        """Whether requests are waiting; call when that may have changed."""
+        now = self._clock()
+        if waiting and self._busy_since is None:
+            self._busy_since = now
+        elif not waiting and self._busy_since is not None:
+            self._window.busy_s += now - self._busy_since
+            self._busy_since = None
+            self._close_window()
+
+    def released(self, prompt_tokens: int) -> None:
+        """A request left the queue. Counted only during a backlog: then the cluster, not the
+        arrivals, sets the pace."""
+        if self._busy_since is None:
+            return
+        self._window.requests += 1
+        self._window.tokens += prompt_tokens
+        now = self._clock()
+        self._window.busy_s += now - self._busy_since
+        self._busy_since = now
+        self._close_window()
+
+    def first_token(self, seconds: float, predicted_ttft: float | None = None,
+                    actual_ttft: float | None = None,
+                    prefill_tokens: int | None = None) -> None:
+        """A released request's first token, `seconds` after its release, when `prefill_tokens`
+        prompt tokens (its own included) were to be prefilled before it; with what its TTFT
+        was predicted to be and turned out to be, when it was predicted."""
+        now = self._clock()
+        self.service_s = _ewma(self.service_s, seconds, self.alpha)
+        if prefill_tokens is not None:
+            for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
+                                                      prefill_tokens * seconds), strict=True):
+                moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
+        if predicted_ttft is not None and actual_ttft is not None:
+            self._errors.append((now, actual_ttft - predicted_ttft))
+
+    def missed(self, predicted_ttft: float | None, at_least: float) -> None:
+        """A request dropped from the queue, late: its TTFT would have been `at_least`."""
+        if predicted_ttft is not None:
+            self._errors.append((self._clock(), at_least - predicted_ttft))
+
+    def finished(self, seconds: float) -> None:
+        """A released request ended, `seconds` after its release."""
+        self.duration_s = _ewma(self.duration_s, seconds, self.alpha)
+
+    def estimate(self, requests_ahead: int, tokens_ahead: int, prompt_tokens: int,
+                 room_now: bool, slots_in_use: int = 0, prefilling_tokens: int = 0,
+                 slot_free_in_s: float | None = None) -> float | None:
+        """Seconds to this request's first token (the plain estimate), or None before
+        anything was measured. `prefilling_tokens`: prompt tokens released and still without
+        a first token; `slot_free_in_s`: when the request in flight whose end lets this one
+        go will end, where known (the wait is at least that)."""
+        service = self.service_at(prefilling_tokens + prompt_tokens)
+        if room_now and requests_ahead == 0:
+            return 0.0 if slots_in_use == 0 else service  # idle: see the module docstring
+        rate, tokens_rate = self.requests_per_s, self.tokens_per_s
+        if self.duration_s and slots_in_use:
+            # A queued request goes when one in flight ends: the rate they end at (Little's
+            # law) bounds the drain rate, which a burst of releases into free room overstates.
+            ending = slots_in_use / self.duration_s
+            rate = ending if rate is None else min(rate, ending)
+        if rate is None:
+            return None if slot_free_in_s is None else slot_free_in_s + service
+        # A backlog that has drained slower than usual for a whole window (a stall) counts
+        # now, not when the window closes.
+        busy = self._window.busy_s + (self._clock() - self._busy_since
+                                      if self._busy_since is not None else 0.0)
+        if busy >= self.window_s:
+            rate = min(rate, max(self._window.requests, 0.5) / busy)
+            if tokens_rate:
+                tokens_rate = min(tokens_rate, max(self._window.tokens, 1) / busy)
+        wait = (requests_ahead + 1) / rate
+        if tokens_rate and tokens_ahead:
+            # Only the prompts ahead: the rate is what was released while backlogged, so it is
+            # the prefill rate only when prefill was the bottleneck; when slots were, it is the
+            # backlog's own prompts per second and would make any long prompt look late.
+            # The request's own prefill is part of the service time.
+            wait = max(wait, tokens_ahead / tokens_rate)
+        if slot_free_in_s is not None:
+            wait = max(wait, slot_free_in_s)
+        return wait + service
+
+    def service_at(self, prefill_tokens: int) -> float:
+        """Release -> first token when `prefill_tokens` prompt tokens (its own included) are to
+        be prefilled before it: the fitted line, never below 0; the plain average before any
+        length was seen."""
+        line = self._line()
+        if line is None:
+            return self.service_s or 0.0
+        intercept, slope = line
+        return max(0.0, intercept + slope * prefill_tokens)
+
+    def seconds_per_prompt_token(self) -> float:
+        """The fit's slope: what one more prompt token to prefill adds to a first token."""
+        line = self._line()
+        return 0.0 if line is None else line[1]
+
+    def _line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the least-squares line; flat while the lengths seen were too
+        alike for a slope. (A line through the origin would read a fixed cost as a cost per
+        token: after two short prompts, a first burst of long ones would be refused on that
+        guess alone. Flat, the burst is served, and teaches the slope.) Never negative."""
+        x, y, xx, xy = (m.value for m in self._moments)
+        if x is None:
+            return None
+        variance = xx - x * x
+        if variance < _MIN_SPREAD_TOKENS ** 2:
+            return y, 0.0
+        slope = max(0.0, (xy - x * y) / variance)
+        return y - slope * x, slope
+
+    def margin(self, target_s: float) -> float:
+        """What to add to a plain estimate: its recent 95th-percentile error, within half the
+        target either way (0 until 20 requests were seen in the last `error_window_s`)."""
+        horizon = self._clock() - self.error_window_s
+        while self._errors and self._errors[0][0] < horizon:
+            self._errors.popleft()
+        if len(self._errors) < 20:
+            return 0.0
+        ordered = sorted(error for _, error in self._errors)
+        error = ordered[int(0.95 * (len(ordered) - 1))]
+        return max(-target_s / 2, min(target_s / 2, error))
+
+    def _close_window(self) -> None:
+        window = self._window
+        if window.busy_s < self.window_s or window.requests == 0:
+            return
+        now = self._clock()
+        keep = 1 - self.alpha if self.requests_per_s is None else \
+            (1 - self.alpha) * _fade(now - self._rate_at, self.half_life_s)
+        self.requests_per_s = _blend(self.requests_per_s, window.requests / window.busy_s, keep)
+        self.tokens_per_s = _blend(self.tokens_per_s, window.tokens / window.busy_s, keep)
+        self._rate_at = now
+        self._window = _Window()
+
+
+_FIT_ALPHA = 0.1  # a slope needs many requests' worth of evidence
+_MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is believed
+
+
+def _fade(age_s: float, half_life_s: float) -> float:
+    return 0.5 ** (max(0.0, age_s) / half_life_s) if half_life_s > 0 else 1.0
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else (1 - alpha) * old + alpha * sample
+
+
+def _blend(old: float | None, sample: float, keep: float) -> float:
+    return sample if old is None else keep * old + (1 - keep) * sample

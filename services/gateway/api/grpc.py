@@ -1,0 +1,161 @@
+"""splitserve.v1.Gateway: the gRPC front door. Same path as HTTP (limits, admission,
+preprocessing, deadlines, dispatcher, stop strings) with protobuf in and out; runs on the
+gateway's event loop (tokenizing in its tokenizer threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+from services.common import convert, tracing
+from services.gateway.api.deadline import RequestDeadline
+from services.gateway.api.request_ids import gateway_request_id, worker_request_id
+from services.gateway.api.text_stream import TextDelta
+from services.gateway.errors import APIError
+from services.gateway.gateway import Gateway
+from services.gateway.request_record import RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Generate(self, request: gateway_pb2.GenerateTextRequest, context):
+        try:
+            request_id = gateway_request_id(request.request_id,
+                                            self.gateway.config.max_request_id_length,
+                                            "request_id")
+            bad_id = None
+        except APIError as exc:  # refused below, under an id of its own
+            request_id, bad_id = uuid.uuid4().hex, exc
+        record = self.gateway.observer.begin("grpc", request_id,
+                                             tracing.context_from_grpc(context))
+        try:
+            await self._generate(request, context, record, bad_id)
+        except asyncio.CancelledError:  # the caller cancelled or went away
+            record.client_gone(grpc.StatusCode.CANCELLED.name)
+            raise
+        except BaseException as exc:  # an abort was recorded before it was raised
+            record.finish(grpc.StatusCode.UNKNOWN.name, exc)
+            raise
+        record.finish(grpc.StatusCode.OK.name)
+
+    async def _generate(self, request, context, record: RequestRecord,
+                        bad_id: APIError | None) -> None:
+        gateway = self.gateway
+        try:
+            if bad_id is not None:
+                raise bad_id
+            tenant = gateway.admission.authenticate(_authorization(request, context))
+            record.authenticated(tenant.name)
+            if request.model:
+                gateway.check_model(request.model)
+            deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival)
+            spec = await deadline.within(gateway.off_loop(
+                request.ByteSize(), self._spec, request, worker_request_id(record.request_id), gateway.limits()),
+                "tokenizing")
+            record.prompt(len(spec.prompt_token_ids),
+                          lambda: gateway.tokenizer.decode(spec.prompt_token_ids))
+            # Waits in the fair queue; a cancelled call gives its place up.
+            ticket = await deadline.within(
+                gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids)), "queued")
+        except APIError as exc:
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            record.finish(exc.grpc_code.name, exc)
+            await context.abort(exc.grpc_code, exc.message)
+        spec = ticket.specs[0]  # max_tokens within the tenant's limit
+        (stream,) = gateway.choice_streams(ticket, record, deadline)
+        timeout = gateway.config.slow_client_timeout_s
+        try:
+            try:
+                first = await anext(stream)
+            except APIError as exc:  # before any output: the status code says what failed
+                record.finish(exc.grpc_code.name, exc)
+                await context.abort(exc.grpc_code, exc.message)
+            delta: TextDelta | None = first
+            while delta is not None:
+                try:
+                    # A caller that stops reading stalls this write (HTTP/2 flow control).
+                    # asyncio.timeout, not wait_for: see streaming.SSEResponse._write.
+                    async with asyncio.timeout(timeout):
+                        await context.write(_response(delta, spec))
+                except TimeoutError:
+                    log.warning("gRPC caller read nothing for %.1fs; aborting %s", timeout,
+                                spec.request_id)
+                    record.finish(grpc.StatusCode.DEADLINE_EXCEEDED.name, cancelled="slow_client")
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        "the caller stopped reading the stream")
+                # After output, a failure is the final message just written (finish_reason
+                # ERROR and `error`) and the call ends OK, as an SSE stream ends with its
+                # error event: a status such as UNAVAILABLE would invite standard retry
+                # policies to replay text the caller already has.
+                delta = None if delta.finish_reason else await _next_or_error(stream, delta)
+        finally:
+            await stream.aclose()  # cancelled callers land here too: the workers abort
+            ticket.release()
+
+    def _spec(self, request: gateway_pb2.GenerateTextRequest, request_id: str, limits):
+        """Runs in a tokenizer thread (Gateway.off_loop): touches only read-only state."""
+        gateway = self.gateway
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            prompt = gateway.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise APIError.invalid("set prompt: `text` or `token_ids`", param="prompt")
+        try:
+            params = convert.sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            raise APIError.invalid(str(exc)) from None
+        return gateway.preprocessor.token_prompt(request_id, prompt, params, list(request.stop),
+                                                 limits)
+
+
+async def _next_or_error(stream, last: TextDelta) -> TextDelta | None:
+    """The stream's next delta; an unexpected failure becomes a final error delta, as
+    streaming.sse_events does (output was delivered: it must not end as a retryable status)."""
+    try:
+        return await anext(stream, None)
+    except Exception as exc:
+        log.exception("gRPC stream failed after output")
+        return TextDelta(index=last.index, text="", token_ids=(), logprobs=(),
+                         num_output_tokens=last.num_output_tokens, finish_reason="error",
+                         error=str(exc) or type(exc).__name__)
+
+
+def _authorization(request: gateway_pb2.GenerateTextRequest, context) -> str | None:
+    if request.api_key:
+        return f"Bearer {request.api_key}"
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
+    response = gateway_pb2.GenerateTextResponse(
+        text=delta.text, token_ids=delta.token_ids,
+        finish_reason=convert.FINISH_REASONS.get(delta.finish_reason,
+                                                 common_pb2.FINISH_REASON_ERROR),
+        error=delta.error or "",
+    )
+    if delta.logprobs:
+        response.logprobs.extend(convert.logprob_to_pb(t, lp)
+                                 for t, lp in zip(delta.token_ids, delta.logprobs, strict=False))
+    if delta.finish_reason is not None:
+        response.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delta.num_output_tokens,
+            cached_tokens=delta.num_cached_tokens))
+    return response
+
+
+def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health
+and readiness. Every error leaves as OpenAI's error body with a meaningful status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common import tracing
+from services.gateway.admission.admission import Ticket
+from services.gateway.admission.tenants import Tenant
+from services.gateway.api.deadline import TIMEOUT_CODES, RequestDeadline
+from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.api.request_ids import gateway_request_id, worker_request_id
+from services.gateway.api.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
+from services.gateway.api.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    open_streams,
+    sse_events,
+    until_disconnected,
+)
+from services.gateway.errors import APIError
+from services.gateway.gateway import Gateway
+from services.gateway.request_record import RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        workers = [{"address": e.address, "role": e.role, "routable": e.routable,
+                    "kv_blocks_free": e.health.stats.kv_blocks_free if e.health else None}
+                   for e in gateway.pool.endpoints]
+        if gateway.router.ready() and not gateway.draining:
+            return JSONResponse({"status": "ready", "workers": workers})
+        error = APIError.overloaded("No prefill/decode worker pair is reachable yet.", 1)
+        return JSONResponse({**error.body(), "workers": workers}, 503, headers=error.headers())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.admission.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [gateway.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        gateway.check_model(model_id)
+        return gateway.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(gateway, request, CompletionRequest,
+                               gateway.preprocessor.completion, CompletionFormat)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(gateway, request, ChatCompletionRequest,
+                               gateway.preprocessor.chat, ChatFormat)
+
+    return app
+
+
+async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
+                    format_type) -> Response:
+    """One completions or chat completions request: authenticate, parse, check the model,
+    turn it into generation specs with `preprocess`, serve them in `format_type`; all of it
+    within the request's deadline."""
+    record, bad_id = _begin(gateway, request)
+    try:
+        if bad_id is not None:
+            raise bad_id
+        tenant = gateway.admission.authenticate(request.headers.get("authorization"))
+        record.authenticated(tenant.name)
+        config = gateway.config
+        deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
+        body = await deadline.within(_read_body(request, config.max_body_bytes),
+                                     "reading the body")
+        # Parsing, the chat template and tokenizing are CPU work: off the event loop.
+        req, specs = await deadline.within(gateway.off_loop(
+            len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
+            gateway.limits()), "tokenizing")
+        fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
+                            deadline)
+    except BaseException as exc:
+        _failed(record, exc)
+        raise
+
+
+def _prepare(gateway: Gateway, body_type, body: bytes, preprocess, request_id: str, limits):
+    """Runs in a tokenizer thread: touches only read-only state."""
+    req = parse_body(body_type, body)
+    gateway.check_model(req.model)
+    return req, preprocess(request_id, req, limits)
+
+
+def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError | None]:
+    """The request's record, and the 400 to answer if its x-request-id is not acceptable (the
+    record then has an id of its own, so that the refusal is logged and counted)."""
+    try:
+        request_id = gateway_request_id(request.headers.get("x-request-id"),
+                                        gateway.config.max_request_id_length, "x-request-id")
+        bad_id = None
+    except APIError as exc:
+        request_id, bad_id = uuid.uuid4().hex, exc
+    record = gateway.observer.begin("http", request_id,
+                                    tracing.context_from_headers(request.headers))
+    return record, bad_id
+
+
+def _failed(record: RequestRecord, exc: BaseException) -> None:
+    """Records a request that ended in an exception (no-op if it was recorded already)."""
+    if isinstance(exc, asyncio.CancelledError):
+        record.client_gone(499)
+    else:
+        record.finish(exc.status if isinstance(exc, APIError) else 500, exc)
+
+
+async def _serve(gateway: Gateway, request: Request, record: RequestRecord, specs, fmt,
+                 stream: bool, tenant: Tenant, n: int, deadline: RequestDeadline) -> Response:
+    # Prompt tokens count once per prompt, however many choices (n) sample from it.
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
+    record.prompt(prompt_tokens, lambda: gateway.tokenizer.decode(specs[0].prompt_token_ids))
+    headers = {"x-request-id": record.request_id}
+    try:
+        # Waits in the fair queue; a client that leaves meanwhile gives its place up.
+        ticket = await until_disconnected(request.receive, deadline.within(
+            gateway.admission.admit(tenant, specs, prompt_tokens), "queued"))
+    except ClientDisconnected:
+        log.info("client disconnected while queued; request dropped")
+        record.client_gone(499)
+        return Response(status_code=499)
+    try:
+        if stream:
+            return await _serve_stream(gateway, request, record, fmt, prompt_tokens, ticket,
+                                       headers, deadline)
+        choices = await until_disconnected(request.receive,
+                                           _collect(gateway, ticket, record, deadline))
+    except ClientDisconnected:
+        log.info("client disconnected before the response; request aborted")
+        record.client_gone(499)
+        return Response(status_code=499)
+    finally:
+        if not stream:
+            ticket.release()
+    failed = next((c for c in choices if c.finish_reason == "error"), None)
+    if failed is not None:  # nothing was sent yet: a status code says what happened
+        timed_out = failed.error_code in TIMEOUT_CODES
+        raise APIError(504 if timed_out else 500,
+                       failed.error or "a worker failed mid-generation", "server_error",
+                       code=failed.error_code if timed_out else "worker_failed")
+    body = fmt.response(choices, usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
+                                       max(c.num_cached_tokens for c in choices)))
+    record.finish(200)
+    return JSONResponse(body, headers=headers)
+
+
+async def _serve_stream(gateway, request, record: RequestRecord, fmt, prompt_tokens,
+                        ticket: Ticket, headers, deadline: RequestDeadline) -> Response:
+    try:
+        streams = gateway.choice_streams(ticket, record, deadline)
+        # Wait for the first token of every choice before committing to a 200, so that
+        # failures before any token (after one invisible retry) still get a status code.
+        firsts = await until_disconnected(request.receive, open_streams(streams))
+    except BaseException:
+        ticket.release()
+        raise
+    events = sse_events(streams, firsts, fmt, prompt_tokens, gateway.config.stream_buffer_chunks)
+
+    async def close(ended: str) -> None:
+        ticket.release()
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        if ended == "client_disconnected":
+            record.client_gone(200)
+        else:
+            record.finish(200, cancelled=None if ended == "complete" else ended)
+
+    return SSEResponse(events, gateway.config.slow_client_timeout_s, headers, on_close=close)
+
+
+async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
+                   deadline: RequestDeadline) -> list[ChoiceResult]:
+    results = [ChoiceResult(spec.index) for spec in ticket.specs]
+
+    async def run(stream, result: ChoiceResult) -> None:
+        async for delta in stream:
+            result.add(delta)
+
+    streams = gateway.choice_streams(ticket, record, deadline)
+    tasks = [asyncio.ensure_future(run(s, r)) for s, r in zip(streams, results, strict=True)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+    return results
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError.too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError.too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s %s -> %s", request.method, request.url.path, exc)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        error = APIError.invalid(f"Invalid request: {first.get('msg', exc)}", param=param)
+        return JSONResponse(error.body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError.not_found(request.url.path)
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(APIError.internal("internal gateway error").body(), 500)

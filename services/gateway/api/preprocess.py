@@ -1,0 +1,201 @@
+"""Turns a validated request body into GenerationSpecs: tokenized prompts, checked limits and
+sampling parameters with a seed, before any worker is touched. Every problem is a 400; the
+size limits (request_limits) are checked before the prompt is tokenized."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.gateway.api.request_limits import RequestLimits
+from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
+from services.gateway.errors import APIError
+from services.gateway.generation_spec import GenerationSpec
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SEED_MODULUS = 1 << 63
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+class Preprocessor:
+    """Stateless apart from the read-only tokenizer and limits; runs in the gateway's
+    tokenizer threads (Gateway.off_loop), so a huge prompt never blocks the event loop."""
+
+    def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.request_limits = request_limits
+
+    def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
+        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
+        prompts = self._completion_prompts(req.prompt)
+        if req.logprobs is not None and not 0 <= req.logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise APIError.invalid(
+                f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {req.logprobs}",
+                param="logprobs")
+        specs = []
+        for p, prompt_ids in enumerate(prompts):
+            self._check_prompt(prompt_ids, limits)
+            max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+            params = self._params(req, max_tokens, len(prompt_ids), limits, logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+            echo = self.tokenizer.decode(prompt_ids) if req.echo else None
+            specs += self._choices(request_id, p, prompt_ids, params, req, echo)
+        return specs
+
+    def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        if not req.messages:
+            raise APIError.invalid("messages must contain at least one message", param="messages")
+        self.request_limits.check_batch(1, req.n)
+        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise APIError.invalid(str(exc), param="messages") from None
+        self._check_prompt(prompt_ids, limits, param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError.invalid("top_logprobs needs logprobs set to true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
+            raise APIError.invalid(f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]",
+                                   param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, limits.max_model_len - len(prompt_ids))
+        params = self._params(req, max_tokens, len(prompt_ids), limits,
+                              logprobs=top if req.logprobs else None, prompt_logprobs=None)
+        return self._choices(request_id, 0, prompt_ids, params, req, None)
+
+    def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     stop: Sequence[str], limits: ModelLimits) -> GenerationSpec:
+        """The gRPC front door: parameters already typed, prompt already tokenized."""
+        self.request_limits.check_stop(stop, params.stop_token_ids)
+        self._check_prompt(prompt_ids, limits)
+        self._check_length(len(prompt_ids), params.max_tokens, limits)
+        params = dataclasses.replace(params, seed=_seed(params.seed, 0))
+        _validate(params, limits)
+        return GenerationSpec(request_id, 0, tuple(prompt_ids), params, tuple(stop))
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise APIError.invalid("prompt must not be an empty list", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [self.tokenizer.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    def _check_prompt(self, prompt_ids: Sequence[int], limits: ModelLimits,
+                      param: str = "prompt") -> None:
+        if not prompt_ids:
+            raise APIError.invalid("the prompt is empty; send at least one token", param=param)
+        # The length first: it is O(1), the vocabulary scan is not.
+        if len(prompt_ids) >= limits.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {limits.max_model_len} tokens; the "
+                f"prompt has {len(prompt_ids)} tokens and at least one must be generated.",
+                param=param, code="context_length_exceeded")
+        bad = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError.invalid(
+                f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                param=param)
+
+    def _check_length(self, num_prompt: int, max_tokens: int, limits: ModelLimits) -> None:
+        if max_tokens < 1:
+            raise APIError.invalid(f"max_tokens must be at least 1, got {max_tokens}",
+                                   param="max_tokens")
+        if num_prompt + max_tokens > limits.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion).",
+                param="max_tokens", code="context_length_exceeded")
+
+    def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
+                logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        self._check_length(num_prompt, max_tokens, limits)
+        top_k = req.top_k if req.top_k is not None else 0
+        if top_k < -1:
+            raise APIError.invalid(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}",
+                                   param="top_k")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=max(top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            seed=req.seed,
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            disable_speculation=req.disable_speculation,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        _validate(params, limits)
+        return params
+
+    def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:
+        stop = _stop_list(req.stop)
+        base_seed = _seed(req.seed, 0)
+        return [
+            GenerationSpec(
+                request_id=f"{request_id}-{prompt_index * req.n + i}",
+                index=prompt_index * req.n + i,
+                prompt_token_ids=tuple(prompt_ids),
+                # Choice i samples with seed+i: reproducible, and different between choices.
+                params=dataclasses.replace(params, seed=(base_seed + i) % SEED_MODULUS),
+                stop=tuple(stop),
+                echo_text=echo,
+            )
+            for i in range(req.n)
+        ]
+
+
+def _num_prompts(prompt) -> int:
+    """A string or one token list is one prompt; a list of strings or token lists is many."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _seed(seed: int | None, offset: int) -> int:
+    """The user's seed, or a random one: the gateway always sends a seed, so the prefill
+    worker's first token and the decode worker's continuation (or a recompute) agree."""
+    if seed is None:
+        return secrets.randbits(62)
+    return (seed + offset) % SEED_MODULUS
+
+
+def _validate(params: SamplingParams, limits: ModelLimits) -> None:
+    try:
+        params.validate(limits.vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError.invalid(message, param=message.split(" ", 1)[0]) from None

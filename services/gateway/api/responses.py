@@ -1,0 +1,201 @@
+"""OpenAI response bodies: chat.completion(.chunk) and text_completion, logprobs included.
+Plain dicts built at the HTTP edge; everything before this module speaks TextDelta."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.outputs import Logprobs
+from services.gateway.api.text_stream import TextDelta
+from services.gateway.api.tokenizer import ModelTokenizer
+from services.gateway.generation_spec import GenerationSpec
+
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity
+
+
+def encode_sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(
+        payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {data}\n\n".encode()
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, accumulated from its deltas (non-streaming responses)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, delta: TextDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.error = delta.error or self.error
+        self.error_code = delta.error_code or self.error_code
+        self.num_output_tokens = delta.num_output_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class _Format:
+    """Shared header fields; one instance per HTTP request (it keeps per-choice state)."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, tokenizer: ModelTokenizer, specs: list[GenerationSpec],
+                 include_usage: bool = False) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+        self.specs = {spec.index: spec for spec in specs}
+        self.include_usage = include_usage
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage_body: dict) -> dict:
+        body = self._envelope([], chunk=True)
+        body["usage"] = usage_body
+        return body
+
+    def _lp(self, value: float) -> float:
+        return max(value, MIN_LOGPROB)
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def role_chunk(self, index: int) -> dict:
+        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}], chunk=True)
+
+    def chunk(self, delta: TextDelta) -> dict | None:
+        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        choice = {"index": delta.index, "delta": content,
+                  "logprobs": self._logprobs(delta.token_ids, delta.logprobs, delta.index),
+                  "finish_reason": delta.finish_reason}
+        return self._envelope([choice], chunk=True)
+
+    def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
+        body = self._envelope([
+            {"index": c.index,
+             "message": {"role": "assistant", "content": "".join(c.text)},
+             "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
+             "finish_reason": c.finish_reason}
+            for c in choices], chunk=False)
+        body["usage"] = usage_body
+        return body
+
+    def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
+        if self.specs[index].logprobs is None:
+            return None
+        return {"content": [self._entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=False)]}
+
+    def _entry(self, token_id: int, lp: Logprobs) -> dict:
+        entry = self._top(token_id, lp.logprob)
+        entry["top_logprobs"] = [self._top(t, v) for t, v in
+                                 sorted(lp.top.items(), key=lambda kv: -kv[1])]
+        return entry
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.tokenizer.token_text(token_id), "logprob": self._lp(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
+
+
+class CompletionFormat(_Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offset: dict[int, int] = {}  # per choice: characters streamed so far
+        self._started: set[int] = set()
+
+    def chunk(self, delta: TextDelta) -> dict | None:
+        spec = self.specs[delta.index]
+        text, token_ids, logprobs, prompt_part = delta.text, delta.token_ids, delta.logprobs, None
+        if delta.index not in self._started:
+            self._started.add(delta.index)
+            if spec.echo_text is not None:
+                text = spec.echo_text + text
+                prompt_part = (spec.prompt_token_ids, delta.prompt_logprobs)
+        if not text and not logprobs and delta.finish_reason is None:
+            return None
+        choice = {"index": delta.index, "text": text,
+                  "logprobs": self._logprobs(spec, token_ids, logprobs, prompt_part),
+                  "finish_reason": delta.finish_reason}
+        return self._envelope([choice], chunk=True)
+
+    def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
+        out = []
+        for c in choices:
+            spec = self.specs[c.index]
+            prompt_part = None
+            text = "".join(c.text)
+            if spec.echo_text is not None:
+                text = spec.echo_text + text
+                prompt_part = (spec.prompt_token_ids, c.prompt_logprobs)
+            out.append({"index": c.index, "text": text,
+                        "logprobs": self._logprobs(spec, c.token_ids, c.logprobs, prompt_part),
+                        "finish_reason": c.finish_reason})
+        body = self._envelope(out, chunk=False)
+        body["usage"] = usage_body
+        return body
+
+    def _logprobs(self, spec, token_ids, logprobs, prompt_part) -> dict | None:
+        if spec.logprobs is None:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self._text_offset.get(spec.index, 0)
+        entries: list[tuple[int, Logprobs | None]] = []
+        if prompt_part is not None:
+            prompt_ids, prompt_lps = prompt_part
+            prompt_lps = prompt_lps or (None,) * len(prompt_ids)
+            entries += list(zip(prompt_ids, prompt_lps, strict=False))
+        entries += list(zip(token_ids, logprobs, strict=False))
+        for token_id, lp in entries:
+            token = self.tokenizer.token_text(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            token_logprobs.append(None if lp is None else self._lp(lp.logprob))
+            tops.append(None if lp is None else {
+                self.tokenizer.token_text(t): self._lp(v)
+                for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])})
+        self._text_offset[spec.index] = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}

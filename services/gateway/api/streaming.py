@@ -1,0 +1,184 @@
+"""Server-Sent Events for one HTTP request: choice streams merged through a bounded buffer,
+written with a per-write timeout (a client that stops reading is cut off and its request
+aborted) while the connection is watched for a disconnect (which aborts it too).
+
+Everything here runs on the gateway's event loop; each response owns its tasks and closes
+every choice stream it opened, which cancels the worker RPCs still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from services.gateway.api.responses import ChatFormat, CompletionFormat, encode_sse, usage
+from services.gateway.api.text_stream import TextDelta
+from services.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+ChoiceStream = AsyncIterator[TextDelta]
+_END = object()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was sent."""
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive, awaitable: Awaitable[Any]) -> Any:
+    """Await `awaitable`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def open_streams(streams: list[ChoiceStream]) -> list[TextDelta]:
+    """First delta of every choice: proof that each request reached a worker and produced a
+    token. A failure (an APIError) or a cancel closes every stream, so that no worker request
+    outlives it and a status code can still be sent."""
+    try:
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failure = next((r for r in firsts if isinstance(r, BaseException)), None)
+        if isinstance(failure, StopAsyncIteration):
+            failure = APIError.internal("a worker stream ended without output")
+        if failure is not None:
+            raise failure
+    except BaseException:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
+    return firsts
+
+
+async def sse_events(
+    streams: list[ChoiceStream], firsts: list[TextDelta], fmt: ChatFormat | CompletionFormat,
+    prompt_tokens: int, buffer_size: int,
+) -> AsyncIterator[bytes]:
+    """The SSE byte chunks of a whole response; closing it aborts every open choice."""
+    buffer: asyncio.Queue = asyncio.Queue(maxsize=buffer_size)
+
+    async def pump(first: TextDelta, stream: ChoiceStream) -> None:
+        try:
+            await buffer.put(first)
+            async for delta in stream:
+                await buffer.put(delta)
+        except Exception as exc:  # a failed choice still ends, visibly
+            log.exception("choice stream %d failed", first.index)
+            await buffer.put(TextDelta(index=first.index, text="", token_ids=(), logprobs=(),
+                                       num_output_tokens=0, finish_reason="error", error=str(exc)))
+        finally:
+            await stream.aclose()
+        await buffer.put(_END)  # not when cancelled: nobody would read it
+
+    pumps = [asyncio.create_task(pump(f, s)) for f, s in zip(firsts, streams, strict=True)]
+    completion_tokens = cached_tokens = 0
+    try:
+        if isinstance(fmt, ChatFormat):
+            for first in firsts:
+                yield encode_sse(fmt.role_chunk(first.index))
+        remaining = len(pumps)
+        while remaining:
+            item = await buffer.get()
+            if item is _END:
+                remaining -= 1
+                continue
+            chunk = fmt.chunk(item)
+            if chunk is not None:
+                yield encode_sse(chunk)
+            if item.finish_reason is not None:
+                completion_tokens += item.num_output_tokens
+                cached_tokens = max(cached_tokens, item.num_cached_tokens)
+            if item.finish_reason == "error":
+                # Tokens were already sent: no silent retry, an explicit error event instead.
+                error = APIError(500, item.error or "a worker failed mid-stream", "server_error",
+                                 code=item.error_code or "worker_failed")
+                yield encode_sse(error.body())
+                break
+        if fmt.include_usage:
+            yield encode_sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens, cached_tokens)))
+        yield encode_sse("[DONE]")
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+class SSEResponse(Response):
+    """An ASGI response that writes `events` and gives up on a client that does not read.
+    `on_close` learns how it ended: "complete", "client_disconnected", "slow_client" or
+    "failed"."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], write_timeout_s: float,
+                 headers: dict[str, str] | None = None,
+                 on_close: Callable[[str], Awaitable[None]] | None = None) -> None:
+        # Not Response.__init__: there is no body to render; __call__ streams instead.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = []
+        self.events = events
+        self.write_timeout_s = write_timeout_s
+        self.extra_headers = headers or {}
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
+        writer = asyncio.ensure_future(self._write(send, headers))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        done: set = set()
+        ended = "failed"
+        try:
+            done, _ = await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, watcher):
+                task.cancel()
+            await asyncio.gather(writer, watcher, return_exceptions=True)
+            await self.events.aclose()
+            if writer not in done:
+                ended = "client_disconnected" if done else "failed"
+            elif not writer.cancelled() and writer.exception() is None:
+                ended = "complete" if writer.result() else "slow_client"
+            if self.on_close is not None:  # also when `events` never started
+                await self.on_close(ended)
+        if ended == "client_disconnected":
+            log.info("client disconnected mid-stream; request aborted")
+        elif not writer.cancelled() and writer.exception() is not None:
+            log.error("stream failed", exc_info=writer.exception())
+
+    async def _write(self, send, headers) -> bool:
+        """False when the client was cut off for not reading."""
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        async for chunk in self.events:
+            message = {"type": "http.response.body", "body": chunk, "more_body": True}
+            try:
+                # Not asyncio.wait_for: before Python 3.12 it can swallow this task's
+                # cancellation when the send completes at the same moment (as sends to a
+                # disconnected client do, instantly), and the stream would run on.
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                log.warning("client read nothing for %.1fs; cutting it off and aborting the "
+                            "request", self.write_timeout_s)
+                return False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True

@@ -1,0 +1,73 @@
+"""One choice's output as text: worker tokens through the incremental detokenizer and the
+stop-string matcher. A stop-string match ends the stream and cancels the worker request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.outputs import Logprobs
+from services.gateway.api.detokenizer import IncrementalDetokenizer
+from services.gateway.api.stop_strings import StopStringMatcher
+from services.gateway.api.tokenizer import ModelTokenizer
+from services.gateway.generation_spec import GenerationSpec
+from services.gateway.routing.dispatcher import Dispatcher
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What one step adds to a choice. `text` may be empty (held back) while tokens advance."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprobs, ...]
+    num_output_tokens: int  # so far, this delta included
+    finish_reason: str | None = None
+    error: str | None = None
+    # With finish_reason "error": OpenAI-style code of what ended it (None: a worker failed).
+    error_code: str | None = None
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    num_cached_tokens: int = 0
+
+
+async def stream_text(
+    spec: GenerationSpec, dispatcher: Dispatcher, tokenizer: ModelTokenizer,
+) -> AsyncIterator[TextDelta]:
+    """Raises APIError if the request fails before its first token (nothing was sent)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids)
+    matcher = StopStringMatcher(spec.stop)
+    events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb())
+    num_output = 0
+    num_cached = 0
+    try:
+        async for event in events:
+            num_cached = max(num_cached, event.num_cached_tokens)
+            text: list[str] = []
+            taken = 0
+            for token_id in event.token_ids:
+                taken += 1
+                text.append(matcher.push(detokenizer.push(token_id)))
+                if matcher.stopped:
+                    break
+            num_output += taken
+            finish = "stop" if matcher.stopped else event.finish_reason
+            if finish is not None and not matcher.stopped:
+                text.append(matcher.push(detokenizer.flush()))
+                finish = "stop" if matcher.stopped else finish
+                text.append(matcher.flush())
+            yield TextDelta(
+                index=spec.index,
+                text="".join(text),
+                token_ids=event.token_ids[:taken],
+                logprobs=event.logprobs[:taken],
+                num_output_tokens=num_output,
+                finish_reason=finish,
+                error=event.error if finish == "error" else None,
+                prompt_logprobs=event.prompt_logprobs,
+                num_cached_tokens=num_cached,
+            )
+            if finish is not None:
+                return
+    finally:
+        await events.aclose()  # cancels the worker RPCs if they are still open

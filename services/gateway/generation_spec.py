@@ -1,0 +1,30 @@
+"""GenerationSpec: one choice of one request, built by api/preprocess.py, capped and charged by
+admission, streamed by api/text_stream.py. A leaf, so that admission need not import the api."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.v1 import common_pb2
+
+from engine.sampling_params import SamplingParams
+from services.common import convert
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One choice of one request, ready for the dispatcher."""
+
+    request_id: str
+    index: int  # the choice's `index` in the response
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # seed always set
+    stop: tuple[str, ...] = ()
+    echo_text: str | None = None  # completions' echo: the prompt text to prepend
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    def sampling_pb(self) -> common_pb2.SamplingParams:
+        return convert.sampling_to_pb(self.params)

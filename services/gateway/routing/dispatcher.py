@@ -1,0 +1,282 @@
+"""Runs one request on the workers and yields its tokens, hiding the flow (disaggregated or
+aggregated), retries before the first token, and cancellation of every RPC it opened.
+
+Runs on the gateway's event loop. Closing the generator (client gone, stop string matched,
+slow client cut off) cancels the open Decode.Generate and Prefill.Prefill calls, which makes
+the workers abort the request and free its KV blocks. Nested generators are closed explicitly
+(`aclosing`): left to the garbage collector, a cancel could come seconds late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
+
+from engine.outputs import Logprobs
+from services.common import convert
+from services.gateway.errors import APIError, from_worker_error
+from services.gateway.routing.router import Route, Router
+from services.gateway.routing.worker_pool import WorkerEndpoint
+
+log = logging.getLogger(__name__)
+
+_NOT_ON_THE_WORKER = (grpc.StatusCode.INVALID_ARGUMENT,)  # retrying elsewhere cannot help
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output tokens of one request, in order, without repeats."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Logprobs, ...] = ()  # one per token when logprobs were asked
+    finish_reason: str | None = None  # "stop", "length", "error"
+    # Index i is the logprob of prompt token i (None for the first); first event only.
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class AttemptObserver(Protocol):
+    """Who watches one request's attempts (request_record.RequestRecord): where each went,
+    what its prefill reported, and the trace context its worker RPCs carry."""
+
+    grpc_metadata: Sequence[tuple[str, str]]
+
+    def routed(self, route: Route, attempt: int) -> None: ...
+
+    def prefilled(self, kv_bytes: int, cached_tokens: int) -> None: ...
+
+
+class _Unobserved:
+    grpc_metadata: Sequence[tuple[str, str]] = ()
+
+    def routed(self, route: Route, attempt: int) -> None:
+        pass
+
+    def prefilled(self, kv_bytes: int, cached_tokens: int) -> None:
+        pass
+
+
+_UNOBSERVED = _Unobserved()
+
+
+@dataclass
+class _AttemptFailed(Exception):
+    """An RPC of one attempt failed; `endpoint` is the worker whose call failed."""
+
+    endpoint: WorkerEndpoint
+    error: grpc.aio.AioRpcError
+
+
+@dataclass
+class Dispatcher:
+    router: Router
+    disaggregated: bool = True  # False: never use a prefill worker, whatever the router says
+    prefill_timeout_s: float = 120.0
+    max_attempts: int = 2  # the first try and one invisible retry before any token is out
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
+        observer: AttemptObserver = _UNOBSERVED,
+    ) -> AsyncIterator[TokenEvent]:
+        """Tokens of one request. Raises APIError if it fails before any token came back;
+        after that a failure is one final event with finish_reason "error"."""
+        tried: set[str] = set()
+        last: _AttemptFailed | None = None
+        for attempt in range(self.max_attempts):
+            emitted = False
+            attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+            try:
+                async with aclosing(self._attempt(attempt_id, prompt_token_ids, sampling,
+                                                  tried, attempt, observer)) as events:
+                    async for event in events:
+                        emitted = True
+                        yield event
+                return
+            except _AttemptFailed as failed:
+                code = failed.error.code()
+                failed.endpoint.record_failure(failed.error)
+                if emitted:
+                    log.warning("request %s failed after tokens were sent: %s %s", request_id,
+                                code.name, failed.error.details())
+                    yield TokenEvent(finish_reason="error",
+                                     error=f"worker {failed.endpoint.address} failed: "
+                                           f"{code.name}: {failed.error.details()}")
+                    return
+                if code in _NOT_ON_THE_WORKER:
+                    raise from_worker_error(failed.error) from None
+                log.info("request %s attempt %d on %s failed before its first token (%s); %s",
+                         request_id, attempt, failed.endpoint.address, code.name,
+                         "retrying" if attempt + 1 < self.max_attempts else "giving up")
+                # The retry prefers another worker, but uses the same one if it is the only
+                # one (the health poll and the circuit breaker decide that a worker is gone).
+                tried.add(failed.endpoint.address)
+                last = failed
+        raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
+
+    async def _attempt(self, request_id, prompt, sampling, tried, attempt: int,
+                       observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
+        route = self.router.route(prompt, sampling.max_tokens, exclude=tried)
+        if route is None:
+            raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
+        observer.routed(route, attempt)
+        decode, prefill = route.decode, route.prefill if self.disaggregated else None
+        decode.outstanding += 1
+        try:
+            if prefill is None:
+                flow = self._aggregated(decode, request_id, prompt, sampling, observer)
+            else:
+                flow = self._disaggregated(decode, prefill, request_id, prompt, sampling,
+                                           len(prompt) - route.cached_tokens, observer)
+            async with aclosing(flow) as events:
+                async for event in events:
+                    yield event
+        finally:
+            decode.outstanding -= 1
+
+    async def _aggregated(self, decode, request_id, prompt, sampling,
+                          observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
+        """The decode (or role-both) worker runs the prompt itself."""
+        call = decode.decode.Generate(decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            remote_prefill=False,
+        ), metadata=observer.grpc_metadata)
+        try:
+            async with aclosing(_decode_events(call, decode, next_index=0)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            call.cancel()
+
+    async def _disaggregated(self, decode, prefill, request_id, prompt, sampling,
+                             uncached_tokens: int, observer: AttemptObserver):
+        call = decode.decode.Generate(decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            remote_prefill=True,
+        ), metadata=observer.grpc_metadata)
+        prefill_call = prefill_done = decode_next = None
+        try:
+            try:
+                async with asyncio.timeout(self.prefill_timeout_s):
+                    reserved = await _read(call, decode)
+            except TimeoutError:
+                raise _AttemptFailed(decode, _synthetic_error(
+                    "decode worker did not reserve KV blocks in time",
+                    grpc.StatusCode.DEADLINE_EXCEEDED)) from None
+            if reserved is None or not reserved.HasField("reserved"):
+                raise _AttemptFailed(decode, _synthetic_error("decode stream did not reserve"))
+            prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                decode_kv_endpoint=reserved.reserved.kv_endpoint,
+            ), timeout=self.prefill_timeout_s, metadata=observer.grpc_metadata)
+            # Watch the decode stream while the prefill runs: a decode worker that dies now
+            # fails the attempt before its first token, so it is retried, not errored.
+            decode_next = asyncio.ensure_future(_read(call, decode))
+            prefill_done = asyncio.ensure_future(prefill_call)
+            prefill.outstanding += 1
+            prefill.prefill_tokens_in_flight += uncached_tokens
+            try:
+                await asyncio.wait({prefill_done, decode_next}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                prefill.outstanding -= 1
+                prefill.prefill_tokens_in_flight -= uncached_tokens
+            if decode_next.done():
+                early = decode_next.result()  # an rpc error raises _AttemptFailed here
+                if early is None:
+                    raise _AttemptFailed(decode, _synthetic_error("decode stream ended early"))
+                if (not prefill_done.done() and early.HasField("delta")
+                        and early.delta.output_index == 0):
+                    # The decode worker recomputed the prompt and streams from the start on
+                    # its own: the prefill is not needed any more.
+                    prefill_call.cancel()
+                    async with aclosing(_decode_events(call, decode, 0, decode_next)) as events:
+                        async for event in events:
+                            yield event
+                    return
+            try:
+                response = await prefill_done
+            except grpc.aio.AioRpcError as exc:
+                raise _AttemptFailed(prefill, exc) from None
+            prefill.breaker.record_success()
+            observer.prefilled(response.kv_bytes, response.num_cached_tokens)
+            first = response.first_token
+            yield TokenEvent(
+                token_ids=(first.token_id,),
+                logprobs=(convert.logprob_from_pb(first),) if sampling.HasField("logprobs") else (),
+                prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
+                num_cached_tokens=response.num_cached_tokens,
+            )
+            async with aclosing(_decode_events(call, decode, 1, decode_next)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
+            for task in (prefill_done, decode_next):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (prefill_done, decode_next) if t is not None),
+                                 return_exceptions=True)
+
+
+async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
+                         pending: asyncio.Future | None = None) -> AsyncIterator[TokenEvent]:
+    """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has.
+    `pending` is a read already started on the stream; its message comes first."""
+    healthy = False
+    while True:
+        if pending is not None:
+            message, pending = await pending, None
+        else:
+            message = await _read(call, decode)
+        if message is None:
+            raise _AttemptFailed(decode, _synthetic_error("decode stream ended before finishing"))
+        if not message.HasField("delta"):
+            continue
+        if not healthy:
+            healthy = True
+            decode.breaker.record_success()
+        delta = message.delta
+        skip = max(0, next_index - delta.output_index)
+        token_ids = tuple(delta.token_ids[skip:])
+        next_index += len(token_ids)
+        finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
+        if finish == "abort":
+            finish = "error"
+        yield TokenEvent(
+            token_ids=token_ids,
+            logprobs=tuple(convert.logprob_from_pb(lp) for lp in delta.logprobs[skip:]),
+            finish_reason=finish,
+            prompt_logprobs=_prompt_logprobs(delta.prompt_logprobs),
+            num_cached_tokens=delta.usage.cached_tokens if delta.HasField("usage") else 0,
+            error="the worker failed" if finish == "error" else None,
+        )
+        if finish is not None:
+            return
+
+
+async def _read(call, endpoint: WorkerEndpoint):
+    try:
+        message = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise _AttemptFailed(endpoint, exc) from None
+    return None if message is grpc.aio.EOF else message
+
+
+def _prompt_logprobs(pbs) -> tuple[Logprobs | None, ...] | None:
+    if not pbs:
+        return None
+    return (None,) + tuple(convert.logprob_from_pb(lp) for lp in pbs[1:])
+
+
+def _synthetic_error(details: str,
+                     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -1,0 +1,106 @@
+"""Follows the worker registry in Redis for one gateway: worker entries (joins, departures,
+draining) into the WorkerPool, and the prefix-cache event stream into the PrefixIndex.
+
+Two tasks on the gateway's event loop. If Redis is unreachable the pool keeps the workers it
+last saw (their Health polls still take dead ones out of rotation) and the index keeps what
+it knew; routing history covers the events missed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+
+from services.common.registry import PREFIX_STREAM, list_workers
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+_STREAM_BLOCK_MS = 1000
+_STREAM_BATCH = 1000
+
+
+class RegistryFollower:
+    def __init__(self, redis_url: str, pool: WorkerPool, index: PrefixIndex,
+                 interval_s: float = 0.5) -> None:
+        self.pool = pool
+        self.index = index
+        self.interval_s = interval_s
+        self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        # Its own connection pool: XREAD blocks, and must not hold up the membership scans.
+        self.stream_redis = aioredis.from_url(
+            redis_url, socket_timeout=_STREAM_BLOCK_MS / 1000 + 5, socket_connect_timeout=2)
+        self.last_event_id = "0-0"  # replay the stream from its start: the index is rebuilt
+        self.connected = False
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        try:
+            await self.sync_workers()
+        except Exception as exc:  # not fatal: workers may be given by address too
+            log.warning("redis registry unreachable at start-up: %s", exc)
+        await self.pool.poll_once()
+        self._tasks = [
+            asyncio.create_task(self._watch_workers(), name="registry-workers"),
+            asyncio.create_task(self._follow_prefix_events(), name="registry-prefix-events"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(self.redis.aclose(), self.stream_redis.aclose(),
+                             return_exceptions=True)
+
+    async def sync_workers(self) -> None:
+        workers = await list_workers(self.redis)
+        if not self.connected:
+            log.info("following the worker registry in redis (%d workers registered)",
+                     len(workers))
+            self.connected = True
+        joined, departed = self.pool.apply_registry(workers)
+        for endpoint in joined:
+            log.info("worker joined: %s %s at %s (%s)", endpoint.role, endpoint.worker_id,
+                     endpoint.address, endpoint.model)
+        for endpoint in departed:
+            log.info("worker left: %s %s at %s (%d requests still on it)", endpoint.role,
+                     endpoint.worker_id, endpoint.address, endpoint.outstanding)
+
+    async def _watch_workers(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sync_workers()
+            except Exception as exc:
+                if self.connected:
+                    log.warning("redis registry unreachable; keeping the last known workers: %s",
+                                exc)
+                self.connected = False
+
+    async def _follow_prefix_events(self) -> None:
+        while True:
+            try:
+                batches = await self.stream_redis.xread(
+                    {PREFIX_STREAM: self.last_event_id}, count=_STREAM_BATCH,
+                    block=_STREAM_BLOCK_MS)
+            except Exception as exc:
+                log.debug("prefix event stream unreachable: %s", exc)
+                await asyncio.sleep(self.interval_s)
+                continue
+            for _stream, entries in batches or ():
+                for entry_id, fields in entries:
+                    self.last_event_id = entry_id
+                    self._apply(fields)
+
+    def _apply(self, fields: dict) -> None:
+        try:
+            worker = fields[b"worker"].decode()
+            kind = fields[b"kind"].decode()
+            hashes = [int(h) for h in fields[b"hashes"].split(b",") if h]
+        except (KeyError, ValueError) as exc:
+            log.warning("skipping a malformed prefix event: %r (%s)", fields, exc)
+            return
+        self.index.apply_event(worker, kind, hashes)

@@ -1,0 +1,170 @@
+"""Which workers serve a request: a decode worker, and a prefill worker or none (the decode
+worker then runs the prompt itself: conditional disaggregation).
+
+Each pool is ranked by a weighted sum of small scorers (services/gateway/routing/scorers);
+ties go round-robin, so with no scorers at all this is plain round-robin. Runs on the event
+loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.scorers import (
+    DEFAULT_DECODE_WEIGHTS,
+    DEFAULT_PREFILL_WEIGHTS,
+    RoutingRequest,
+    Scorer,
+    build_scorers,
+)
+from services.gateway.routing.scorers.queued_prefill import queued_tokens
+from services.gateway.routing.worker_pool import WorkerEndpoint, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: WorkerEndpoint
+    prefill: WorkerEndpoint | None  # None: the decode worker prefills the prompt itself
+    reason: str  # why the prompt is prefilled where it is (logs, tests)
+    cached_tokens: int = 0  # of the prompt, on the worker that prefills it (estimate)
+
+    @property
+    def reason_label(self) -> str:
+        """`reason` as a bounded metric label: aggregated, disaggregated, local_short_prompt,
+        local_no_prefill_worker or local_prefill_backlog."""
+        return _REASON_LABELS.get(self.reason) or (
+            "local_short_prompt" if self.reason.startswith("local") else self.reason)
+
+
+_REASON_LABELS = {
+    "local: no prefill worker available": "local_no_prefill_worker",
+    "local: every prefill worker is backed up": "local_prefill_backlog",
+}
+
+
+class Router(Protocol):
+    def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
+              exclude: Collection[str] = ()) -> Route | None:
+        """Workers for one attempt, avoiding addresses in `exclude` unless none other is
+        left; None when no worker can take it now."""
+
+    def ready(self) -> bool:
+        """Whether requests can be routed at all."""
+
+
+class ScoringRouter:
+    """Decode: the highest weighted score (default: free KV share + running load). Prefill:
+    likewise among prefill workers serving the same model as that decode worker (default:
+    prompt tokens cached there minus tokens queued there).
+
+    Conditional disaggregation: the decode worker prefills the prompt itself when the part
+    of it not in that worker's cache is at most `local_prefill_tokens` (0: never), or when
+    every prefill worker has at least `prefill_backlog_tokens` queued or none is available
+    (0: never; wait for a prefill worker instead)."""
+
+    def __init__(self, pool: WorkerPool, index: PrefixIndex | None = None,
+                 decode_scorers: Sequence[tuple[Scorer, float]] | None = None,
+                 prefill_scorers: Sequence[tuple[Scorer, float]] | None = None,
+                 local_prefill_tokens: int = 0, prefill_backlog_tokens: int = 0) -> None:
+        self.pool = pool
+        self.index = index or PrefixIndex()
+        if decode_scorers is None:
+            decode_scorers = build_scorers(DEFAULT_DECODE_WEIGHTS, self.index)
+        if prefill_scorers is None:
+            prefill_scorers = build_scorers(DEFAULT_PREFILL_WEIGHTS, self.index)
+        self.decode_scorers = list(decode_scorers)
+        self.prefill_scorers = list(prefill_scorers)
+        self.local_prefill_tokens = local_prefill_tokens
+        self.prefill_backlog_tokens = prefill_backlog_tokens
+        self._decode_turn: Iterator[int] = itertools.count()
+        self._prefill_turn: Iterator[int] = itertools.count()
+
+    def ready(self) -> bool:
+        if not any(e.available() for e in self.pool.decoders()):
+            return False
+        if self.pool.disaggregated and not self.prefill_backlog_tokens:
+            return any(e.available() for e in self.pool.prefillers())
+        return True
+
+    def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
+              exclude: Collection[str] = ()) -> Route | None:
+        request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size())
+        decode = _best(self.pool.decoders(), self.decode_scorers, request, exclude,
+                       self._decode_turn)
+        if decode is None:
+            return None
+        route = self._place_prefill(request, decode, exclude)
+        if route is not None:
+            self._commit(request, route)
+        return route
+
+    def _place_prefill(self, request: RoutingRequest, decode: WorkerEndpoint,
+                       exclude: Collection[str]) -> Route | None:
+        cached_on_decode = self._cached_tokens(request, decode)
+        if decode.role == "both" or not self.pool.disaggregated:
+            return Route(decode, None, "aggregated", cached_on_decode)
+        uncached = request.num_tokens - cached_on_decode
+        if self.local_prefill_tokens and uncached <= self.local_prefill_tokens:
+            return Route(decode, None, f"local: {uncached} uncached tokens", cached_on_decode)
+        candidates = [p for p in self.pool.prefillers()
+                      if p.available() and _same_model(p, decode)]
+        if not candidates:
+            if self.prefill_backlog_tokens:
+                return Route(decode, None, "local: no prefill worker available",
+                             cached_on_decode)
+            return None
+        if self.prefill_backlog_tokens and all(
+                queued_tokens(p) >= self.prefill_backlog_tokens for p in candidates):
+            return Route(decode, None, "local: every prefill worker is backed up",
+                         cached_on_decode)
+        prefill = _best(candidates, self.prefill_scorers, request, exclude, self._prefill_turn)
+        return Route(decode, prefill, "disaggregated", self._cached_tokens(request, prefill))
+
+    def _cached_tokens(self, request: RoutingRequest, worker: WorkerEndpoint) -> int:
+        blocks = self.index.matched_blocks(worker.worker_id, worker.address, request.block_hashes)
+        return blocks * request.block_size
+
+    def _commit(self, request: RoutingRequest, route: Route) -> None:
+        """Count what was just sent, until the next Health poll reports it."""
+        decode, prefill = route.decode, route.prefill
+        decode.blocks_since_poll += request.blocks_needed
+        decode.requests_since_poll += 1
+        decode.breaker.on_routed()
+        # The decode worker ends up holding the prompt's blocks either way (received or computed).
+        self.index.record_routed(decode.address, request.block_hashes)
+        if prefill is not None:
+            prefill.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
+            prefill.breaker.on_routed()
+            self.index.record_routed(prefill.address, request.block_hashes)
+        log.debug("route decode=%s prefill=%s (%s, %d cached)", decode.address,
+                  prefill.address if prefill else "-", route.reason, route.cached_tokens)
+
+
+def _best(endpoints: Sequence[WorkerEndpoint], scorers: Sequence[tuple[Scorer, float]],
+          request: RoutingRequest, exclude: Collection[str],
+          turn: Iterator[int]) -> WorkerEndpoint | None:
+    candidates = _prefer_unexcluded([e for e in endpoints if e.available()], exclude)
+    if not candidates:
+        return None
+    scores = [sum(weight * scorer.score(request, e) for scorer, weight in scorers)
+              for e in candidates]
+    top = max(scores)
+    tied = [e for e, s in zip(candidates, scores, strict=True) if s >= top - 1e-9 * max(1.0, abs(top))]
+    return tied[next(turn) % len(tied)]
+
+
+def _prefer_unexcluded(endpoints: list[WorkerEndpoint], exclude: Collection[str]) -> list[WorkerEndpoint]:
+    fresh = [e for e in endpoints if e.address not in exclude]
+    return fresh or endpoints
+
+
+def _same_model(a: WorkerEndpoint, b: WorkerEndpoint) -> bool:
+    """KV moves only between workers of one model version (unknown matches anything)."""
+    return not a.model or not b.model or a.model == b.model
