@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
+    from engine.config import cpu_has_fast_bf16
+
+    print("settings: dtype bfloat16 (forced: the C++ prefill attention is bfloat16 only; the "
+          f"shipped --dtype auto is {'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this "
+          f"CPU), {args.threads} torch thread(s), cpu_attention torch against cpp")
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
     attention_layer(lengths, max(5, args.repeats))
