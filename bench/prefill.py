@@ -36,8 +36,9 @@ def attention_layer(lengths: list[int], repeats: int) -> None:
     print("one attention layer, 9 query / 3 KV heads of 64, bf16 (best of", repeats, "):")
     for n in lengths:
         q, k, v = (torch.randn(n, heads, 64).bfloat16() for heads in (9, 3, 3))
-        sdpa = _best_ms(lambda: prefill_attention(q, k, v, 0.125), repeats)
-        cpp = _best_ms(lambda: torch.ops.splitserve_cpu.prefill_attention(q, k, v, 0.125), repeats)
+        sdpa = _best_ms(lambda q=q, k=k, v=v: prefill_attention(q, k, v, 0.125), repeats)
+        cpp = _best_ms(lambda q=q, k=k, v=v: torch.ops.splitserve_cpu.prefill_attention(
+            q, k, v, 0.125), repeats)
         print(f"  {n:5d} tokens: SDPA {sdpa:7.2f} ms  C++ {cpp:7.2f} ms  ({sdpa / cpp:.2f}x)")
 
 
@@ -57,7 +58,7 @@ def whole_prefill(model: str, lengths: list[int], repeats: int, threads: int) ->
             engine.step()
 
     for n in lengths:
-        ms = {c: _best_ms(lambda e=e: prefill(e, n), repeats) for c, e in engines.items()}
+        ms = {c: _best_ms(lambda e=e, n=n: prefill(e, n), repeats) for c, e in engines.items()}
         print(f"  {n:5d} tokens: torch attention {ms['torch']:8.1f} ms  C++ {ms['cpp']:8.1f} ms  "
               f"({ms['torch'] / ms['cpp']:.2f}x; {n / ms['cpp'] * 1e3:.0f} tokens/s)")
 
