@@ -46,9 +46,10 @@ def overload_stack(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("small-llama"), arch="llama", seed=0,
                              **SMALL_MODEL)
     # The KV cache at its shipped size (the test harness otherwise makes it small). Decode
-    # batches at most 32: with this tiny model, 128 streams' tokens would saturate the gateway
-    # on the same 2 cores and this test would measure its streaming, not its admission.
-    workers = [start_worker(model, role, "--num-kv-blocks", "0", "--max-num-seqs", "32",
+    # batches at most 16: the admitted streams' tokens are parsed by this process's load
+    # generator and sent by the gateway on the same 2 cores as the workers, and with many
+    # more of them the refusals' 50 ms would measure that streaming, not admission.
+    workers = [start_worker(model, role, "--num-kv-blocks", "0", "--max-num-seqs", "16",
                             shipped_dtype=True) for role in ("prefill", "decode")]
     try:
         for worker in workers:
