@@ -236,8 +236,11 @@ class Admission:
         (and whose first token re-teaches the estimator whatever a burst taught it)."""
         if self.inflight == 0:
             return False
-        return ticket.deadline < now + self.estimator.service_at(self.prefilling_tokens
-                                                                 + ticket.prompt_tokens)
+        return ticket.deadline < now + self._service_s(ticket)
+
+    def _service_s(self, ticket: Ticket) -> float:
+        """Its release -> first token if released now, behind the prompts still prefilling."""
+        return self.estimator.service_at(self.prefilling_tokens + ticket.prompt_tokens)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
@@ -264,9 +267,8 @@ class Admission:
         self.queue.remove(ticket)
         ticket.done = True
         now = time.monotonic()
-        self.estimator.missed(ticket.predicted_ttft_s, now - ticket.arrival
-                              + self.estimator.service_at(self.prefilling_tokens
-                                                          + ticket.prompt_tokens))
+        self.estimator.missed(ticket.predicted_ttft_s,
+                              now - ticket.arrival + self._service_s(ticket))
         self.quotas.release(ticket.lease, 0)
         retry = max(1, math.ceil(self.ttft_target_s))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(

@@ -56,8 +56,7 @@ class _Aged:
         if self.value is None:
             self.value = sample
         else:
-            keep = (1 - alpha) * _fade(now - self.at, half_life_s)
-            self.value = keep * self.value + (1 - keep) * sample
+            self.value = _blend(self.value, sample, _keep(alpha, now - self.at, half_life_s))
         self.at = now
 
 
@@ -210,8 +209,7 @@ class TTFTEstimator:
         if window.busy_s < self.window_s or window.requests == 0:
             return
         now = self._clock()
-        keep = 1 - self.alpha if self.requests_per_s is None else \
-            (1 - self.alpha) * _fade(now - self._rate_at, self.half_life_s)
+        keep = _keep(self.alpha, now - self._rate_at, self.half_life_s)
         self.requests_per_s = _blend(self.requests_per_s, window.requests / window.busy_s, keep)
         self.tokens_per_s = _blend(self.tokens_per_s, window.tokens / window.busy_s, keep)
         self._rate_at = now
@@ -220,6 +218,11 @@ class TTFTEstimator:
 
 _FIT_ALPHA = 0.1  # a slope needs many requests' worth of evidence
 _MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is believed
+
+
+def _keep(alpha: float, age_s: float, half_life_s: float) -> float:
+    """An average's weight against a new sample that comes `age_s` after its last one."""
+    return (1 - alpha) * _fade(age_s, half_life_s)
 
 
 def _fade(age_s: float, half_life_s: float) -> float:
