@@ -6,7 +6,7 @@ updated from the scheduler's diffs, so the same code runs on every tensor-parall
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
+from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
@@ -33,6 +34,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     prompt_logprobs: list[Logprobs | None] | None = None
+    penalty_counts: TokenCounts = field(default_factory=TokenCounts)  # over token_ids
 
 
 def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
@@ -276,6 +278,7 @@ class ModelRunner:
                     position=len(state.token_ids),
                     token_ids=state.token_ids,
                     num_prompt_tokens=state.num_prompt_tokens,
+                    counts=state.penalty_counts,
                 )
             )
         tokens, logprobs = self.sampler(logits, rows)
@@ -304,6 +307,7 @@ class ModelRunner:
                 params=state.params, seed=state.params.seed, token_ids=state.token_ids,
                 num_prompt_tokens=state.num_prompt_tokens, proposals=spec[rid],
                 draft_probs=draft_probs.get(rid) if draft_probs else None,
+                counts=state.penalty_counts,
             ))
         sampled: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[Logprobs]] = {}

@@ -6,6 +6,7 @@ import enum
 import time
 
 from engine.sampling_params import SamplingParams
+from engine.token_counts import TokenCounts
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,6 +64,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[int] = []  # hashes of the full blocks of all_token_ids
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
+        # Penalty counts over all_token_ids for the draft proposer's own sampling (the model
+        # runner keeps its own beside its copy of the tokens).
+        self.draft_token_counts = TokenCounts()
         self.num_preemptions = 0
         # Wall-clock (ns) milestones for traces: first scheduled, remote KV written.
         self.first_scheduled_ns: int | None = None

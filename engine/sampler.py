@@ -4,46 +4,55 @@ keyed by (seed, position), so batch composition and the worker that samples do n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from engine.token_counts import TokenCounts, with_output_tokens
 
 _MASK63 = (1 << 63) - 1
 
 
 @dataclass
 class SamplingRow:
-    """One position to sample: the request's params and the tokens that precede it."""
+    """One position to sample: the request's params and the tokens that precede it.
+
+    Penalties read `counts`, the request's incremental counts over `token_ids`; without one
+    (a caller that keeps no state) the whole history is counted for this row alone.
+    `pending_token_ids` follow `token_ids` before this position (speculative proposals being
+    verified or drafted): counted for this row only."""
 
     params: SamplingParams
     seed: int
     position: int  # index of the token being sampled within the sequence
-    token_ids: list[int]  # prompt + output so far (for penalties)
+    token_ids: list[int]  # prompt + accepted output so far (for penalties)
     num_prompt_tokens: int
+    counts: TokenCounts | None = None
+    pending_token_ids: Sequence[int] = ()
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     p = row.params
-    device = logits.device
+    counts = row.counts if row.counts is not None else TokenCounts()
+    counts.update(row.token_ids, row.num_prompt_tokens, logits.shape[-1], logits.device)
+    output, seen = counts.output, counts.seen
+    if row.pending_token_ids:
+        output, seen = with_output_tokens(output, seen, row.pending_token_ids)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=device)
-        values = logits[seen]
-        logits[seen] = torch.where(
-            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-        )
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty,
+                                logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
     if p.presence_penalty or p.frequency_penalty:
-        output = row.token_ids[row.num_prompt_tokens :]
-        if output:
-            ids = torch.tensor(output, dtype=torch.long, device=device)
-            counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits -= p.frequency_penalty * output + p.presence_penalty * (output > 0).to(logits.dtype)
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Top-k then top-p then min-p on temperature-scaled logits; returns probabilities."""
+    """Top-k then top-p then min-p on temperature-scaled logits; returns probabilities that
+    sum to 1 over the kept tokens (the rejection sampler uses them as p and q, not only as
+    weights for a draw)."""
     device = logits.device
     top_ks = [r.params.top_k for r in rows]
     if any(k > 0 for k in top_ks):
@@ -67,6 +76,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(m > 0 for m in min_ps):
         ms = torch.tensor(min_ps, device=device, dtype=probs.dtype).unsqueeze(1)
         probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if any(p < 1.0 for p in top_ps) or any(m > 0 for m in min_ps):
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # the top token always survives: sum > 0
     return probs
 
 
@@ -92,8 +103,11 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[Logprobs | None]]:
         logits = logits.float()
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        # Logprobs are of the model's distribution (before penalties), for the rows that ask.
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = None
+        if asked:
+            raw_logprobs = (logits if len(asked) == len(rows) else logits[asked]).log_softmax(-1)
         if any(r.params.needs_penalties for r in rows):
             logits = logits.clone()
             for i, row in enumerate(rows):
@@ -113,10 +127,8 @@ class Sampler:
             tokens[index] = (probs / noise).argmax(dim=-1)
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, row in enumerate(rows):
-                if want_logprobs[i]:
-                    logprobs[i] = top_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
+        for at, i in enumerate(asked):
+            logprobs[i] = top_logprobs(raw_logprobs[at], token_list[i], rows[i].params.logprobs)
         return token_list, logprobs
 
 

@@ -144,11 +144,11 @@ class DraftModelProposer(Proposer):
         rows = []
         for j in sampled:
             request, params = requests[j], requests[j].sampling_params
-            history = request.all_token_ids
             rows.append(SamplingRow(
                 params=params, seed=params.seed, position=request.num_tokens + len(drafted[j]),
-                token_ids=history + drafted[j] if params.needs_penalties else history,
-                num_prompt_tokens=request.num_prompt_tokens,
+                token_ids=request.all_token_ids, num_prompt_tokens=request.num_prompt_tokens,
+                counts=request.draft_token_counts,
+                pending_token_ids=drafted[j] if params.needs_penalties else (),
             ))
         q = sampling_probs(logits[sampled], rows)
         noise = torch.stack([draft_noise_for(r.seed, r.position, q.shape[-1], q.device)

@@ -23,6 +23,7 @@ import torch
 from engine.outputs import Logprobs
 from engine.sampler import Sampler, SamplingRow, noise_for, sampling_probs, top_logprobs
 from engine.sampling_params import SamplingParams
+from engine.token_counts import TokenCounts
 
 _MASK63 = (1 << 63) - 1
 # Tags that separate the random streams derived from one (seed, position).
@@ -54,6 +55,7 @@ class VerifyItem:
     num_prompt_tokens: int
     proposals: list[int]
     draft_probs: torch.Tensor | None = None  # [len(proposals), draft vocab], sampled drafts only
+    counts: TokenCounts | None = None  # the request's penalty counts over token_ids, if kept
 
     def rows(self) -> list[SamplingRow]:
         """A sampling row per scored position; position i follows proposals[:i]."""
@@ -61,9 +63,9 @@ class VerifyItem:
         penalties = self.params.needs_penalties
         return [
             SamplingRow(
-                params=self.params, seed=self.seed, position=base + i,
-                token_ids=self.token_ids + self.proposals[:i] if penalties else self.token_ids,
-                num_prompt_tokens=self.num_prompt_tokens,
+                params=self.params, seed=self.seed, position=base + i, token_ids=self.token_ids,
+                num_prompt_tokens=self.num_prompt_tokens, counts=self.counts,
+                pending_token_ids=self.proposals[:i] if penalties else (),
             )
             for i in range(len(self.proposals) + 1)
         ]
@@ -118,6 +120,9 @@ def _rejection_sample(logits: torch.Tensor, item: VerifyItem) -> tuple[list[int]
     p = sampling_probs(logits, rows)
     vocab = p.shape[-1]
     q = item.draft_probs.to(device=device, dtype=p.dtype)
+    # p comes normalised from sampling_probs; q is made so here too, whoever built it: the
+    # accept test and the residual compare them as probabilities, not as weights.
+    q = q / q.sum(dim=-1, keepdim=True)
     if q.shape[-1] < vocab:  # a draft may have a smaller (prefix) vocabulary
         q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
     k = len(item.proposals)
