@@ -1,12 +1,14 @@
 """OpenAI request bodies as pydantic models. Parsed in strict mode, so a wrong JSON type is a
-400 rather than a silent coercion; unknown fields are ignored, as OpenAI does."""
+400 rather than a silent coercion; unknown fields are ignored, as OpenAI does, except the ones
+that would change what is generated (unsupported_fields): those are declared and refused."""
 
 from __future__ import annotations
 
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from services.gateway.api.unsupported_fields import refuse_unsupported
 from services.gateway.errors import APIError
 
 
@@ -38,7 +40,28 @@ class _SamplingFields(_Body):
     # distribution, only the speed changes)
     disable_speculation: bool = False
     n: int = 1
+    # Accepted and ignored: they change nothing generated.
     user: str | None = None
+    metadata: JsonValue = None
+    store: JsonValue = None
+    service_tier: JsonValue = None
+    # Refused unless their value changes nothing (unsupported_fields.REFUSED).
+    response_format: JsonValue = None
+    logit_bias: JsonValue = None
+    guided_json: JsonValue = None
+    guided_regex: JsonValue = None
+    guided_choice: JsonValue = None
+    guided_grammar: JsonValue = None
+    structured_outputs: JsonValue = None
+    min_tokens: JsonValue = None
+    bad_words: JsonValue = None
+    allowed_token_ids: JsonValue = None
+    use_beam_search: JsonValue = None
+    length_penalty: JsonValue = None
+    include_stop_str_in_output: JsonValue = None
+    skip_special_tokens: JsonValue = None
+    spaces_between_special_tokens: JsonValue = None
+    truncate_prompt_tokens: JsonValue = None
 
     @property
     def include_usage(self) -> bool:
@@ -49,6 +72,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    best_of: JsonValue = None  # refused unless equal to n
+    suffix: JsonValue = None  # refused unless empty
 
 
 class TextPart(_Body):
@@ -60,6 +85,10 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Refused unless empty (unsupported_fields.REFUSED_IN_MESSAGES).
+    tool_calls: JsonValue = None
+    function_call: JsonValue = None
+    audio: JsonValue = None
 
     def text(self) -> str:
         if self.content is None:
@@ -74,6 +103,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    parallel_tool_calls: JsonValue = None  # accepted: without tools it changes nothing
+    prediction: JsonValue = None  # accepted: a latency hint, the output is the same
+    # Refused unless their value changes nothing (unsupported_fields.REFUSED).
+    tools: JsonValue = None
+    tool_choice: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    reasoning_effort: JsonValue = None
+    web_search_options: JsonValue = None
+    audio: JsonValue = None
+    modalities: JsonValue = None
+    add_generation_prompt: JsonValue = None
+    continue_final_message: JsonValue = None
+    chat_template: JsonValue = None
+    chat_template_kwargs: JsonValue = None
+    documents: JsonValue = None
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -81,9 +126,12 @@ Body = TypeVar("Body", bound=BaseModel)
 
 def parse_body(model: type[Body], body: bytes) -> Body:
     try:
-        return model.model_validate_json(body, strict=True)
+        parsed = model.model_validate_json(body, strict=True)
     except ValidationError as exc:
         raise _as_api_error(exc) from None
+    if isinstance(parsed, _SamplingFields):
+        refuse_unsupported(parsed, chat=isinstance(parsed, ChatCompletionRequest))
+    return parsed
 
 
 def _as_api_error(exc: ValidationError) -> APIError:
