@@ -42,6 +42,13 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # Keys each layer's queries see, themselves included (0: all before them): Mistral's
+    # `sliding_window` on every layer; Qwen2's when `use_sliding_window`, on the layers its
+    # `layer_types` (or `max_window_layers`) names, as transformers reads them.
+    layer_windows: tuple[int, ...] = ()
+
+    def window_of(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -81,7 +88,34 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", is_qwen2),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            layer_windows=_layer_windows(raw, architectures[0], raw["num_hidden_layers"]),
         )
+
+
+def _layer_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows, read as transformers reads them: Llama has none, Mistral
+    slides every layer when `sliding_window` is set, Qwen2 only with `use_sliding_window`, on
+    its `sliding_attention` layers (by default those from `max_window_layers` on)."""
+    window = raw.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        window = None
+    if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM") or window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first = raw.get("max_window_layers", 28)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            "config.json: layer_types must name one of full_attention / sliding_attention "
+            f"per layer ({num_layers}), got {kinds!r}"
+        )
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 @dataclass(frozen=True)

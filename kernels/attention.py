@@ -2,7 +2,8 @@
 
 KV cache of one layer: k_cache and v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
 A batch is packed flat: first `num_decode_tokens` sequences with one query token each, then
-the other sequences (prefill chunks, speculative verification) back to back.
+the other sequences (prefill chunks, speculative verification) back to back. A layer with a
+sliding window (window > 0) lets each query see only the `window` latest keys, itself included.
 """
 
 from __future__ import annotations
@@ -109,10 +110,16 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_ids.shape, *cache.shape[1:])
 
 
-def decode_attention_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """[B, 1, 1, max_seq_len] bool: the cached positions each decode sequence may read."""
+def decode_attention_mask(
+    seq_lens: torch.Tensor, max_seq_len: int, window: int = 0
+) -> torch.Tensor:
+    """[B, 1, 1, max_seq_len] bool: the cached positions each decode sequence may read (with a
+    window, only the last `window` of its context)."""
     positions = torch.arange(max_seq_len, device=seq_lens.device)
-    return (positions[None, :] < seq_lens[:, None]).view(-1, 1, 1, max_seq_len)
+    mask = positions[None, :] < seq_lens[:, None]
+    if window:
+        mask &= positions[None, :] >= seq_lens[:, None] - window
+    return mask.view(-1, 1, 1, max_seq_len)
 
 
 def paged_decode_attention(
@@ -124,12 +131,14 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     attn_mask: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence. query: [B, heads, head_dim] -> [B, heads, head_dim].
 
     Query heads that share a KV head are folded into the query-length axis, so grouped-query
     attention needs no copy of K/V per query head. seq_lens None: every context is
-    max_seq_len long; attn_mask: decode_attention_mask(seq_lens, max_seq_len) if precomputed."""
+    max_seq_len long; attn_mask: decode_attention_mask(seq_lens, max_seq_len) if precomputed
+    (ignored when a window shorter than max_seq_len needs a mask of its own)."""
     batch, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -141,7 +150,11 @@ def paged_decode_attention(
     keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
     values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_seq_len].transpose(1, 2)
     q = query.view(batch, kv_heads, group, head_dim)
-    if attn_mask is None and seq_lens is not None:
+    if window and max_seq_len > window:
+        if seq_lens is None:
+            seq_lens = torch.full((batch,), max_seq_len, dtype=torch.long, device=query.device)
+        attn_mask = decode_attention_mask(seq_lens, max_seq_len, window)
+    elif attn_mask is None and seq_lens is not None:
         attn_mask = decode_attention_mask(seq_lens, max_seq_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
@@ -152,8 +165,10 @@ def prefill_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of the last `q_len` positions over `ctx_len` keys.
+    """Causal attention of the last `q_len` positions over `ctx_len` keys (with a window, over
+    the `window` keys up to each query's own).
     query: [q_len, heads, D]; key/value: [ctx_len, kv_heads, D] -> [q_len, heads, D]."""
     q_len, num_heads, head_dim = query.shape
     ctx_len, kv_heads = key.shape[0], key.shape[1]
@@ -164,12 +179,16 @@ def prefill_attention(
     q = query.transpose(0, 1).view(kv_heads, group, q_len, head_dim)
     k = key.transpose(0, 1).unsqueeze(1).expand(kv_heads, group, ctx_len, head_dim)
     v = value.transpose(0, 1).unsqueeze(1).expand(kv_heads, group, ctx_len, head_dim)
-    if q_len == ctx_len:
+    sliding = bool(window) and ctx_len > window
+    if q_len == ctx_len and not sliding:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
         rows = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        mask = torch.arange(ctx_len, device=query.device)[None, :] <= rows[:, None]
+        keys = torch.arange(ctx_len, device=query.device)[None, :]
+        mask = keys <= rows[:, None]
+        if sliding:
+            mask &= keys > rows[:, None] - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
@@ -182,18 +201,20 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend every query over its sequence's cached context.
+    """Store this step's K/V, then attend every query over its sequence's cached context
+    (the last `window` keys of it when window > 0).
     query: [tokens, heads, D]; key/value: [tokens, kv_heads, D] -> [tokens, heads, D]."""
     store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
     groups = meta.decode_groups
     if not meta.prefill_seqs and (groups is None or len(groups) == 1):
-        return _attend_decode(query, k_cache, v_cache, groups[0] if groups else meta, scale)
+        return _attend_decode(query, k_cache, v_cache, groups[0] if groups else meta, scale, window)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for group in groups or ([meta] if num_decode else []):
         start, end = (group.start, group.end) if groups else (0, num_decode)
-        out[start:end] = _attend_decode(query[start:end], k_cache, v_cache, group, scale)
+        out[start:end] = _attend_decode(query[start:end], k_cache, v_cache, group, scale, window)
     for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables, strict=True):
         end = start + q_len
         if ctx_len == q_len:
@@ -204,24 +225,24 @@ def paged_attention(
             v = gather_blocks(v_cache, table[:num_blocks]).flatten(0, 1)[:ctx_len]
         if meta.native_prefill:
             out[start:end] = torch.ops.splitserve_cpu.prefill_attention(query[start:end], k, v,
-                                                                         scale)
+                                                                         scale, window)
         else:
-            out[start:end] = prefill_attention(query[start:end], k, v, scale)
+            out[start:end] = prefill_attention(query[start:end], k, v, scale, window)
     return out
 
 
-def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetadata, scale):
+def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetadata, scale, window):
     """paged_decode_attention over one decode group, or over all decode rows of `meta`."""
     if isinstance(group, AttentionMetadata) and group.native_decode:
         return torch.ops.splitserve_cpu.paged_decode_attention(
-            query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens, scale
+            query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens, scale, window
         )
     if isinstance(group, DecodeGroup):
         return paged_decode_attention(
             query, k_cache, v_cache, group.block_tables, group.seq_lens, group.max_seq_len,
-            scale, group.attn_mask,
+            scale, group.attn_mask, window,
         )
     return paged_decode_attention(
         query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens,
-        group.decode_max_seq_len, scale, group.decode_attn_mask,
+        group.decode_max_seq_len, scale, group.decode_attn_mask, window,
     )

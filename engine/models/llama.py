@@ -19,7 +19,7 @@ from kernels.attention import AttentionMetadata, paged_attention
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
@@ -31,6 +31,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size)
         self.rotary = rotary
         self.scale = config.head_dim**-0.5
+        self.window = config.window_of(layer)  # 0: full causal attention
 
     def forward(
         self,
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : num_qk_heads * self.head_dim].view(-1, num_qk_heads, self.head_dim)
         q, k = self.rotary.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.flatten(1))
 
 
@@ -62,10 +63,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -93,6 +94,7 @@ class _FusedDecode:
     gate_up_weight: list[torch.Tensor]
     down_weight: list[torch.Tensor]
     final_norm: torch.Tensor
+    windows: list[int]  # per layer, 0: full attention
     heads: int
     kv_heads: int
     eps: float
@@ -123,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, rotary, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -162,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
             gate_up_weight=[layer.mlp.gate_up_proj.weight for layer in layers],
             down_weight=[layer.mlp.down_proj.weight for layer in layers],
             final_norm=self.norm.weight,
+            windows=[layer.self_attn.window for layer in layers],
             heads=attn.num_heads, kv_heads=attn.num_kv_heads, eps=self.norm.eps, scale=attn.scale,
             small_m_max_rows=small_m_max_rows,
         )
@@ -177,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, cos, sin, f.input_norm, f.qkv_weight, f.qkv_bias, f.o_weight, f.post_norm,
             f.gate_up_weight, f.down_weight, f.final_norm, f.k_caches, f.v_caches,
             meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            f.heads, f.kv_heads, f.eps, f.scale, f.small_m_max_rows,
+            f.heads, f.kv_heads, f.eps, f.scale, f.small_m_max_rows, f.windows,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,8 @@ void check_bf16_vector(const at::Tensor& t, int64_t size, const char* what) {
 // o_weight[l], post_norm[l], gate_up_weight[l], down_weight[l], and the caches
 // k_caches[l] / v_caches[l] [blocks, block_size, kv_heads, D]. cos/sin [rows, D]: this step's
 // rotary angles (signed sin, see engine/layers/rotary.py). slot_mapping, block_tables and
-// seq_lens as paged_decode_attention takes them; one query token per row.
+// seq_lens as paged_decode_attention takes them; one query token per row. windows: layer l's
+// sliding window (0: none), as paged_decode_attention takes it; empty: no layer has one.
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList input_norm, at::TensorList qkv_weight, at::TensorList qkv_bias,
                          at::TensorList o_weight, at::TensorList post_norm,
@@ -130,7 +131,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t heads, int64_t kv_heads, double eps, double scale,
-                         int64_t small_m_max_rows) {
+                         int64_t small_m_max_rows, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16,
               "hidden must be [rows, hidden_size] bfloat16");
@@ -140,6 +141,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     TORCH_CHECK(static_cast<int64_t>(list.size()) == layers, "one tensor per layer in every list");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
               "qkv_bias: none or one per layer");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
+              "windows: none or one per layer");
+  for (const int64_t w : windows) TORCH_CHECK(w >= 0, "a window must be >= 0 (0: none)");
   const int64_t dim = k_caches[0].size(3);
   TORCH_CHECK(k_caches[0].size(2) == kv_heads && heads % kv_heads == 0 && dim % 2 == 0,
               "heads, kv_heads and the caches' shape disagree");
@@ -171,7 +175,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("splitserve_cpu::paged_decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double)>();
+                        const at::Tensor&, double, int64_t)>();
   static const auto small_m_linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("splitserve_cpu::small_m_linear", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
@@ -193,7 +197,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const at::Tensor qkv = linear(hidden, qkv_weight[l], bias);
     rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos_c), ptr(sin_c), rows, heads, kv_heads, dim,
                      ptr(q), ptr(k_caches[l]), ptr(v_caches[l]), slots);
-    const at::Tensor attn = attention.call(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+    const at::Tensor attn = attention.call(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale,
+                                            windows.empty() ? 0 : windows[l]);
     hidden = linear(attn.view({rows, heads * dim}), o_weight[l], std::nullopt);
     add_rms_norm(ptr(hidden), ptr(residual), ptr(post_norm[l]), rows, size, eps_f, true);
     const at::Tensor gate_up = linear(hidden, gate_up_weight[l], std::nullopt);
@@ -257,7 +262,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
         "Tensor[] qkv_weight, Tensor[] qkv_bias, Tensor[] o_weight, Tensor[] post_norm, "
         "Tensor[] gate_up_weight, Tensor[] down_weight, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
-        "int kv_heads, float eps, float scale, int small_m_max_rows) -> Tensor");
+        "int kv_heads, float eps, float scale, int small_m_max_rows, int[] windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {

@@ -4,6 +4,8 @@
 //
 // query [B, heads, D]; k_cache/v_cache [blocks, block_size, kv_heads, D] (contiguous);
 // block_tables [B, >= cdiv(len, block_size)] int64; seq_lens [B] int64 -> [B, heads, D].
+// window > 0 (a sliding-window layer): each query reads only the last `window` tokens of its
+// context; those before are never touched.
 // Query head h reads KV head h / (heads / kv_heads), as transformers' repeat_kv does.
 
 #include <ATen/ATen.h>
@@ -160,7 +162,7 @@ constexpr int64_t kMinChunkTokens = 64;
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   at::Tensor& out) {
+                   int64_t window, at::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -180,8 +182,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
   // pairs on SmolLM2, so one thread did two and the other one), each context is cut into
   // chunks, attended apart and combined after, as flash-decoding does.
   const int64_t pairs = batch * kv_heads;
+  // The first context token each sequence reads: past the window, the ones before it weigh 0.
+  auto first_token = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
   int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_token(b));
   const int64_t threads = at::get_num_threads();
   int64_t chunks = 1;
   if (pairs < 2 * threads)  // every pair in as many chunks as two per thread: an even split
@@ -194,7 +198,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
-      const int64_t t0 = lens[b] * chunk / chunks, t1 = lens[b] * (chunk + 1) / chunks;
+      const int64_t first = first_token(b), span = lens[b] - first;
+      const int64_t t0 = first + span * chunk / chunks, t1 = first + span * (chunk + 1) / chunks;
       Partial part{max_buf.data() + task * group, sum_buf.data() + task * group,
                    acc_buf.data() + task * group * dim};
       if (t1 == t0) {  // an empty chunk of a short context: adds nothing
@@ -255,7 +260,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "query [B, heads, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -268,6 +273,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "block_tables and seq_lens must be int64");
   TORCH_CHECK(seq_lens.size(0) == query.size(0) && block_tables.size(0) == query.size(0),
               "one block table and one length per query");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   at::Tensor tables = block_tables.contiguous();
   at::Tensor lens = seq_lens.contiguous();
   // A loop, not lens.min()/max(): two reductions cost more than the kernel on a short batch.
@@ -281,7 +287,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");
     } else {
-      decode_kernel<scalar_t>(query, k_cache, v_cache, tables, lens, scale, out);
+      decode_kernel<scalar_t>(query, k_cache, v_cache, tables, lens, scale, window, out);
     }
   });
   return out;
@@ -291,7 +297,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

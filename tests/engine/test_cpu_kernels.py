@@ -57,6 +57,35 @@ def test_cpp_decode_attention_matches_the_torch_reference(dtype, atol, heads, kv
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 8)])
+@pytest.mark.parametrize("window", [1, 5, 16, 64, 299, 1000])
+def test_cpp_decode_attention_honours_a_sliding_window(dtype, atol, heads, kv_heads, head_dim, window):
+    seq_lens = [1, 16, 17, 300, 45, 2]
+    query, k_cache, v_cache, tables, lens = _case(len(seq_lens), heads, kv_heads, head_dim, seq_lens, dtype)
+    scale = head_dim**-0.5
+    expected = paged_decode_attention(query, k_cache, v_cache, tables, lens, max(seq_lens), scale,
+                                      window=window)
+    # Tokens before a window are never read: NaN there would spread into the output.
+    for b, n in enumerate(seq_lens):
+        for t in range(max(0, n - window)):
+            k_cache[tables[b, t // BLOCK], t % BLOCK] = float("nan")
+            v_cache[tables[b, t // BLOCK], t % BLOCK] = float("nan")
+    out = torch.ops.splitserve_cpu.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale,
+                                                          window)
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+    if window <= 64:  # the window changed the longest context's result
+        full = paged_decode_attention(query, k_cache.nan_to_num(), v_cache.nan_to_num(), tables, lens,
+                                      max(seq_lens), scale)
+        assert not torch.allclose(full[3].float(), expected[3].float(), atol=atol)
+
+
+def test_cpp_decode_attention_rejects_a_negative_window():
+    query, k_cache, v_cache, tables, lens = _case(2, 4, 2, 8, [5, 20], torch.float32)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        torch.ops.splitserve_cpu.paged_decode_attention(query, k_cache, v_cache, tables, lens, 1.0, -1)
+
+
 def test_cpp_decode_attention_rejects_a_context_longer_than_its_table():
     query, k_cache, v_cache, tables, lens = _case(2, 4, 2, 8, [5, 20], torch.float32)
     with pytest.raises(RuntimeError, match="longer than its block table"):

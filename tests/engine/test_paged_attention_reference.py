@@ -36,17 +36,19 @@ class Sequence:
         return self.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK
 
 
-def naive_attention(seq: Sequence) -> torch.Tensor:
-    """Query i sits at absolute position num_cached + i and attends to positions 0..itself;
-    query head h reads KV head h // (HEADS // KV_HEADS), as transformers' repeat_kv does."""
+def naive_attention(seq: Sequence, window: int = 0) -> torch.Tensor:
+    """Query i sits at absolute position num_cached + i and attends to positions 0..itself
+    (with a window, the `window` positions up to itself); query head h reads KV head
+    h // (HEADS // KV_HEADS), as transformers' repeat_kv does."""
     group = HEADS // KV_HEADS
     out = torch.empty(seq.num_new, HEADS, HEAD_DIM, dtype=torch.float64)
     for i in range(seq.num_new):
         pos = seq.num_cached + i
+        first = max(0, pos + 1 - window) if window else 0
         for h in range(HEADS):
             q = seq.q[i, h].double()
-            keys = seq.k[: pos + 1, h // group].double()
-            values = seq.v[: pos + 1, h // group].double()
+            keys = seq.k[first : pos + 1, h // group].double()
+            values = seq.v[first : pos + 1, h // group].double()
             weights = torch.softmax(keys @ q * SCALE, dim=0)
             out[i, h] = weights @ values
     return out
@@ -92,13 +94,13 @@ def build_batch(seqs: list[Sequence], seed: int = 0):
     return ordered, query, key, value, k_cache, v_cache, meta
 
 
-def check(seqs: list[Sequence]) -> None:
+def check(seqs: list[Sequence], window: int = 0) -> None:
     ordered, query, key, value, k_cache, v_cache, meta = build_batch(seqs)
-    out = paged_attention(query, key, value, k_cache, v_cache, meta, SCALE)
+    out = paged_attention(query, key, value, k_cache, v_cache, meta, SCALE, window)
     assert out.shape == query.shape
     row = 0
     for seq in ordered:
-        expected = naive_attention(seq)
+        expected = naive_attention(seq, window)
         torch.testing.assert_close(out[row : row + seq.num_new].double(), expected, atol=1e-5, rtol=1e-5)
         row += seq.num_new
     # The new tokens' K/V now sit in their slots.
@@ -116,6 +118,26 @@ def test_mixed_batch_of_decodes_fresh_prefills_and_cached_prefix_prefills():
         Sequence(num_cached=5, num_new=6, block_ids=[20, 7, 14]),  # chunk after a cached prefix
         Sequence(num_cached=12, num_new=4, block_ids=[1, 4, 6, 8]),  # chunk filling a block
     ])
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 100])
+def test_sliding_window_sees_only_the_latest_keys(window):
+    check([
+        Sequence(num_cached=8, num_new=1, block_ids=[5, 2, 9]),
+        Sequence(num_cached=0, num_new=7, block_ids=[11, 3]),
+        Sequence(num_cached=14, num_new=1, block_ids=[18, 19, 21, 22]),
+        Sequence(num_cached=5, num_new=6, block_ids=[20, 7, 14]),
+        Sequence(num_cached=12, num_new=4, block_ids=[1, 4, 6, 8]),
+    ], window)
+
+
+def test_sliding_window_in_a_decode_only_batch_of_one():
+    # Batch 1 with no lengths (nothing to pad): the window still needs a mask of its own.
+    ordered, query, key, value, k_cache, v_cache, meta = build_batch(
+        [Sequence(num_cached=10, num_new=1, block_ids=[3, 4, 5])])
+    meta.decode_seq_lens = None
+    out = paged_attention(query, key, value, k_cache, v_cache, meta, SCALE, 4)
+    torch.testing.assert_close(out.double(), naive_attention(ordered[0], 4), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_only_batch_with_different_context_lengths():

@@ -50,6 +50,27 @@ def test_cpp_prefill_attention_matches_the_torch_reference(q_len, ctx, heads, kv
     assert error <= 1.5 * (torch_bf16 - exact).abs().max().item() + 2e-3, error
 
 
+@pytest.mark.parametrize("q_len,ctx", [(64, 64), (200, 200), (70, 200), (1, 300), (130, 130)])
+@pytest.mark.parametrize("window", [1, 7, 64, 65, 100, 4096])
+def test_cpp_prefill_attention_honours_a_sliding_window(q_len, ctx, window):
+    query, key, value = _inputs(q_len, ctx, 9, 3, 64)
+    scale = 0.125
+    exact = prefill_attention(query.float(), key.float(), value.float(), scale, window)
+    torch_bf16 = prefill_attention(query, key, value, scale, window).float()
+    # Chunks of 64 keys wholly before every query's window are never read: NaN there would
+    # spread. (Inside a chunk the kernel reads and masks; a cache holds no NaN.)
+    skipped = max(0, ctx - q_len + 1 - window) // 64 * 64
+    key, value = key.clone(), value.clone()
+    key[:skipped] = float("nan")
+    value[:skipped] = float("nan")
+    cpp = torch.ops.splitserve_cpu.prefill_attention(query, key, value, scale, window)
+    error = (cpp.float() - exact).abs().max().item()
+    assert error <= 1.5 * (torch_bf16 - exact).abs().max().item() + 2e-3, error
+    if window < ctx:  # the window matters: full causal attention differs
+        full = prefill_attention(query.float(), key.nan_to_num().float(), value.nan_to_num().float(), scale)
+        assert (full - exact).abs().max().item() > 1e-2
+
+
 def test_cpp_prefill_attention_is_causal():
     """Changing the last key and value changes only the last query's output."""
     query, key, value = _inputs(40, 40, 9, 3, 64)
