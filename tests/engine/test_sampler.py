@@ -8,8 +8,9 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from engine.sampler import Sampler, SamplingRow, _apply_penalties, _filter
+from engine.sampler import Sampler, SamplingRow, _apply_penalties, _filter, top_logprobs
 from engine.sampling_params import SamplingParams
 
 PROBS = [0.5, 0.25, 0.15, 0.1]  # tokens 0..3, already sorted
@@ -180,6 +181,51 @@ def test_logprobs_report_the_sampled_token_its_rank_and_the_top_n():
     assert none is None
     _, (zero,) = Sampler()(logits, [row(temperature=0.0, logprobs=0)])
     assert zero.top == {} and math.isclose(zero.logprob, float(expected[1]), abs_tol=1e-6)
+
+
+class _LogSoftmaxShapes(TorchFunctionMode):
+    """Records the shape of every log_softmax input (method, torch.* or functional form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "log_softmax":
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_logprobs_are_computed_only_for_the_rows_that_ask():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 64, generator=generator) * 2
+    rows = [
+        row(temperature=0.0),
+        row(temperature=0.0, logprobs=2),
+        row(seed=1, temperature=0.9, top_p=0.9),
+        row(seed=2, temperature=0.7, logprobs=0, token_ids=[5, 9], repetition_penalty=1.5),
+        row(seed=3, temperature=1.0, presence_penalty=0.5, token_ids=[1, 2, 3]),
+        row(seed=4, temperature=1.2, logprobs=5, min_p=0.1),
+    ]
+    with _LogSoftmaxShapes() as recorded:
+        tokens, logprobs = Sampler()(logits, rows)
+    assert recorded.shapes == [(3, 64)]  # rows 1, 3 and 5 only, in one call
+    reference = logits.log_softmax(-1)  # the full-batch computation this replaces
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            assert logprobs[i] is None
+            continue
+        lp, ref = logprobs[i], top_logprobs(reference[i], tokens[i], r.params.logprobs)
+        assert math.isclose(lp.logprob, ref.logprob, abs_tol=1e-6) and lp.rank == ref.rank
+        assert list(lp.top) == list(ref.top)
+        for token, value in lp.top.items():
+            assert math.isclose(value, ref.top[token], abs_tol=1e-6)
+    with _LogSoftmaxShapes() as recorded:
+        Sampler()(logits, [row(temperature=0.0)] * 6)
+    assert recorded.shapes == []
+    with _LogSoftmaxShapes() as recorded:
+        Sampler()(logits, [row(temperature=0.0, logprobs=1)] * 6)
+    assert recorded.shapes == [(6, 64)]
 
 
 # -- seeded randomness ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from spec_decode_harness import (
     spec_engine,
 )
 
+from engine.sampler import SamplingRow, sampling_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem, draft_noise_for
 
@@ -65,6 +66,84 @@ def test_rejection_rule_outputs_the_target_distribution_at_every_position():
     assert abs(first_accepted / n - accept) < 4 * std
     # The test has power: the draft's own distribution is far from what came out.
     assert chi_square_pvalue(counts[0], q[0]) < 1e-9
+
+
+def _warped_target(logits: torch.Tensor, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
+    """The distribution a request with these settings must see, from transformers' warpers
+    (an independent implementation of temperature, top-p and min-p)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    if min_p > 0.0:
+        warped = MinPLogitsWarper(min_p)(None, warped)
+    return warped.softmax(-1)
+
+
+def _unnormalised_rule(p_kept: torch.Tensor, q_kept: torch.Tensor) -> torch.Tensor:
+    """What the rejection rule outputs at one position when it is handed the filtered but
+    unnormalised p and q (the defect of issue #17), exactly: accept x ~ q with probability
+    min(1, p(x)/q(x)), else draw from (p - q)+."""
+    ratio = torch.where(q_kept > 0, (p_kept / q_kept).clamp(max=1.0), torch.zeros_like(q_kept))
+    accepted = q_kept / q_kept.sum() * ratio
+    residual = (p_kept - q_kept).clamp(min=0.0)
+    return accepted + (1 - accepted.sum()) * residual / residual.sum()
+
+
+@pytest.mark.parametrize(("top_p", "min_p"), [(0.6, 0.0), (1.0, 0.3), (0.8, 0.15)])
+def test_rejection_rule_outputs_the_filtered_target_under_top_p_and_min_p(top_p, min_p):
+    """With top-p / min-p the kept probabilities must be renormalised before they are used as
+    p and q (accept test and residual); unnormalised, the output leans towards the tokens the
+    draft under-proposes (issue #17's example: [.644, .356] instead of [.625, .375])."""
+    vocab, k, n, temperature = 8, 2, 6000, 0.8
+    # Seed 35: of the first 200 seeds, the one where the unnormalised rule is furthest from
+    # the target in all three settings (the power check at the end holds the test to it).
+    generator = torch.Generator().manual_seed(35)
+    target_logits = torch.randn(k + 1, vocab, generator=generator) * 0.8
+    other = torch.randn(k, vocab, generator=generator) * 0.8
+    # A draft that is roughly right (later positions are reached) but keeps other tokens.
+    draft_logits = (0.5 * target_logits[:k].softmax(-1) + 0.5 * other.softmax(-1)).log()
+    history = [1, 2, 3, 4]
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
+    # The draft's q as the draft model computes it: the request's own filters on its logits.
+    q = sampling_probs(draft_logits, [
+        SamplingRow(params, 0, len(history) + i, history, len(history)) for i in range(k)])
+    expected = _warped_target(target_logits, temperature, top_p, min_p)
+    assert ((expected > 0).sum(-1) < vocab).all(), "the filters must drop something"
+    sampler = RejectionSampler()
+    counts = torch.zeros(k + 1, vocab)
+    for seed in range(n):
+        proposals = [int((q[i] / draft_noise_for(seed, len(history) + i, vocab, q.device)).argmax())
+                     for i in range(k)]
+        item = VerifyItem(params, seed, history, len(history), proposals, draft_probs=q)
+        ((tokens, _),) = sampler(target_logits, [item])
+        for i, token in enumerate(tokens):
+            counts[i, token] += 1
+    for i in range(k + 1):
+        assert counts[i].sum() > 500, "too few samples reach this position to test it"
+        assert not counts[i][expected[i] == 0].any(), "a filtered-out token was sampled"
+        assert chi_square_pvalue(counts[i], expected[i]) > P_VALUE, (i, counts[i], expected[i])
+    # Power: the samples tell the unnormalised rule apart at some proposed position.
+    tempered = (target_logits / temperature).softmax(-1)
+    draft_tempered = (draft_logits / temperature).softmax(-1)
+    draft_kept = _warped_target(draft_logits, temperature, top_p, min_p) > 0
+    wrong = [_unnormalised_rule(tempered[i] * (expected[i] > 0), draft_tempered[i] * draft_kept[i])
+             for i in range(k)]
+    assert min(chi_square_pvalue(counts[i], wrong[i]) for i in range(k)) < 1e-6
+
+
+def test_filtered_distributions_sum_to_one():
+    """The issue's example, exactly: p = [.5, .3, .2], q = [.35, .25, .4], top_p = 0.6."""
+    params = SamplingParams(temperature=1.0, top_p=0.6)
+    rows = [SamplingRow(params, 0, 3, [0, 1, 2], 3)] * 2
+    p, q = sampling_probs(torch.tensor([[0.5, 0.3, 0.2], [0.35, 0.25, 0.4]]).log(), rows)
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0]))
+    torch.testing.assert_close(q, torch.tensor([0.35, 0.0, 0.4]) / 0.75)
 
 
 @pytest.fixture(scope="module")
