@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_harness import make_engine
+from engine_harness import hf_greedy, hf_model, make_engine, random_prompts
 from torch.overrides import TorchFunctionMode
 
 from engine.sampler import SamplingRow, _apply_penalties
@@ -117,10 +117,13 @@ def test_the_engine_penalty_work_per_step_does_not_grow_with_the_generation(tiny
     engine.runner.sampler = recorder
     params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2,
                             frequency_penalty=0.3, ignore_eos=True)
-    engine.add_request("r", list(range(5, 25)), params)
+    prompt = random_prompts([20], seed=41)[0]
+    engine.add_request("r", prompt, params)
     counted = []  # (tokens counted, tokens held) by the runner's state after each step
+    tokens = []
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
         state = engine.runner.requests.get("r")
         counts = getattr(state, "penalty_counts", None)
         if counts is not None:
@@ -131,3 +134,34 @@ def test_the_engine_penalty_work_per_step_does_not_grow_with_the_generation(tiny
     assert max(decode) == min(decode), recorder.per_call
     # Every token counted once; the one sampled last is counted at the next step.
     assert counted and all(n == held - 1 for n, held in counted), counted
+    # The same text as transformers' greedy generate with the penalties counted from scratch.
+    assert tokens == _hf_greedy_with_direct_penalties(tiny_llama_dir, prompt, params)
+    plain, _ = hf_greedy(str(tiny_llama_dir), tuple(prompt), params.max_tokens)
+    assert tokens[: len(plain)] != plain, "the penalties must have changed the text"
+
+
+class _DirectPenalties:
+    """A transformers logits processor applying `_direct` to each row's whole history."""
+
+    def __init__(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self.num_prompt_tokens, self.params = num_prompt_tokens, params
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return torch.stack([_direct(row.float(), ids.tolist(), self.num_prompt_tokens, self.params)
+                            for ids, row in zip(input_ids, scores, strict=True)])
+
+
+def _hf_greedy_with_direct_penalties(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
+    from transformers import LogitsProcessorList
+
+    model = hf_model(str(model_dir))
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            # min_new_tokens only keeps generate from stopping early (the engine ignores EOS);
+            # were EOS the engine's choice anywhere, the texts would differ and the test fail.
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=params.max_tokens,
+            min_new_tokens=params.max_tokens, do_sample=False, temperature=None, top_p=None,
+            top_k=None, logits_processor=LogitsProcessorList([_DirectPenalties(len(prompt), params)]),
+        )
+    return out[0, len(prompt):].tolist()
