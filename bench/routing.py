@@ -228,8 +228,9 @@ def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
                            "--log-level", "WARNING"],
                           ready_prefix="SPLITSERVE_READY").wait_ready()
         url = f"http://{gateway.ready_line.split()[2]}"
+        admin = gateway.ready_line.split("admin=")[1].split()[0]  # /ready is on the admin port
         deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+        while httpx.get(f"http://{admin}/ready", timeout=5).status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError("gateway never became ready")
             time.sleep(0.2)

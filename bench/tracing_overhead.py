@@ -73,14 +73,16 @@ def _await_ready(process: subprocess.Popen, timeout: float = 120.0) -> str:
     def pump() -> None:
         for line in process.stdout:
             if line.startswith("SPLITSERVE_READY") and not found:
-                found.append("http://" + line.split()[2])
+                # The API, then the admin port (/ready).
+                found.extend(("http://" + line.split()[2],
+                              "http://" + line.split("admin=")[1].split()[0]))
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
     if not ready.wait(timeout):
         raise RuntimeError("the gateway did not start")
     deadline = time.monotonic() + timeout
-    while httpx.get(f"{found[0]}/ready", timeout=5).status_code != 200:
+    while httpx.get(f"{found[1]}/ready", timeout=5).status_code != 200:
         if time.monotonic() > deadline:
             raise RuntimeError("the gateway never became ready")
         time.sleep(0.2)

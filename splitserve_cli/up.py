@@ -30,6 +30,9 @@ class UpConfig:
     model: str = DEFAULT_MODEL
     mode: str = "disagg"
     grpc_port: int = -1
+    # The gateway's admin port (/metrics, /ready) on 127.0.0.1; 0: --port + 1 (any free port
+    # when --port is 0).
+    admin_port: int = 0
     num_threads: int = 0  # torch threads per worker; 0 splits this machine's cores
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
@@ -39,6 +42,12 @@ class UpConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (run `make model`)")
+        if self.admin_port < 0:
+            raise ValueError("--admin-port must be a port (0: --port + 1)")
+
+    @property
+    def gateway_admin_port(self) -> int:
+        return self.admin_port or (self.port + 1 if self.port else 0)
 
     def threads(self) -> dict[str, int]:
         """Torch threads per worker: the cores split between the workers (the gateway runs
@@ -127,6 +136,7 @@ class Deployment:
         self.children: list[Child] = []
         self.stop_requested = threading.Event()  # set by the signal handler
         self.grpc_address = ""
+        self.admin_url = ""
         self._stopping = False
 
     def start(self) -> str:
@@ -147,12 +157,15 @@ class Deployment:
             routing = ["--worker", addresses["both"]]
         gateway = self._spawn("gateway", cli + ["gateway", "--model", cfg.model, "--host", cfg.host,
                                                 "--port", str(cfg.port),
-                                                "--grpc-port", str(cfg.grpc_port)] + routing, None)
+                                                "--grpc-port", str(cfg.grpc_port),
+                                                "--admin-port", str(cfg.gateway_admin_port)]
+                              + routing, None)
         address = gateway.wait_ready(deadline, self.stop_requested)
-        self.grpc_address = gateway.ready_line.partition(" grpc=")[2]
-        url = f"http://{address}"
-        _wait_http_ready(f"{url}/ready", deadline, gateway)
-        return url
+        fields = dict(part.partition("=")[::2] for part in gateway.ready_line.split()[3:])
+        self.grpc_address = fields.get("grpc", "")
+        self.admin_url = f"http://{fields['admin']}"
+        _wait_http_ready(f"{self.admin_url}/ready", deadline, gateway)
+        return f"http://{address}"
 
     def _spawn(self, name: str, argv: list[str], threads: int | None) -> Child:
         child = Child(name, argv, _child_env(threads))
@@ -194,6 +207,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disagg: prefill + decode workers; agg: one worker doing both")
     parser.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", -1)),
                         help="gateway gRPC front door port (-1: off)")
+    parser.add_argument("--admin-port", type=int, default=int(_env("admin_port", 0)),
+                        help="gateway admin port for /metrics and /ready, on 127.0.0.1 "
+                             "(0: --port + 1, or any free port when --port is 0)")
     parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)),
                         help="torch threads per worker (0: split the cores)")
     parser.add_argument("--startup-timeout-s", type=float,
@@ -203,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = UpConfig(port=args.port, host=args.host, model=args.model, mode=args.mode,
-                          grpc_port=args.grpc_port, num_threads=args.num_threads,
+                          grpc_port=args.grpc_port, admin_port=args.admin_port,
+                          num_threads=args.num_threads,
                           startup_timeout_s=args.startup_timeout_s)
     except ValueError as exc:
         raise SystemExit(f"splitserve up: {exc}") from None
@@ -230,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
           f"\"content\": \"What is the capital of France?\"}}]}}'\n"
           + (f"  gRPC front door (splitserve.v1.Gateway): {deployment.grpc_address}\n"
              if deployment.grpc_address else "")
+          + f"  admin (/metrics, /ready): {deployment.admin_url}\n"
           + "Ctrl-C stops everything.\n", flush=True)
     print(f"SPLITSERVE_UP {url}", flush=True)
     code = 0

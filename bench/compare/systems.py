@@ -90,6 +90,7 @@ class SystemSpec:
     label: str
     flavor: str  # how loadgen asks it for exact output lengths
     probe: str = "/health"  # answers 200 once the system serves
+    probe_port_offset: int = 0  # splitserve: /ready is on the admin port, `up`'s --port + 1
     startup_timeout_s: float = 300.0
     installed_by: str = ""  # the make target that installs it, where the main venv lacks it
 
@@ -125,8 +126,10 @@ class SystemSpec:
 
 SYSTEMS = {
     s.name: s for s in (
-        SystemSpec("splitserve-disagg", "splitserve disaggregated", "openai", probe="/ready"),
-        SystemSpec("splitserve-agg", "splitserve aggregated", "openai", probe="/ready"),
+        SystemSpec("splitserve-disagg", "splitserve disaggregated", "openai", probe="/ready",
+                   probe_port_offset=1),
+        SystemSpec("splitserve-agg", "splitserve aggregated", "openai", probe="/ready",
+                   probe_port_offset=1),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),
@@ -168,7 +171,8 @@ def _wait_ready(spec: SystemSpec, process: subprocess.Popen, url: str, log_path:
                 timeout_s: float, progress_every_s: float = 15.0) -> None:
     """Polls the probe until it answers 200; every `progress_every_s` prints how long it has
     waited and the log's last line, so a slow start (vLLM compiles for about 90 s) shows life."""
-    probe = url + spec.probe
+    base, _, port = url.rpartition(":")
+    probe = f"{base}:{int(port) + spec.probe_port_offset}{spec.probe}"
     start = time.monotonic()
     shown = start
     while (waited := time.monotonic() - start) < timeout_s:

@@ -33,6 +33,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = -1  # gRPC front door: -1 off, 0 any free port
+    # /metrics, /ready (it lists worker addresses) and /openapi.json: never on the public port.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 0  # 0: any free port (printed at start-up), -1: off
     health_interval_s: float = 1.0
     prefill_timeout_s: float = 120.0
     max_body_bytes: int = 8 << 20
@@ -78,6 +81,14 @@ class GatewayConfig:
     max_inflight_per_decode: int = 0  # released requests per routable decode worker (0: its max_running)
     kv_headroom: float = 0.0  # fraction of decode KV blocks kept free when releasing
     max_prefill_queue_tokens: int = 0  # queued prompt tokens per prefill worker (0: no limit)
+    # Internal plane (services/common/security.py): mutual TLS to the workers and on the gRPC
+    # front door, and the secret registry entries must be signed with.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""  # the name workers' certificates carry (default: the dialed host)
+    grpc_client_certs: bool = False  # front door: callers need a certificate from --tls-ca
+    cluster_secret_file: str = ""
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "tokenizer.json")):
@@ -106,6 +117,24 @@ class GatewayConfig:
             raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
             raise ValueError("--stream-buffer-chunks must be >= 1")
+        if self.admin_port < -1 or self.admin_port > 65535:
+            raise ValueError("--admin-port must be a port, 0 (any free port) or -1 (off)")
+        if self.admin_port > 0 and self.admin_port == self.port and self.admin_host == self.host:
+            raise ValueError("--admin-port must differ from --port: /metrics and /ready are "
+                             "never served on the public port")
+        from services.common.security import read_cluster_secret
+
+        self.tls.check()
+        if self.grpc_client_certs and not self.tls.enabled:
+            raise ValueError("--grpc-client-certs needs --tls-cert, --tls-key and --tls-ca")
+        if self.cluster_secret_file:
+            read_cluster_secret(self.cluster_secret_file)
+
+    @property
+    def tls(self):
+        from services.common.security import TLSFiles
+
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca, self.tls_server_name)
 
     @property
     def model_name(self) -> str:
@@ -123,7 +152,10 @@ class GatewayConfig:
 
 
 _ENV_NAMES = {"model": "SPLITSERVE_MODEL", "redis_url": "REDIS_URL",
-              "tenants_file": "SPLITSERVE_TENANTS_FILE"}
+              "tenants_file": "SPLITSERVE_TENANTS_FILE", "tls_cert": "SPLITSERVE_TLS_CERT",
+              "tls_key": "SPLITSERVE_TLS_KEY", "tls_ca": "SPLITSERVE_TLS_CA",
+              "tls_server_name": "SPLITSERVE_TLS_SERVER_NAME",
+              "cluster_secret_file": "SPLITSERVE_CLUSTER_SECRET_FILE"}
 
 
 def _env_name(field_name: str) -> str:
@@ -137,6 +169,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "decode": "decode worker addresses, comma-separated",
         "worker": "aggregated (role both) worker addresses, comma-separated",
         "grpc_port": "gRPC front door port (-1: off, 0: any free port)",
+        "admin_host": "address of the admin port (127.0.0.1: this machine only)",
+        "admin_port": "admin port with /metrics, /ready, /health and /openapi.json, kept off "
+                      "the public port (0: any free port, shown at start-up; -1: off)",
         "max_body_bytes": "largest request body (e.g. 8MiB)",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
                     "tenant (none and no tenants file: no authentication)",
@@ -163,6 +198,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                            "with an error and is aborted on the workers (0: never)",
         "log_format": "json (one object per line) or text",
         "log_prompts": "debug: write prompt text into the access log (true/false)",
+        "tls_cert": "PEM certificate chain; with --tls-key and --tls-ca, mutual TLS to the "
+                    "workers and TLS on the gRPC front door",
+        "tls_ca": "PEM CA bundle workers' (and front-door callers') certificates must chain to",
+        "tls_server_name": "name checked in workers' certificates instead of their address",
+        "grpc_client_certs": "gRPC front door: refuse callers without a certificate from "
+                             "--tls-ca (true/false)",
+        "cluster_secret_file": "ignore registry entries and prefix events not signed with "
+                               "the secret in this file",
     }
     for f in fields(GatewayConfig):
         flag = "--" + f.name.replace("_", "-")

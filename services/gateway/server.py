@@ -13,9 +13,10 @@ import grpc
 import uvicorn
 
 from services.common.logs import setup_logging
+from services.common.security import add_port
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.gateway.api import grpc as grpc_api
-from services.gateway.api.http import create_app
+from services.gateway.api.http import create_admin_app, create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
 
@@ -56,12 +57,22 @@ async def serve(config: GatewayConfig) -> None:
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)), lifespan="off",
         http="h11",
     ))
+    # /metrics, /ready and /openapi.json: their own listener, 127.0.0.1 by default.
+    admin = admin_sock = None
+    admin_address = ""
+    if config.admin_port >= 0:
+        admin_sock = _listen(config.admin_host, config.admin_port, 0)
+        admin_address = f"{config.admin_host}:{admin_sock.getsockname()[1]}"
+        admin = _Server(uvicorn.Config(create_admin_app(gateway), log_level="warning",
+                                       access_log=False, lifespan="off", http="h11",
+                                       timeout_graceful_shutdown=1))
     grpc_server = None
     grpc_address = ""
     if config.grpc_port >= 0:
         grpc_server = grpc.aio.server()
         grpc_api.add_to_server(gateway, grpc_server)
-        grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        grpc_port = add_port(grpc_server, f"{config.host}:{config.grpc_port}", config.tls,
+                             require_client_cert=config.grpc_client_certs)
         await grpc_server.start()
         grpc_address = f"{config.host}:{grpc_port}"
 
@@ -80,22 +91,29 @@ async def serve(config: GatewayConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
+    admin_serving = asyncio.create_task(admin.serve(sockets=[admin_sock])) if admin else None
     while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    while admin and not admin.started and not admin_serving.done():
         await asyncio.sleep(0.02)
     if server.started:
         mode = "disaggregated" if config.disaggregated else "aggregated"
         log.info("gateway serving %s (%s) on http://%s:%d%s", gateway.model_name, mode,
                  config.host, http_port, f" grpc={grpc_address}" if grpc_address else "")
+        log.info("admin (/metrics, /ready): %s", f"http://{admin_address}" if admin else "off")
         # What start-up allocated (the tokenizer, modules, config) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it while
         # requests wait (tens of ms on a loaded core).
         gc.freeze()
         # A line launchers and tests wait for.
-        print(f"SPLITSERVE_READY gateway {config.host}:{http_port} grpc={grpc_address}",
-              flush=True)
+        print(f"SPLITSERVE_READY gateway {config.host}:{http_port} grpc={grpc_address} "
+              f"admin={admin_address}", flush=True)
     try:
         await serving
     finally:
+        if admin is not None:  # after the public port: /ready says 503 while draining
+            admin.should_exit = True
+            await admin_serving
         if grpc_stopping:
             await grpc_stopping[0]
         elif grpc_server is not None:

@@ -18,6 +18,8 @@ from tests.conftest import shipped_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 90.0
+# A gateway's public URL -> its admin URL (/metrics, /ready), for helpers given only the former.
+_ADMIN_URLS: dict[str, str] = {}
 # Small KV caches: enough for the tests, and block counts that visibly move.
 WORKER_FLAGS = ["--num-threads", "1", "--num-kv-blocks", "256"]
 
@@ -43,6 +45,8 @@ class ServiceProcess:
             self.lines.append(line)
             if line.startswith("SPLITSERVE_READY") and not self._ready.is_set():
                 self.ready_line = line.strip()
+                if self.field("admin"):
+                    _ADMIN_URLS[f"http://{self.address}"] = f"http://{self.field('admin')}"
                 self._ready.set()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServiceProcess:
@@ -64,6 +68,11 @@ class ServiceProcess:
             if key == name:
                 return value
         return ""
+
+    @property
+    def admin_address(self) -> str:
+        """A gateway's admin port (/metrics, /ready), never its public one."""
+        return self.field("admin")
 
     def output(self) -> str:
         return "".join(self.lines[-80:])
@@ -108,11 +117,20 @@ class Stack:
         return f"http://{self.gateway.address}"
 
     @property
+    def admin_url(self) -> str:
+        return f"http://{self.gateway.admin_address}"
+
+    @property
     def grpc_address(self) -> str:
         return self.gateway.field("grpc")
 
     def decode_stats(self) -> common_pb2.WorkerStats:
         return worker_stats(self.decode.address)
+
+
+def admin_url(url: str) -> str:
+    """The admin URL of the gateway whose public URL is `url` (started by this module)."""
+    return _ADMIN_URLS[url]
 
 
 def worker_stats(address: str, role: str = "decode") -> common_pb2.WorkerStats:

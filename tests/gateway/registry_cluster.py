@@ -82,12 +82,12 @@ class Cluster:
 
 def routable(gateway: ServiceProcess) -> set[str]:
     """Addresses the gateway would route to now, from its /ready answer."""
-    body = httpx.get(f"http://{gateway.address}/ready", timeout=10).json()
+    body = httpx.get(f"http://{gateway.admin_address}/ready", timeout=10).json()
     return {w["address"] for w in body.get("workers", []) if w["routable"]}
 
 
 def known(gateway: ServiceProcess) -> set[str]:
-    body = httpx.get(f"http://{gateway.address}/ready", timeout=10).json()
+    body = httpx.get(f"http://{gateway.admin_address}/ready", timeout=10).json()
     return {w["address"] for w in body.get("workers", [])}
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from gateway_processes import admin_url
 
 from services.gateway.admission.tenants import key_digest
 
@@ -101,7 +102,7 @@ class ClosedLoop:
 
 def metric(url: str, name: str, labels: str = "") -> float:
     """One sample of the gateway's /metrics (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{admin_url(url)}/metrics", timeout=10).text
     pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
     match = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0

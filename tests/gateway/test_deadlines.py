@@ -144,7 +144,7 @@ def test_a_request_queued_past_its_deadline_gets_504_and_leaves_the_queue(
 
 
 def _gauges(gateway, name: str) -> list[float]:
-    text = httpx.get(f"http://{gateway.address}/metrics", timeout=10).text
+    text = httpx.get(f"http://{gateway.admin_address}/metrics", timeout=10).text
     return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(name) and not line.startswith("#")]
 

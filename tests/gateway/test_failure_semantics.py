@@ -82,7 +82,7 @@ def test_all_workers_full_or_gone_is_503_with_retry_after(servers, gateway_facto
     import time
 
     deadline = time.monotonic() + 10
-    while httpx.get(f"http://{gateway.address}/ready", timeout=5).status_code != 503:
+    while httpx.get(f"http://{gateway.admin_address}/ready", timeout=5).status_code != 503:
         assert time.monotonic() < deadline, "gateway still claims to be ready"
         time.sleep(0.05)
     response = httpx.post(f"http://{gateway.address}/v1/completions", timeout=30,

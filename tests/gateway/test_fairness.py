@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from gateway_processes import REPO_ROOT, start_gateway, start_worker
+from gateway_processes import REPO_ROOT, admin_url, start_gateway, start_worker
 from tenant_load import tenants_file
 
 from bench.fairness import TenantLoad, run_closed, run_loads
@@ -92,7 +92,7 @@ async def _served_in_windows(url: str, start_at: float, windows, tenants) -> dic
             marks = []
             for at in (begin, end):
                 await asyncio.sleep(max(0.0, start_at + at - time.time()))
-                marks.append((await client.get(f"{url}/metrics")).text)
+                marks.append((await client.get(f"{admin_url(url)}/metrics")).text)
             for tenant in tenants:
                 served[tenant] += _served_tokens(marks[1], tenant) - _served_tokens(marks[0], tenant)
     return served
@@ -100,7 +100,7 @@ async def _served_in_windows(url: str, start_at: float, windows, tenants) -> dic
 
 def _refusals(url: str, tenant: str) -> dict[str, float]:
     """The gateway's refusals of `tenant`, by reason."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{admin_url(url)}/metrics", timeout=10).text
     return {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith("splitserve_gateway_rejected_requests_total{")
@@ -172,7 +172,7 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
     # noise (and costs B share, checked above); a pattern of them is a bug.
     assert len(refused) <= 0.02 * len(records), report
     # The admission-level reason: B never waited behind A's flood in the fair queue.
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{admin_url(url)}/metrics", timeout=10).text
     waited = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("splitserve_gateway_queue_wait_seconds_")
               and 'tenant="b"' in line and "_bucket" not in line}

@@ -48,7 +48,7 @@ class TracedStack:
                 "--decode", self.decode.address, "--log-format", "json",
             ], env={"SPLITSERVE_TRACE_FILE": str(self.files["gateway"]),
                     "OTEL_TRACES_SAMPLER": "always_on"}).wait_ready()
-            _wait_ready(self.url)
+            _wait_ready(self.admin_url)
         except BaseException:
             self.stop()
             raise
@@ -56,6 +56,10 @@ class TracedStack:
     @property
     def url(self) -> str:
         return f"http://{self.gateway.address}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.gateway.admin_address}"
 
     def spans(self) -> list[dict]:
         return [json.loads(line) for path in self.files.values() if path.exists()
@@ -152,7 +156,7 @@ def test_grpc_front_door_continues_the_callers_trace(traced):
 def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
     gateway_url = traced.url
     who = {"model": traced.model_name, "tenant": "anonymous"}
-    before = scrape(gateway_url)
+    before = scrape(traced.admin_url)
     prompts = [list(range(100 * i + 10, 100 * i + 40)) for i in range(3)]
 
     def complete(prompt: list[int], stream: bool) -> int:
@@ -163,7 +167,7 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
         return 5
 
     served_tokens = sum(complete(p, stream=i % 2 == 1) for i, p in enumerate(prompts))
-    served = scrape(gateway_url)
+    served = scrape(traced.admin_url)
     moved = _delta(before, served)
     assert moved[series("splitserve_gateway_ttft_seconds_count", **who)] == 3
     assert moved[series("splitserve_gateway_e2e_latency_seconds_count", **who)] == 3
@@ -195,7 +199,7 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
         assert next(line for line in lines if line.startswith("data:"))
     disconnects = series("splitserve_gateway_client_disconnects_total", **who,
                          stage="after_first_token")
-    after = _poll(lambda: scrape(gateway_url), lambda m: m.get(disconnects, 0) >= 1,
+    after = _poll(lambda: scrape(traced.admin_url), lambda m: m.get(disconnects, 0) >= 1,
                   "the disconnect to be counted")
     moved = _delta(served, after)
     outcomes = {k: v for k, v in moved.items()
@@ -222,7 +226,7 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
 
     # Every series the Grafana dashboard queries is one these processes export.
     exported = set().union(*(families(url) for url in (
-        gateway_url, f"http://{traced.decode.metrics_address}",
+        traced.admin_url, f"http://{traced.decode.metrics_address}",
         f"http://{traced.prefill.metrics_address}")))
     queried = {re.sub(r"_bucket$", "", name)
                for name in re.findall(r"splitserve_\w+", DASHBOARD.read_text())}

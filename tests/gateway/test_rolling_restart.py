@@ -92,7 +92,7 @@ def test_gateway_sigterm_finishes_open_streams_then_exits(cluster, tiny_llama_di
         gateway.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(httpx.ConnectError):  # no new connections while draining
-            httpx.get(f"{url}/ready", timeout=5)
+            httpx.get(f"{url}/health", timeout=5)
         results = [s.result() for s in streams]
     assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * 3
     assert gateway.process.wait(30) == 0, gateway.output()

@@ -112,7 +112,7 @@ def test_disruption_budgets_cover_the_gateway_and_both_pools(scenario: str) -> N
 def test_probes_hit_ports_and_paths_the_containers_serve(scenario: str) -> None:
     rendered = render_scenario(scenario)
     expected_paths = {
-        f"{FULLNAME}-gateway": ("http", "/health", "/ready"),
+        f"{FULLNAME}-gateway": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-prefill": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-decode": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-autoscaler": ("http", "/health", "/ready"),
@@ -348,7 +348,7 @@ def test_service_monitor_scrapes_the_gateway_and_both_pools() -> None:
     for service in scraped:
         names = {p["name"] for p in service["spec"]["ports"]}
         assert names & set(endpoint_ports), service["metadata"]["name"]
-    assert endpoint_ports == {"http": "/metrics", "metrics": "/metrics"}
+    assert endpoint_ports == {"metrics": "/metrics"}
 
 
 def test_keda_queries_default_to_this_release_pools() -> None:

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health
-and readiness. Every error leaves as OpenAI's error body with a meaningful status."""
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models and health
+on the public port; readiness, metrics and the OpenAPI document on the admin port. Every error
+leaves as OpenAI's error body with a meaningful status."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,8 +37,88 @@ log = logging.getLogger(__name__)
 
 
 def create_app(gateway: Gateway) -> FastAPI:
+    """The public port: the API and /health, nothing that describes the cluster."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
+    app.openapi = lambda: openapi_document(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [gateway.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        gateway.admission.authenticate(request.headers.get("authorization"))
+        gateway.check_model(model_id)
+        return gateway.model_card()
+
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await _generate(gateway, request, CompletionRequest,
+                               gateway.preprocessor.completion, CompletionFormat)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(gateway, request, ChatCompletionRequest,
+                               gateway.preprocessor.chat, ChatFormat)
+
+    return app
+
+
+def _body_doc(body_type) -> dict:
+    """The routes read their raw bodies (size-limited, parsed off the event loop), so FastAPI
+    cannot see the body model: the document names it here."""
+    ref = {"$ref": f"#/components/schemas/{body_type.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+            "responses": {str(status): {"description": what, "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+                for status, what in _ERRORS.items()}}
+
+
+_ERRORS = {400: "invalid request (names the parameter)", 401: "missing or unknown API key",
+           404: "unknown model or path", 413: "body over --max-body-bytes",
+           429: "over the tenant's quota", 503: "no capacity now (Retry-After)",
+           504: "the request's deadline passed"}
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """The public API's OpenAPI document, with the real request bodies (protocol.py's models
+    in the strict JSON schema pydantic derives from them) and OpenAI's error body."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version="1", routes=app.routes)
+        # FastAPI's 422 never leaves: _install_error_handlers answers a bad parameter with 400.
+        for operation in (op for path in document["paths"].values() for op in path.values()):
+            if operation["responses"].pop("422", None) is not None:
+                operation["responses"].setdefault("400", _body_doc(CompletionRequest)[
+                    "responses"]["400"])
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        for body_type in (CompletionRequest, ChatCompletionRequest):
+            schema = body_type.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[body_type.__name__] = schema
+        schemas["ErrorBody"] = {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "object", "required": ["message", "type", "param", "code"],
+                      "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                     "param": {"type": ["string", "null"]},
+                                     "code": {"type": ["string", "null"]}}}}}
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+def create_admin_app(gateway: Gateway) -> FastAPI:
+    """The admin port (127.0.0.1 unless --admin-host says otherwise): what probes, Prometheus
+    and operators read; it lists worker addresses, so it never shares the public port."""
+    app = FastAPI(title="splitserve gateway admin", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    _install_error_handlers(app)
+    public = create_app(gateway)
 
     @app.get("/health")
     async def health() -> dict:
@@ -57,26 +139,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(generate_latest(gateway.admission.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        gateway.admission.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [gateway.model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict:
-        gateway.admission.authenticate(request.headers.get("authorization"))
-        gateway.check_model(model_id)
-        return gateway.model_card()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(gateway, request, CompletionRequest,
-                               gateway.preprocessor.completion, CompletionFormat)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(gateway, request, ChatCompletionRequest,
-                               gateway.preprocessor.chat, ChatFormat)
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        """The public port's API."""
+        return JSONResponse(public.openapi())
 
     return app
 

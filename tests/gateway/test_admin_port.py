@@ -1,0 +1,52 @@
+"""The public port serves the API and /health only; /metrics, /ready (which lists worker
+addresses) and /openapi.json are on the admin port, 127.0.0.1 unless told otherwise. Real
+gateway processes over real workers (the tiny model)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.gateway.config import GatewayConfig
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/ready", "/openapi.json", "/docs"])
+def test_the_public_port_does_not_describe_the_cluster(disagg_stack, path):
+    response = httpx.get(disagg_stack.url + path, timeout=10)
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert disagg_stack.decode.address not in response.text
+
+
+def test_the_admin_port_serves_metrics_readiness_and_the_api_document(disagg_stack):
+    assert disagg_stack.gateway.admin_address.startswith("127.0.0.1:")
+    assert disagg_stack.gateway.admin_address != disagg_stack.gateway.address
+    admin = disagg_stack.admin_url
+    ready = httpx.get(f"{admin}/ready", timeout=10)
+    assert ready.status_code == 200
+    assert disagg_stack.decode.address in {w["address"] for w in ready.json()["workers"]}
+    metrics = httpx.get(f"{admin}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "splitserve_gateway_requests_total" in metrics.text
+    assert httpx.get(f"{admin}/health", timeout=10).json() == {"status": "ok"}
+    paths = httpx.get(f"{admin}/openapi.json", timeout=10).json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/health"} <= set(paths)
+    assert "/metrics" not in paths and "/ready" not in paths
+    # The admin port is no second front door.
+    assert httpx.post(f"{admin}/v1/completions", json={}, timeout=10).status_code == 404
+
+
+def test_the_admin_port_can_be_turned_off(gateway_factory, disagg_workers):
+    prefill, decode = disagg_workers
+    gateway = gateway_factory("--prefill", prefill.address, "--decode", decode.address,
+                              "--admin-port", "-1")
+    assert gateway.admin_address == ""
+    assert httpx.get(f"http://{gateway.address}/metrics", timeout=10).status_code == 404
+    assert httpx.get(f"http://{gateway.address}/health", timeout=10).status_code == 200
+
+
+def test_the_admin_port_cannot_be_the_public_port(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--admin-port must differ from --port"):
+        GatewayConfig(model=str(tiny_llama_dir), worker=("127.0.0.1:1",), port=8123,
+                      admin_port=8123)
+    with pytest.raises(ValueError, match="--admin-port"):
+        GatewayConfig(model=str(tiny_llama_dir), worker=("127.0.0.1:1",), admin_port=-2)
