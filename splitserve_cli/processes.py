@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
+from services.common.security import TLSFiles, sync_channel
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,13 +34,14 @@ class WorkerProcess:
     metrics_address: str = ""  # host:port of /metrics, /health, /ready
     rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1..N-1
     lines: deque = field(default_factory=lambda: deque(maxlen=200))
+    tls: TLSFiles | None = None  # what the worker's environment gave it: channels match it
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
+        return sync_channel(self.address, self.tls)
 
     def health(self, timeout: float = 5.0) -> common_pb2.HealthResponse:
         with self.channel() as ch:
@@ -77,11 +80,10 @@ def start_worker(role: str, model, *extra: str, port: int | None = None,
     port = port or free_port()
     cmd = [sys.executable, "-m", "splitserve_cli.main", "worker", "--role", role,
            "--model", str(model), "--port", str(port), "--num-threads", "1", *extra]
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})},
-    )
-    worker = WorkerProcess(role, port, process)
+    env = {**os.environ, **(env or {})}
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    worker = WorkerProcess(role, port, process, tls=TLSFiles.from_env(env))
     ready = threading.Event()
 
     def pump() -> None:  # keeps the pipe drained for the whole life of the process

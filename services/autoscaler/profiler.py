@@ -217,7 +217,7 @@ def _time_decode(engine, rng, batch_size: int, context_len: int,
     for i in range(batch_size):
         rid = f"decode-{batch_size}-{context_len}-{i}"
         engine.reserve_remote(rid, _prompt(rng, engine, context_len - 1), params)
-        engine.receive_remote_kv(rid, 100, None)
+        engine.start_decode_for_profiling(rid, 100)
         ids.append(rid)
     engine.step()  # first step of this batch shape
     times = []
@@ -293,14 +293,16 @@ def colocated_client(address: str, batch: int) -> None:
     import asyncio
     import sys
 
-    import grpc
     from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+    from services.common.security import TLSFiles, aio_channel
 
     signal.signal(signal.SIGTERM, lambda *_: (print(f"tokens {count[0]}", flush=True), sys.exit(0)))
     count, shown = [0], [0]
 
     async def stream(slot: int) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        # The worker inherited this environment: TLS (SPLITSERVE_TLS_*) if it has it.
+        async with aio_channel(address, TLSFiles.from_env()) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
             n = 0
             while True:

@@ -19,6 +19,7 @@ from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.metrics import WorkerMetrics
 from services.common.registry import RegistryPublisher, WorkerInfo
+from services.common.security import add_port, read_cluster_secret
 from services.common.status_server import StatusServer
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerConfig
@@ -67,6 +68,9 @@ class Worker:
         self.registry: RegistryPublisher | None = None
         self.kv_endpoint = ""
         self.metrics_at = "-"
+        # Signs registry entries (and authenticates KV channels); None: no secret configured.
+        self.cluster_secret = (read_cluster_secret(config.cluster_secret_file)
+                               if config.cluster_secret_file else None)
         self.rank_pids: list[int] = []
         if isinstance(self.engine.runner, TensorParallelExecutor):
             self.rank_pids = self.engine.runner.rank_pids
@@ -113,7 +117,8 @@ class Worker:
                                kv_keys=self.kv_keys),
                 self.server,
             )
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        # With TLS files only the mutual-TLS port exists: a plaintext peer cannot even speak.
+        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
         if not cfg.worker_id:
@@ -130,9 +135,9 @@ class Worker:
             self.status_server.start()
             metrics_at = f"{cfg.public_host}:{self.status_server.port}"
         log.info(
-            "worker ready role=%s id=%s grpc=%s:%d kv_endpoint=%s kv_blocks=%d dtype=%s",
-            cfg.role, self.state.worker_id, cfg.host, self.port, kv_endpoint or "-",
-            self.engine.kv.num_blocks, self.engine.runner.dtype,
+            "worker ready role=%s id=%s grpc=%s:%d tls=%s kv_endpoint=%s kv_blocks=%d dtype=%s",
+            cfg.role, self.state.worker_id, cfg.host, self.port, cfg.tls.describe(),
+            kv_endpoint or "-", self.engine.kv.num_blocks, self.engine.runner.dtype,
         )
         self.kv_endpoint = kv_endpoint
         self.metrics_at = metrics_at
@@ -141,6 +146,7 @@ class Worker:
             self.registry = RegistryPublisher(
                 cfg.redis_url, self.describe, self._drain_prefix_events,
                 ttl_s=cfg.heartbeat_ttl_s, interval_s=max(cfg.heartbeat_ttl_s / 5, 0.2),
+                secret=self.cluster_secret,
             )
             self.registry.start()
         # A line launchers and tests wait for.

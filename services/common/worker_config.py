@@ -14,6 +14,7 @@ from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
+from services.common.security import TLSFiles, read_cluster_secret
 
 ROLES = ("prefill", "decode", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -81,6 +82,12 @@ class WorkerConfig:
     advertise_host: str = ""
     heartbeat_ttl_s: float = 5.0
     drain_grace_s: float = 30.0
+    # Mutual TLS on the gRPC port (services/common/security.py): all three PEM files or none.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    # The shared secret (a file) that signs this worker's registry entries and KV channels.
+    cluster_secret_file: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +104,9 @@ class WorkerConfig:
         if self.step_timeout_s < 0:
             raise ValueError("--step-timeout-s must be >= 0 (0 turns the step watchdog off)")
         self._check_speculative()
+        self.tls.check()
+        if self.cluster_secret_file:
+            read_cluster_secret(self.cluster_secret_file)
         if self.tensor_parallel_size != 1:
             model = ModelConfig.from_dir(self.model)
             check_tensor_parallel_size(self.tensor_parallel_size, model.num_heads,
@@ -133,6 +143,10 @@ class WorkerConfig:
             draft_model=self.draft_model or None,
             max_batch_size=self.speculative_max_batch_size,
         )
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def public_host(self) -> str:
@@ -238,6 +252,16 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--heartbeat-ttl-s", type=float, default=float(_env("heartbeat_ttl_s", 5)))
     parser.add_argument("--drain-grace-s", type=float, default=float(_env("drain_grace_s", 30)),
                         help="on SIGTERM, how long to finish held requests before exiting")
+    parser.add_argument("--tls-cert", default=_env("tls_cert", ""),
+                        help="PEM certificate chain of this worker; with --tls-key and --tls-ca "
+                             "the gRPC port speaks only mutual TLS")
+    parser.add_argument("--tls-key", default=_env("tls_key", ""), help="PEM private key")
+    parser.add_argument("--tls-ca", default=_env("tls_ca", ""),
+                        help="PEM CA bundle; a peer whose certificate does not chain to it is "
+                             "refused")
+    parser.add_argument("--cluster-secret-file", default=_env("cluster_secret_file", ""),
+                        help="file holding the cluster secret (>= 16 bytes) that signs registry "
+                             "entries and authenticates KV channels")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
     parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
@@ -286,4 +310,8 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         advertise_host=args.advertise_host,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         drain_grace_s=args.drain_grace_s,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        cluster_secret_file=args.cluster_secret_file,
     )

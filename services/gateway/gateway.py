@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from services.common.security import read_cluster_secret
 from services.gateway.admission.admission import Ticket
 from services.gateway.admission.config import make_admission
 from services.gateway.api.deadline import RequestDeadline
@@ -57,10 +58,14 @@ class Gateway:
             both_addresses=list(config.worker), poll_interval_s=config.health_interval_s,
             new_breaker=lambda: CircuitBreaker(config.breaker_failures, config.breaker_open_s),
             on_cache_lost=lambda e: self.prefix_index.forget_worker(e.worker_id, e.address),
+            tls=config.tls,
         )
         self.router = router or make_router(config, self.pool, self.prefix_index)
+        secret = (read_cluster_secret(config.cluster_secret_file)
+                  if config.cluster_secret_file else None)
         self.registry = RegistryFollower(config.redis_url, self.pool, self.prefix_index,
-                                         config.registry_interval_s) if config.redis_url else None
+                                         config.registry_interval_s,
+                                         secret) if config.redis_url else None
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s)
@@ -69,6 +74,8 @@ class Gateway:
         metrics.model = config.model_name
         # Request metrics join admission's registry: one /metrics for the whole gateway.
         self.observer = RequestObserver(config.model_name, metrics.registry, config.log_prompts)
+        if self.registry is not None:
+            self.registry.register_metrics(metrics.registry)
         self.model_names = {config.model_name, config.model, str(Path(config.model).resolve())}
 
     async def start(self) -> None:

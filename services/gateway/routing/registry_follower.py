@@ -4,6 +4,10 @@ draining) into the WorkerPool, and the prefix-cache event stream into the Prefix
 Two tasks on the gateway's event loop. If Redis is unreachable the pool keeps the workers it
 last saw (their Health polls still take dead ones out of rotation) and the index keeps what
 it knew; routing history covers the events missed meanwhile.
+
+With the cluster secret, an entry or event not signed with it is ignored and counted in
+`splitserve_gateway_registry_rejected_total` (kind, reason): whoever can write to Redis cannot
+add a worker, move one to another address, or steer routing with made-up prefix events.
 """
 
 from __future__ import annotations
@@ -12,8 +16,14 @@ import asyncio
 import logging
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter
 
-from services.common.registry import PREFIX_STREAM, list_workers
+from services.common.registry import (
+    PREFIX_STREAM,
+    REJECT_REASONS,
+    prefix_event_signed,
+    scan_workers,
+)
 from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.worker_pool import WorkerPool
 
@@ -25,8 +35,9 @@ _STREAM_BATCH = 1000
 
 class RegistryFollower:
     def __init__(self, redis_url: str, pool: WorkerPool, index: PrefixIndex,
-                 interval_s: float = 0.5) -> None:
+                 interval_s: float = 0.5, secret: bytes | None = None) -> None:
         self.pool = pool
+        self.secret = secret
         self.index = index
         self.interval_s = interval_s
         self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
@@ -36,6 +47,19 @@ class RegistryFollower:
         self.last_event_id = "0-0"  # replay the stream from its start: the index is rebuilt
         self.connected = False
         self._tasks: list[asyncio.Task] = []
+        # A rejected key is counted (and logged) once while it stays rejected for the same reason,
+        # not at every scan or heartbeat: key -> reason.
+        self._rejected: dict[str, str] = {}
+        self.rejected = Counter(
+            "splitserve_gateway_registry_rejected",
+            "Registry entries (kind=worker) and prefix events (kind=prefix_event) ignored, by "
+            "reason (malformed, unsigned, bad_signature, stale).",
+            ["kind", "reason"], registry=None)
+        for reason in REJECT_REASONS:
+            self.rejected.labels("worker", reason)  # exported as 0 until one happens
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(self.rejected)
 
     async def start(self) -> None:
         try:
@@ -56,7 +80,13 @@ class RegistryFollower:
                              return_exceptions=True)
 
     async def sync_workers(self) -> None:
-        workers = await list_workers(self.redis)
+        workers, rejected = await scan_workers(self.redis, self.secret)
+        for key, reason in rejected.items():
+            if self._rejected.get(key) != reason:
+                self.rejected.labels("worker", reason).inc()
+                log.warning("ignoring registry entry %s (%s): it will get no traffic", key,
+                            reason)
+        self._rejected = rejected
         if not self.connected:
             log.info("following the worker registry in redis (%d workers registered)",
                      len(workers))
@@ -96,6 +126,11 @@ class RegistryFollower:
                     self._apply(fields)
 
     def _apply(self, fields: dict) -> None:
+        if self.secret and not prefix_event_signed(fields, self.secret):
+            reason = "bad_signature" if b"sig" in fields else "unsigned"
+            self.rejected.labels("prefix_event", reason).inc()
+            log.debug("ignoring a prefix event (%s)", reason)
+            return
         try:
             worker = fields[b"worker"].decode()
             kind = fields[b"kind"].decode()

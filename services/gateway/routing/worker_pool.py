@@ -16,6 +16,7 @@ import grpc
 from splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from services.common.registry import WorkerInfo
+from services.common.security import TLSFiles, aio_channel
 from services.gateway.routing.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class WorkerPool:
     new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker
     # Called when a worker's prefix cache is gone: it left, or restarted in place.
     on_cache_lost: Callable[[WorkerEndpoint], None] | None = None
+    # Mutual TLS to every worker when set (a worker whose certificate does not chain to the CA
+    # fails the handshake, so its Health poll fails and it is never routable).
+    tls: TLSFiles | None = None
 
     def __post_init__(self) -> None:
         self.endpoints: list[WorkerEndpoint] = []
@@ -121,7 +125,7 @@ class WorkerPool:
 
     def add(self, address: str, role: str, *, worker_id: str = "", model: str = "",
             static: bool = False) -> WorkerEndpoint:
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = aio_channel(address, self.tls, _CHANNEL_OPTIONS)
         endpoint = WorkerEndpoint(
             address=address, role=role, channel=channel, worker_id=worker_id, model=model,
             static=static, breaker=self.new_breaker(),
