@@ -19,6 +19,10 @@ from engine.scheduler import SchedulerConfig
 # different summation order) agree to about 1e-6 on the tiny models; 1e-4 leaves room for
 # BLAS differences between machines while still catching any real numerical bug.
 LOGPROB_ATOL = 1e-4
+# A greedy divergence on a real model counts as a near-tie only when transformers' own float32
+# logprobs of the two tokens differ by less than this (issue 17; "each in the other's top 5"
+# admitted gaps of whole nats). tests/engine/test_bf16_parity.py states the bfloat16 bound.
+NEAR_TIE_NATS = 0.05
 
 
 def make_engine(
@@ -165,7 +169,8 @@ def assert_greedy_parity(
 ) -> int:
     """Token-for-token equality with transformers' greedy `generate`, and logprobs within
     `atol` of its log_softmax. On a real model a divergence is accepted only as a genuine
-    near-tie (each side's token in the other's top-5), and the comparison stops there.
+    near-tie (transformers' logprobs of the two tokens within NEAR_TIE_NATS), and the
+    comparison stops there.
     Returns the number of tokens compared."""
     ref_tokens, ref_logprobs = hf_greedy(str(model_dir), tuple(prompt), max_new_tokens)
     assert len(ours.logprobs) == len(ours.token_ids), "ask for logprobs=5 to compare"
@@ -175,10 +180,10 @@ def assert_greedy_parity(
                 f"position {i}: engine {mine}, transformers {theirs}\n"
                 f"engine:       {ours.token_ids}\ntransformers: {ref_tokens}"
             )
-            ref_top5 = ref_logprobs[i].topk(5).indices.tolist()
-            assert mine in ref_top5 and theirs in ours.logprobs[i].top, (
-                f"position {i}: engine {mine} vs transformers {theirs} is not a near-tie "
-                f"(transformers top-5 {ref_top5}, engine top-5 {list(ours.logprobs[i].top)})"
+            gap = float(ref_logprobs[i][theirs] - ref_logprobs[i][mine])
+            assert gap < NEAR_TIE_NATS, (
+                f"position {i}: engine {mine} vs transformers {theirs} is not a near-tie: "
+                f"transformers' logprobs differ by {gap:.4f} nats (bound {NEAR_TIE_NATS})"
             )
             return i
         assert_logprobs_close(ours.logprobs[i], ref_logprobs[i], mine, atol)

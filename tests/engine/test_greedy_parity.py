@@ -1,11 +1,13 @@
 """Greedy decoding matches transformers `generate` token for token (float32), with logprobs
 within a small tolerance of its log_softmax: mixed batches, chunked prefill, prefix-cache
-hits, preemption, for a tiny Llama (GQA), a tiny Qwen2 (qkv bias) and the real SmolLM2."""
+hits, preemption, for a tiny Llama (GQA), a tiny Qwen2 (qkv bias) and the real SmolLM2, whose
+divergences must be near-ties within NEAR_TIE_NATS (engine_harness)."""
 
 from __future__ import annotations
 
 import pytest
 from engine_harness import (
+    NEAR_TIE_NATS,
     add_all,
     assert_greedy_parity,
     assert_logprobs_close,
@@ -222,3 +224,19 @@ def test_smollm2_greedy_matches_transformers_batched_chunked_preempted_and_cache
     # Near-ties are rare: nearly everything was compared (one answer ends early at EOS).
     assert compared >= 2 * (len(prompts) - 1) * SMOL_TOKENS * 3 // 4
     assert_no_leak(engine)
+
+
+def test_a_divergence_wider_than_the_near_tie_bound_fails_parity(tiny_llama_dir):
+    """The rule itself: transformers' second choice in place of its first, each in the other's
+    top 5, is a failure unless their logprobs differ by less than NEAR_TIE_NATS (float32)."""
+    (prompt,) = random_prompts([9], seed=3)
+    engine = make_engine(tiny_llama_dir)
+    engine.add_request("r", prompt, GREEDY)
+    ours = drive(engine)["r"]
+    assert_greedy_parity(tiny_llama_dir, prompt, ours, MAX_TOKENS, real_model=True)
+    _, ref_logprobs = hf_greedy(str(tiny_llama_dir), tuple(prompt), MAX_TOKENS)
+    best, second = ref_logprobs[5].topk(2).indices.tolist()
+    assert float(ref_logprobs[5][best] - ref_logprobs[5][second]) > NEAR_TIE_NATS
+    ours.token_ids[5] = second
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_greedy_parity(tiny_llama_dir, prompt, ours, MAX_TOKENS, real_model=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from engine_harness import (
     add_all,
     assert_greedy_parity,
@@ -17,6 +16,7 @@ from engine_harness import (
     make_engine,
     random_prompts,
 )
+from tiny_mistral import build_tiny_mistral
 
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -27,38 +27,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5)
 LENGTHS = [1, 3, 17, 24, 45]
 
 
-def _randomize(model, seed: int) -> None:
-    """Peaked logits (std 0.3, as splitserve_cli.tiny_model does): clear top-1 margins."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight")
-                        else 0.1 * noise if name.endswith(".bias") else 0.3 * noise)
-
-
-def build_tiny_mistral(path, *, window: int = WINDOW, head_dim: int = 8, heads: int = 8,
-                       kv_heads: int = 4, layers: int = 2, seed: int = 0):
-    """A random MistralForCausalLM checkpoint (config.json + safetensors, no tokenizer)."""
-    from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(
-        architectures=["MistralForCausalLM"], vocab_size=768, hidden_size=heads * head_dim,
-        intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
-        sliding_window=window, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
-        pad_token_id=0, dtype="float32",
-    )
-    model = MistralForCausalLM(config)
-    _randomize(model, seed)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_mistral_dir(tmp_path_factory):
-    return build_tiny_mistral(tmp_path_factory.mktemp("tiny-mistral"))
+    return build_tiny_mistral(tmp_path_factory.mktemp("tiny-mistral"), window=WINDOW)
 
 
 @pytest.fixture(scope="module")
