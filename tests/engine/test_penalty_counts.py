@@ -83,20 +83,20 @@ def test_a_state_that_no_longer_matches_is_rebuilt():
     assert counts.seen.shape == (20,) and counts.output.nonzero().flatten().tolist() == [5]
 
 
-class _IndexElements(TorchFunctionMode):
-    """Adds up the elements of every integer tensor handed to a torch operation: index lists
-    of seen or output tokens are what grew with the history."""
+class _TokenIdsFromPython(TorchFunctionMode):
+    """Adds up the elements of every integer tensor built from Python data (`torch.tensor`,
+    `torch.as_tensor`): token-id lists turned into index tensors are the per-step work that
+    grew with the history."""
 
     def __init__(self) -> None:
         super().__init__()
         self.elements = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for arg in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(arg, torch.Tensor) and arg.dtype in (torch.int64, torch.int32):
-                self.elements += arg.numel()
-        return func(*args, **kwargs)
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.tensor, torch.as_tensor) and not result.is_floating_point():
+            self.elements += result.numel()
+        return result
 
 
 class _RecordingSampler:
@@ -105,7 +105,7 @@ class _RecordingSampler:
         self.per_call: list[int] = []
 
     def __call__(self, logits, rows):
-        with _IndexElements() as mode:
+        with _TokenIdsFromPython() as mode:
             result = self.sampler(logits, rows)
         self.per_call.append(mode.elements)
         return result
