@@ -15,8 +15,9 @@ class TokenCounts:
     The list must only grow while this object follows it (a request's tokens do: preemption
     and migration start a new state). `update` counts `token_ids[num_counted:]`: prompt tokens
     once into `seen`, output tokens into `seen` and `output`. Tensors are vocab-sized, made on
-    first use, so a request without penalties pays nothing. Owned by the thread that owns the
-    token list (the engine thread)."""
+    first use, so a request without penalties pays nothing. Ids outside the vocabulary are not
+    counted: a draft model with a smaller vocabulary has no logit to penalise for them. Owned by
+    the thread that owns the token list (the engine thread)."""
 
     def __init__(self) -> None:
         self.num_counted = 0
@@ -37,7 +38,7 @@ class TokenCounts:
             return
         split = min(max(num_prompt_tokens, start), len(token_ids))
         if split > start:
-            self.seen[_ids(token_ids[start:split], device)] = True
+            self.seen[_ids(token_ids[start:split], vocab, device)] = True
         if len(token_ids) > split:
             self.output, self.seen = with_output_tokens(
                 self.output, self.seen, token_ids[split:], in_place=True)
@@ -51,7 +52,7 @@ def with_output_tokens(output: torch.Tensor, seen: torch.Tensor, token_ids: Sequ
     `in_place` (speculative proposals are counted on a copy, never into the request's state)."""
     if not token_ids:
         return output, seen
-    ids = _ids(token_ids, output.device)
+    ids = _ids(token_ids, output.shape[0], output.device)
     if not in_place:
         output, seen = output.clone(), seen.clone()
     output.index_add_(0, ids, torch.ones(len(ids), dtype=output.dtype, device=output.device))
@@ -59,5 +60,5 @@ def with_output_tokens(output: torch.Tensor, seen: torch.Tensor, token_ids: Sequ
     return output, seen
 
 
-def _ids(token_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(token_ids), dtype=torch.long, device=device)
+def _ids(token_ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([t for t in token_ids if 0 <= t < vocab], dtype=torch.long, device=device)

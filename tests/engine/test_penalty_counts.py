@@ -83,6 +83,19 @@ def test_a_state_that_no_longer_matches_is_rebuilt():
     assert counts.seen.shape == (20,) and counts.output.nonzero().flatten().tolist() == [5]
 
 
+def test_tokens_outside_a_smaller_draft_vocabulary_are_not_penalised():
+    """A draft may have a prefix of the target's vocabulary: the request's history can hold
+    ids it has no logit for. Counting them raised IndexError in the engine loop."""
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
+    history = [3, 45, 7, 49, 3]  # prompt [3, 45], output [7, 49, 3]; 45 and 49 beyond 40
+    logits = torch.ones(40)
+    _apply_penalties(logits, SamplingRow(params, 0, 6, history, 2, counts=TokenCounts(),
+                                         pending_token_ids=[47, 7]))
+    expected = torch.ones(40)
+    expected[3], expected[7] = 0.5 - 0.5, 0.5 - 1.0  # seen; output once and twice
+    assert torch.equal(logits, expected)
+
+
 class _TokenIdsFromPython(TorchFunctionMode):
     """Adds up the elements of every integer tensor built from Python data (`torch.tensor`,
     `torch.as_tensor`): token-id lists turned into index tensors are the per-step work that
