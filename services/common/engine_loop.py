@@ -65,11 +65,25 @@ class RequestStream:
 
     def put(self, out: RequestOutput) -> None:
         """Engine thread. An event loop that has closed has no reader left: drop the output."""
-        self.num_put += 1
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:
-            log.debug("output for %s dropped: its event loop is closed", out.request_id)
+        _hand_over(self.loop, [(self, out)])
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop,
+               batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Engine thread: put a step's outputs for streams of one event loop onto their queues with
+    one wake-up of that loop (a call_soon_threadsafe writes to the loop's self-pipe; one per
+    request per step was a system call and a callback per token at batch 32)."""
+    for stream, _ in batch:
+        stream.num_put += 1
+    try:
+        loop.call_soon_threadsafe(_put_all, batch)
+    except RuntimeError:
+        log.debug("%d outputs dropped: their event loop is closed", len(batch))
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
 
 
 class EngineLoop:
@@ -226,6 +240,7 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -235,7 +250,9 @@ class EngineLoop:
             elif stream.num_unread >= stream.max_unread:
                 self._cut_off(out.request_id, stream)
                 continue
-            stream.put(out)
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in by_loop.items():
+            _hand_over(loop, batch)
 
     def _cut_off(self, request_id: str, stream: RequestStream) -> None:
         """The reader stopped reading: free the request's blocks and end its stream."""
