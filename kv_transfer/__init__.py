@@ -4,6 +4,7 @@ Pairwise torch.distributed channels (gloo on CPU, NCCL on CUDA) set up at run ti
 TCPStore hosted by the decode worker; a fixed-size header frames each contiguous payload.
 """
 
+from kv_transfer.auth import KVAuthError
 from kv_transfer.buffer_pool import KVBufferPool
 from kv_transfer.channel import KVChannelError
 from kv_transfer.header import (
@@ -20,7 +21,7 @@ from kv_transfer.header import (
 from kv_transfer.layout import KV_LAYOUT_VERSION, KVLayout, LayoutMismatchError
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVQueueFullError, KVSender, TransferResult
-from kv_transfer.sender_pool import KVSenderPool
+from kv_transfer.sender_pool import KVSenderLimitError, KVSenderPool
 from kv_transfer.stats import KVStats, KVStatsSnapshot
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "HeaderError",
     "HeaderFlag",
+    "KVAuthError",
     "KVBufferPool",
     "KVChannelError",
     "KVHeader",
@@ -37,6 +39,7 @@ __all__ = [
     "KVQueueFullError",
     "KVReceiver",
     "KVSender",
+    "KVSenderLimitError",
     "KVSenderPool",
     "KVStats",
     "KVStatsSnapshot",

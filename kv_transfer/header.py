@@ -69,6 +69,9 @@ class KVHeader:
         return self.layout.payload_nbytes(self.num_blocks) if self.is_data else 0
 
 
+_FRAME_KINDS = frozenset(int(flag) for flag in HeaderFlag.__members__.values())
+
+
 def _checksum(words: list[int]) -> int:
     # FNV-1a over whole words: order-sensitive, so swapped or shifted words are caught too.
     h = 0xCBF29CE484222325
@@ -158,10 +161,10 @@ def decode_header(frame: torch.Tensor) -> KVHeader:
         raise HeaderError(f"header format {words[_W_FORMAT]} unsupported (want {HEADER_FORMAT})")
     if any(words[_W_RESERVED:_W_CHECKSUM]):
         raise HeaderError("reserved header words are non-zero: written by a newer peer?")
-    try:
-        flags = HeaderFlag(words[_W_FLAGS])
-    except ValueError as exc:
-        raise HeaderError(f"unknown header flags {words[_W_FLAGS]:#x}") from exc
+    # IntFlag would accept any int (unknown bits, combinations): a frame is exactly one kind.
+    if words[_W_FLAGS] not in _FRAME_KINDS:
+        raise HeaderError(f"unknown header flags {words[_W_FLAGS]:#x}")
+    flags = HeaderFlag(words[_W_FLAGS])
     key_len = words[_W_KEY_LEN]
     if not 0 <= key_len <= MAX_KEY_BYTES:
         raise HeaderError(f"header key length {key_len} out of range 0..{MAX_KEY_BYTES}")

@@ -1,6 +1,7 @@
 """KVReceiver: the decode worker's end; hosts the rendezvous store and reads one channel per sender.
 
-Senders may arrive, die and come back at any time; each gets its own channel and thread.
+Senders may arrive, die and come back at any time; each gets its own channel and thread. With a
+cluster secret, a sender proves it before its channel moves any tensor (kv_transfer.auth).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from kv_transfer import auth
 from kv_transfer.buffer_pool import KVBufferPool
 from kv_transfer.channel import (
     ARRIVALS_QUEUE,
+    PEERS_COUNTER,
     RECEIVER_RANK,
     KVChannel,
     KVChannelError,
@@ -25,7 +28,8 @@ from kv_transfer.channel import (
     tensor_parallel_mismatch,
     timedelta,
 )
-from kv_transfer.header import HeaderFlag, KVHeader, header_from_bytes
+from kv_transfer.frame_check import FrameRefused, check_data_frame, check_hello
+from kv_transfer.header import HEADER_NBYTES, HeaderError, HeaderFlag, KVHeader, header_from_bytes
 from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.stats import KVStats
 
@@ -36,8 +40,14 @@ _WAKE = b"wake"
 # The accept thread blocks on the arrivals queue; close() wakes it, so this only bounds how
 # often an idle receiver logs c10d's socket-timeout warning.
 _ACCEPT_POLL_S = 24 * 3600.0
+# A decode worker has a channel per prefill worker rank; far more means someone is opening
+# channels to exhaust threads.
+DEFAULT_MAX_CHANNELS = 256
+# A hello is a few hundred bytes of JSON; anything much larger is not one.
+MAX_HELLO_BYTES = 4096
 
 OnKV = Callable[[KVHeader, torch.Tensor], None]
+_warned_no_secret = threading.Event()
 
 
 class KVReceiver:
@@ -56,6 +66,15 @@ class KVReceiver:
     recv poisons the pair. The store can, so idle channels wait there (the sender's heartbeat
     every timeout_s/4 proves it is alive), and a group op is posted only when the header says a
     payload is coming, with a real timeout_s deadline.
+
+    Every frame is checked before anything is allocated for it (kv_transfer.frame_check, then
+    `check_frame(header)`, the caller's own rules, returning a reason to refuse or None). A
+    refused DATA frame fails only its request (`on_refused(header, reason)`): its payload is
+    read and discarded when it is no larger than `max_blocks` blocks, which keeps the channel in
+    step; a frame the channel cannot stay in step with (torn header, oversized payload) closes
+    the channel instead. With `secret`, senders must prove it (a mutual HMAC challenge) before
+    their channel is built, and every frame carries a tag under a per-channel key; a forged
+    frame is dropped and counted, the channel stays up.
     """
 
     def __init__(
@@ -73,8 +92,18 @@ class KVReceiver:
         buffer_pool: KVBufferPool | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        secret: bytes | None = None,
+        max_blocks: int | None = None,
+        check_frame: Callable[[KVHeader], str | None] | None = None,
+        on_refused: Callable[[KVHeader, str], None] | None = None,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
     ):
         self.layout = layout
+        self.secret = secret or None
+        self.max_blocks = max_blocks
+        self.max_channels = max_channels
+        self._check_frame = check_frame
+        self._on_refused = on_refused
         # Rank tp_rank of a TP-tp_size decode worker takes KV from the same rank of prefill.
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -94,6 +123,12 @@ class KVReceiver:
             host, port, is_master=True, wait_for_workers=False, timeout=timedelta(timeout_s)
         )
         self.endpoint = f"{host}:{self._store.port}"
+        if self.secret is None and not _warned_no_secret.is_set():
+            _warned_no_secret.set()
+            logger.warning(
+                "kv receiver %s: no cluster secret configured; any peer that reaches this port "
+                "can open a KV channel (set --cluster-secret-file)", self.endpoint
+            )
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-recv-accept-{self._store.port}", daemon=True
         )
@@ -157,14 +192,39 @@ class KVReceiver:
             if raw == _WAKE or self._closed:
                 continue
             try:
-                self._admit(store, json.loads(raw))
-            except Exception:  # a malformed hello must not kill the accept loop
+                hello = check_hello(raw, MAX_HELLO_BYTES, store.add(PEERS_COUNTER, 0))
+            except FrameRefused as exc:
+                self.stats.add(refused=1)
+                logger.warning("kv receiver %s: ignored a hello: %s", self.endpoint, exc)
+                continue
+            try:
+                self._admit(store, hello)
+            except Exception:  # a store hiccup must not kill the accept loop
                 logger.exception("kv receiver %s: bad hello %r", self.endpoint, raw[:200])
 
     def _admit(self, store: dist.Store, hello: dict) -> None:
-        index, peer_id = int(hello["index"]), str(hello["peer_id"])
+        index, peer_id = hello["index"], hello["peer_id"]
         verdict_key = channel_key(index, "verdict")
+        with self._lock:
+            in_use, num_channels = index in self._channels, len(self._channels)
+        if in_use:
+            # Another hello already took this index: answering would overwrite its verdict.
+            self.stats.add(refused=1)
+            logger.warning("kv receiver %s: second hello for channel %d (%s) ignored",
+                           self.endpoint, index, peer_id)
+            return
         try:
+            if num_channels >= self.max_channels:
+                raise KVChannelError(
+                    f"decode worker has {num_channels} KV channels open, its limit", peer_id=peer_id
+                )
+            sender_nonce = hello.get("nonce")
+            if self.secret is not None and not auth.is_nonce(sender_nonce):
+                self.stats.add(auth_failures=1)
+                raise KVChannelError(
+                    "this KV receiver requires the cluster secret; start the prefill worker "
+                    "with the same --cluster-secret-file", peer_id=peer_id
+                )
             try:
                 peer_layout = KVLayout.from_dict(hello["layout"])
             except (TypeError, ValueError) as exc:
@@ -197,11 +257,16 @@ class KVReceiver:
         # Cloned here, not in the channel thread: close() may drop the master store any time
         # after it has joined this (accept) thread.
         channel = _InboundChannel(self, index, peer_id, self._store.clone())
+        verdict = {"ok": True, "heartbeat_s": self.timeout_s / 4}
+        if self.secret is not None:
+            channel.nonces = (sender_nonce, auth.new_nonce())
+            verdict["nonce"] = channel.nonces[1]
+            verdict["proof"] = auth.receiver_proof(self.secret, index, *channel.nonces)
         with self._lock:
             if self._closed:
                 return
             self._channels[index] = channel
-        store.set(verdict_key, json.dumps({"ok": True, "heartbeat_s": self.timeout_s / 4}))
+        store.set(verdict_key, json.dumps(verdict))
         channel.thread.start()
         logger.info("kv receiver %s: channel %d from %s", self.endpoint, index, peer_id)
 
@@ -237,6 +302,8 @@ class _InboundChannel:
         self.index = index
         self.peer_id = peer_id
         self.stopping = False
+        self.nonces: tuple[str, str] | None = None  # (sender's, ours) with a cluster secret
+        self.frame_key: bytes | None = None  # tags this channel's frames once authenticated
         self.thread = threading.Thread(
             target=self._run, name=f"kv-recv-{index}-{peer_id}", daemon=True
         )
@@ -247,6 +314,8 @@ class _InboundChannel:
         store.set_timeout(timedelta(r.timeout_s))
         channel = None
         try:
+            if self.nonces is not None and not self._authenticate(store):
+                return
             channel = KVChannel(store, self.index, RECEIVER_RANK, r.device, r.timeout_s)
             r.stats.add(channels_opened=1)
             self._read_frames(store, channel)
@@ -264,6 +333,27 @@ class _InboundChannel:
             except RuntimeError:
                 pass  # the store is gone with a closing receiver; nobody is left to tell
             r._forget(self)
+
+    def _authenticate(self, store: dist.Store) -> bool:
+        """Before the process group exists: the sender answers our challenge, or the channel
+        ends here (its `closed` key is set on the way out)."""
+        r = self.receiver
+        key = channel_key(self.index, "auth")
+        try:
+            store.wait([key], timedelta(r.timeout_s))
+            answer = store.get(key).decode("ascii", "replace")
+        except RuntimeError:
+            answer = ""
+        expected = auth.sender_proof(r.secret, self.index, *self.nonces, self.peer_id)
+        ok = auth.proof_ok(expected, answer)
+        store.set(channel_key(self.index, "auth_verdict"), b"ok" if ok else b"refused")
+        if not ok:
+            r.stats.add(auth_failures=1, refused=1)
+            logger.warning("kv receiver %s: channel %d from %s did not prove the cluster "
+                           "secret; closed", r.endpoint, self.index, self.peer_id)
+            return False
+        self.frame_key = auth.session_key(r.secret, self.index, *self.nonces)
+        return True
 
     def _read_frames(self, store: dist.Store, channel: KVChannel) -> None:
         r = self.receiver
@@ -283,7 +373,24 @@ class _InboundChannel:
                 return
             if raw == _WAKE:
                 continue
-            header = header_from_bytes(raw)
+            if self.frame_key is not None:
+                frame = auth.untag_frame(self.frame_key, raw, HEADER_NBYTES)
+                if frame is None:  # not from our peer: some other store client wrote it
+                    r.stats.add(refused_frames=1)
+                    logger.warning("kv receiver %s: dropped a frame with a bad tag on channel "
+                                   "%d", r.endpoint, self.index)
+                    continue
+                raw = frame
+            try:
+                header = header_from_bytes(raw)
+                if header.seq == expected_seq and not header.flags & HeaderFlag.CLOSE:
+                    r.layout.check_compatible(header.layout, self_name="decode",
+                                              other_name="prefill")
+            except (HeaderError, LayoutMismatchError) as exc:
+                # Whether a payload follows is unknown, so the channel cannot stay in step.
+                r.stats.add(refused_frames=1)
+                raise KVChannelError(f"bad frame from {self.peer_id}: {exc}",
+                                     peer_id=self.peer_id) from exc
             if header.seq != expected_seq:
                 raise KVChannelError(
                     f"frame {header.seq} from {self.peer_id} out of sequence (want {expected_seq})",
@@ -295,7 +402,6 @@ class _InboundChannel:
                 return
             if header.flags & HeaderFlag.HEARTBEAT:
                 continue
-            r.layout.check_compatible(header.layout, self_name="decode", other_name="prefill")
             if header.flags & HeaderFlag.ABORT:
                 r.stats.add(aborts=1)
                 if r._on_abort is not None:
@@ -305,6 +411,16 @@ class _InboundChannel:
 
     def _receive_payload(self, header: KVHeader, channel: KVChannel) -> None:
         r = self.receiver
+        reason = check_data_frame(header, r.layout, r.max_blocks)
+        if reason is None and r._check_frame is not None:
+            try:
+                reason = r._check_frame(header)
+            except Exception as exc:  # a rule that cannot decide refuses
+                r.stats.add(callback_errors=1)
+                reason = f"check_frame raised {exc!r}"
+        if reason is not None:
+            self._refuse(header, str(reason), channel)
+            return
         wanted = True
         if r._is_wanted is not None:
             answer = r._call(r._is_wanted, header.request_key)
@@ -326,6 +442,27 @@ class _InboundChannel:
             return
         r.stats.add(transfers=1, bytes=payload.nbytes, seconds=seconds)
         r._call(r._on_kv, header, payload)
+
+    def _refuse(self, header: KVHeader, reason: str, channel: KVChannel) -> None:
+        """Fail the frame's request, never the worker; keep the channel if its payload can be
+        read into a bounded buffer and thrown away."""
+        r = self.receiver
+        r.stats.add(refused_frames=1)
+        logger.warning("kv receiver %s: refused KV for %.80r from %s: %s", r.endpoint,
+                       header.request_key, self.peer_id, reason)
+        if r._on_refused is not None:
+            r._call(r._on_refused, header, reason)
+        if r.max_blocks is None or header.num_blocks > r.max_blocks:
+            raise KVChannelError(
+                f"refused a frame of {header.num_blocks} blocks from {self.peer_id} ({reason}); "
+                "its payload is not read, so the channel is closed",
+                peer_id=self.peer_id, request_key=header.request_key,
+            )
+        payload = r._pool.acquire(r.layout.payload_shape(header.num_blocks), r.layout.torch_dtype)
+        try:
+            channel.recv(payload)
+        finally:
+            r._pool.release(payload)
 
 
 def _wrap(exc: Exception, peer_id: str) -> KVChannelError:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kv_transfer import auth
 from kv_transfer.channel import (
     ARRIVALS_QUEUE,
     PEERS_COUNTER,
@@ -93,8 +94,10 @@ class KVSender:
         stats: KVStats | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        secret: bytes | None = None,
     ):
         self.host, self.port = parse_endpoint(endpoint)
+        self.secret = secret or None  # with it, both ends prove it before the group is built
         self.tp_rank = tp_rank  # told to the receiver, which refuses another degree or rank
         self.tp_size = tp_size
         self.endpoint = endpoint
@@ -115,6 +118,7 @@ class KVSender:
         self._index = -1
         self._seq = 0
         self._heartbeat_s = timeout_s / 4
+        self._frame_key: bytes | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{endpoint}", daemon=True)
         self._thread.start()
 
@@ -275,6 +279,8 @@ class KVSender:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
         }
+        if self.secret is not None:
+            hello["nonce"] = auth.new_nonce()
         store.queue_push(ARRIVALS_QUEUE, json.dumps(hello))
         verdict = json.loads(store.get(channel_key(self._index, "verdict")))
         if not verdict["ok"]:
@@ -285,13 +291,37 @@ class KVSender:
             )
             raise error_type(f"KV receiver {self.endpoint} refused this sender: {verdict['error']}")
         self._heartbeat_s = float(verdict["heartbeat_s"])
+        if self.secret is not None:
+            self._authenticate(store, hello["nonce"], verdict)
         self._channel = KVChannel(store, self._index, SENDER_RANK, self.device, self.timeout_s)
         self.stats.add(channels_opened=1)
         logger.info("kv sender %s: channel %d to %s", self.peer_id, self._index, self.endpoint)
 
+    def _authenticate(self, store: dist.Store, nonce: str, verdict: dict) -> None:
+        """The receiver proved the secret in its verdict; now this end proves it in turn."""
+        theirs = verdict.get("nonce")
+        if not auth.is_nonce(theirs) or not auth.proof_ok(
+            auth.receiver_proof(self.secret, self._index, nonce, theirs), verdict.get("proof")
+        ):
+            if auth.is_nonce(theirs):  # a receiver waiting for our answer: end its wait now
+                store.set(channel_key(self._index, "auth"), b"")
+            raise auth.KVAuthError(
+                f"KV receiver {self.endpoint} did not prove the cluster secret (is the decode "
+                "worker started with the same --cluster-secret-file?)", peer_id=self.peer_id
+            )
+        proof = auth.sender_proof(self.secret, self._index, nonce, theirs, self.peer_id)
+        store.set(channel_key(self._index, "auth"), proof)
+        if store.get(channel_key(self._index, "auth_verdict")) != b"ok":
+            raise auth.KVAuthError(
+                f"KV receiver {self.endpoint} refused this sender's proof", peer_id=self.peer_id
+            )
+        self._frame_key = auth.session_key(self.secret, self._index, nonce, theirs)
+
     def _push(self, header: KVHeader) -> None:
         """Ring the doorbell with the next frame's header (the receiver pops it from the store)."""
         frame = header_to_bytes(dataclasses.replace(header, seq=self._seq))
+        if self._frame_key is not None:
+            frame = auth.tag_frame(self._frame_key, frame)
         self._store.queue_push(channel_key(self._index, "bell"), frame)
         self._seq += 1
 

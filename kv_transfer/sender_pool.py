@@ -12,6 +12,14 @@ from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.sender import KVSender
 from kv_transfer.stats import KVStats
 
+# Each sender is a thread and a process group; a prefill worker needs one per decode worker
+# rank it serves, so far more than this is a caller pointing it everywhere.
+DEFAULT_MAX_SENDERS = 128
+
+
+class KVSenderLimitError(RuntimeError):
+    """sender() refused a new endpoint: max_senders channels are already open or connecting."""
+
 
 class KVSenderPool:
     """What a prefill worker holds: it sends to whichever decode worker the router picked.
@@ -19,6 +27,9 @@ class KVSenderPool:
     A broken sender (dead receiver, timeout) is dropped; the next send to that endpoint builds
     a fresh one, so a restarted decode worker is reached again without a restart here. Only the
     transfers queued on the broken sender fail. Thread-safe; one KVStats aggregates all senders.
+
+    At most `max_senders` endpoints have a sender at once; a new endpoint past that raises
+    KVSenderLimitError at once (broken senders are dropped first to make room).
     """
 
     def __init__(
@@ -31,8 +42,14 @@ class KVSenderPool:
         max_queued: int = 64,
         tp_rank: int = 0,
         tp_size: int = 1,
+        secret: bytes | None = None,
+        max_senders: int = DEFAULT_MAX_SENDERS,
     ):
+        if max_senders < 1:
+            raise ValueError(f"max_senders must be >= 1, got {max_senders}")
         self.layout = layout
+        self.secret = secret
+        self.max_senders = max_senders
         # Rank tp_rank of a TP-tp_size prefill worker sends to the same rank of the decode worker.
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -63,6 +80,13 @@ class KVSenderPool:
             sender = self._senders.get(endpoint)
             if sender is None or not sender.usable:
                 stale = sender
+                if sender is None and len(self._senders) >= self.max_senders:
+                    self._drop_broken()
+                    if len(self._senders) >= self.max_senders:
+                        raise KVSenderLimitError(
+                            f"{len(self._senders)} KV channels already open (limit "
+                            f"{self.max_senders}, --max-kv-senders); not opening one to {endpoint}"
+                        )
                 sender = KVSender(
                     endpoint,
                     self.layout,
@@ -73,12 +97,20 @@ class KVSenderPool:
                     stats=self.stats,
                     tp_rank=self.tp_rank,
                     tp_size=self.tp_size,
+                    secret=self.secret,
                 )
                 self._senders[endpoint] = sender
         if stale is not None:
             # Its thread has already exited (or is exiting) with the error; nothing to wait for.
             stale.close(cancel_pending=True, timeout_s=0)
         return sender
+
+    def _drop_broken(self) -> None:
+        """Caller holds _lock. A broken sender's thread has exited; it only holds a slot."""
+        for endpoint, sender in list(self._senders.items()):
+            if not sender.usable:
+                del self._senders[endpoint]
+                sender.close(cancel_pending=True, timeout_s=0)
 
     def send(
         self, endpoint: str, request_key: str, first_token: int, num_tokens: int, kv: torch.Tensor

@@ -18,7 +18,9 @@ class KVStatsSnapshot:
     failures: int = 0  # channel failures (each may fail several queued transfers)
     failed_transfers: int = 0  # transfers that did not complete because of a failure
     rejected: int = 0  # sends refused up front because the queue was full
-    refused: int = 0  # senders turned away at connect (layout or backend mismatch)
+    refused: int = 0  # senders turned away at connect (layout, backend, auth, channel limit)
+    auth_failures: int = 0  # channels closed because the peer did not prove the cluster secret
+    refused_frames: int = 0  # frames refused: bad header or tag, or fields the request rules out
     callback_errors: int = 0  # exceptions raised by user callbacks (logged, channel kept)
     channels_opened: int = 0
     channels_closed: int = 0

@@ -24,32 +24,35 @@ log = logging.getLogger(__name__)
 
 
 def open_kv_receiver(engine: LLMEngine, *, host: str, port: int, layout: KVLayout,
-                     device: torch.device, on_kv, timeout_s: float, on_channel_error, on_abort):
+                     device: torch.device, on_kv, timeout_s: float, on_channel_error, on_abort,
+                     **checks):
     """A KVReceiver for a one-rank engine, a ShardedKVReceiver for a tensor-parallel one. Its
-    `endpoint` is what the decode worker advertises; `release` takes what `on_kv` was given."""
+    `endpoint` is what the decode worker advertises; `release` takes what `on_kv` was given.
+    `checks` (secret, max_blocks, check_frame, on_refused) go to rank 0's KVReceiver."""
     kwargs = dict(layout=layout, device=device, on_kv=on_kv, timeout_s=timeout_s,
-                  on_channel_error=on_channel_error, on_abort=on_abort)
+                  on_channel_error=on_channel_error, on_abort=on_abort, **checks)
     if isinstance(engine.runner, TensorParallelExecutor):
         return ShardedKVReceiver(engine.runner, host, port, **kwargs)
     return KVReceiver(host=host, port=port, **kwargs)
 
 
 def open_kv_senders(engine: LLMEngine, *, layout: KVLayout, device: torch.device,
-                    timeout_s: float):
-    """A KVSenderPool for a one-rank engine, a ShardedKVSenderPool for a tensor-parallel one."""
+                    timeout_s: float, **limits):
+    """A KVSenderPool for a one-rank engine, a ShardedKVSenderPool for a tensor-parallel one.
+    `limits` (secret, max_senders) go to rank 0's pool."""
     if isinstance(engine.runner, TensorParallelExecutor):
-        return ShardedKVSenderPool(engine.runner, layout, device, timeout_s)
-    return KVSenderPool(layout=layout, device=device, timeout_s=timeout_s)
+        return ShardedKVSenderPool(engine.runner, layout, device, timeout_s, **limits)
+    return KVSenderPool(layout=layout, device=device, timeout_s=timeout_s, **limits)
 
 
 class ShardedKVSenderPool:
     """The KVSenderPool of a tensor-parallel prefill worker. Thread-safe (the gRPC loop sends)."""
 
     def __init__(self, executor: TensorParallelExecutor, layout: KVLayout,
-                 device: torch.device, timeout_s: float) -> None:
+                 device: torch.device, timeout_s: float, **limits) -> None:
         self.executor = executor
         self.local = KVSenderPool(layout=layout, device=device, timeout_s=timeout_s,
-                                  tp_rank=0, tp_size=executor.size)
+                                  tp_rank=0, tp_size=executor.size, **limits)
         executor.open_kv_senders(layout.to_dict(), timeout_s)
         self.stats = self.local.stats
 
@@ -89,7 +92,7 @@ class ShardedKVReceiver:
     def __init__(self, executor: TensorParallelExecutor, host: str, port: int, *,
                  layout: KVLayout, device: torch.device, on_kv, timeout_s: float,
                  on_channel_error: Callable[[str, BaseException], None] | None = None,
-                 on_abort=None) -> None:
+                 on_abort=None, **checks) -> None:
         self.executor = executor
         self.timeout_s = timeout_s
         self._on_kv = on_kv
@@ -99,7 +102,7 @@ class ShardedKVReceiver:
         self.local = KVReceiver(host=host, port=port, layout=layout, device=device,
                                 on_kv=self._arrived_here, timeout_s=timeout_s,
                                 on_channel_error=on_channel_error, on_abort=on_abort,
-                                tp_rank=0, tp_size=executor.size)
+                                tp_rank=0, tp_size=executor.size, **checks)
         executor.on_kv_arrived = self._arrived_on_rank
         executor.on_kv_channel_error = self._channel_failed_on_rank
         others = executor.open_kv_receivers(host, layout.to_dict(), timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_raw_peer import forged_frame
 
 from kv_transfer import HEADER_NBYTES, HEADER_WORDS, HeaderError, HeaderFlag, KVHeader, KVLayout
 from kv_transfer.header import decode_header, encode_header, header_from_bytes, header_to_bytes
@@ -87,3 +88,10 @@ def test_frames_from_something_else_are_refused():
         decode_header(frame.to(torch.float64))
     with pytest.raises(HeaderError, match="bytes"):
         header_from_bytes(b"\0" * 100)
+
+
+@pytest.mark.parametrize("flags", [3, 5, 8, 1 << 40, -1])
+def test_a_frame_is_exactly_one_kind_unknown_or_combined_flags_are_refused(flags):
+    frame = forged_frame(header(num_blocks=0, num_tokens=0), flags=flags)
+    with pytest.raises(HeaderError, match="unknown header flags"):
+        header_from_bytes(frame)
