@@ -87,6 +87,10 @@ def peer_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> Swee
                      about="one request at a time (128 in / 256 out), 8 in a row: batch-1 ITL"),
         WorkloadPlan("chat", preset("chat"), rates=(1.0, 3.0), duration_s=60.0,
                      about="chat-like long-tailed mix, prompt 64-512, output 32-256, Poisson"),
+        WorkloadPlan("chat-sampled", preset("chat-sampled"), rates=(3.0,), duration_s=60.0,
+                     systems=("splitserve-disagg", "splitserve-agg", "vllm"),
+                     about="the chat mix sampled: 40% greedy, 40% temperature 0.8 top_p 0.95, "
+                           "20% also presence/frequency penalties and top-2 logprobs"),
     ), drain_timeout_s=45.0, name="peer")
 
 

@@ -53,9 +53,12 @@ class Target:
     def exact_lengths(self) -> bool:
         return self.flavor != "plain"
 
-    def body(self, prompt: Prompt, output_len: int) -> dict:
+    def body(self, prompt: Prompt, output_len: int,
+             sampling: tuple[tuple[str, float | int], ...] = ()) -> dict:
         body: dict = {"model": self.model, "stream": True, "max_tokens": output_len,
-                      "temperature": self.temperature}
+                      "temperature": self.temperature, **dict(sampling)}
+        if self.endpoint == "chat" and "logprobs" in body:  # chat: a flag plus top_logprobs
+            body["top_logprobs"], body["logprobs"] = body["logprobs"], True
         body["messages" if self.endpoint == "chat" else "prompt"] = prompt
         if self.flavor == "openai":
             body["ignore_eos"] = True
@@ -96,7 +99,7 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, pro
     status, error = "ok", ""
     try:
         async with asyncio.timeout_at(deadline), client.stream(
-                "POST", target.endpoint_url, json=target.body(prompt, spec.output_len),
+                "POST", target.endpoint_url, json=target.body(prompt, spec.output_len, spec.sampling),
                 headers=target.headers(spec.api_key)) as response:
             if response.status_code != 200:
                 detail = (await response.aread())[:300].decode(errors="replace")

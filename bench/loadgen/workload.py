@@ -68,6 +68,9 @@ class RequestClass:
     weight: float
     prompt_len: LengthDistribution
     output_len: LengthDistribution
+    # Request-body fields of this class's sampling (e.g. temperature, top_p, penalties,
+    # logprobs), over the target's defaults; empty: the target's (greedy unless told).
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class RequestSpec:
     prefix_group: int = -1  # -1: no shared prefix
     tenant: str = ""
     api_key: str = ""
+    sampling: tuple[tuple[str, float | int], ...] = ()  # its class's
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ class Workload:
                     index=index, cls=self.classes[which[i]].name,
                     prompt_len=int(prompts[i]) + (self.prefix_len if groups[i] >= 0 else 0),
                     output_len=int(outputs[i]), prefix_group=int(groups[i]),
-                    tenant=tenant.name if tenant else "", api_key=tenant.api_key if tenant else "")
+                    tenant=tenant.name if tenant else "", api_key=tenant.api_key if tenant else "",
+                    sampling=self.classes[which[i]].sampling)
                 index += 1
 
     def sample(self, rng: np.random.Generator, n: int) -> list[RequestSpec]:
@@ -142,7 +147,8 @@ class Workload:
 
     def describe(self) -> str:
         parts = [f"{c.name}(w={c.weight:g}, in={c.prompt_len.describe()}, "
-                 f"out={c.output_len.describe()})" for c in self.classes]
+                 f"out={c.output_len.describe()}"
+                 + "".join(f", {k}={v:g}" for k, v in c.sampling) + ")" for c in self.classes]
         extra = f", {self.prefix_groups} prefixes of {self.prefix_len}" if self.prefix_groups else ""
         tenants = f", tenants={','.join(t.name for t in self.tenants)}" if self.tenants else ""
         return f"{self.name}: " + " + ".join(parts) + extra + tenants
@@ -157,6 +163,9 @@ def preset(name: str, *, input_len: int = 128, output_len: int = 128,
     uniform      lengths uniform over input_range / output_range
     chat         long-tailed lengths within input_range / output_range (medians a quarter of
                  the way into each range), like chat traffic
+    chat-sampled the chat lengths, sampled as users sample: 40% greedy, 40% temperature 0.8
+                 top_p 0.95, 20% the same with presence and frequency penalties and the top-2
+                 logprobs of every token
     interference 80% 'steady' requests (64 in, 192 out) and 20% 'long' prompts
                  (long_prompt_len in, 4 out): how much long prefills disturb running decodes
     """
@@ -169,6 +178,15 @@ def preset(name: str, *, input_len: int = 128, output_len: int = 128,
         classes = (RequestClass("chat", 1.0,
                                 LongTailed(ilo, ihi, median=ilo + (ihi - ilo) / 4),
                                 LongTailed(olo, ohi, median=olo + (ohi - olo) / 4)),)
+    elif name == "chat-sampled":
+        (ilo, ihi), (olo, ohi) = input_range, output_range
+        lengths = (LongTailed(ilo, ihi, median=ilo + (ihi - ilo) / 4),
+                   LongTailed(olo, ohi, median=olo + (ohi - olo) / 4))
+        nucleus = (("temperature", 0.8), ("top_p", 0.95))
+        classes = (RequestClass("greedy", 0.4, *lengths, sampling=(("temperature", 0.0),)),
+                   RequestClass("sampled", 0.4, *lengths, sampling=nucleus),
+                   RequestClass("penalized", 0.2, *lengths, sampling=nucleus + (
+                       ("presence_penalty", 0.5), ("frequency_penalty", 0.3), ("logprobs", 2))))
     elif name == "interference":
         classes = (RequestClass("steady", 0.8, Fixed(64), Fixed(192)),
                    RequestClass("long", 0.2, Fixed(long_prompt_len), Fixed(4)))
@@ -177,7 +195,7 @@ def preset(name: str, *, input_len: int = 128, output_len: int = 128,
     return Workload(name, classes)
 
 
-PRESETS = ("fixed", "uniform", "chat", "interference")
+PRESETS = ("fixed", "uniform", "chat", "chat-sampled", "interference")
 
 
 def with_prefixes(workload: Workload, groups: int, length: int) -> Workload:

@@ -29,11 +29,11 @@ class WordPrompts:
 
 
 def one(server, prompt="hello", n=5, endpoint="completions", flavor="openai", deadline=None,
-        api_key=""):
+        api_key="", sampling=()):
     async def go():
         async with httpx.AsyncClient(timeout=30) as client:
             target = Target(server.url, "fake-model", endpoint, flavor)
-            spec = RequestSpec(0, "c", 7, n, api_key=api_key)
+            spec = RequestSpec(0, "c", 7, n, api_key=api_key, sampling=sampling)
             if deadline is not None:
                 at = asyncio.get_running_loop().time() + deadline
                 return await send(client, target, spec, prompt, 0.0, at)
@@ -114,6 +114,15 @@ def test_openai_flavor_asks_for_exact_lengths_with_ignore_eos(server):
     body = server.bodies[-1]
     assert body["ignore_eos"] is True and body["max_tokens"] == 9 and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
+
+
+def test_a_request_class_sampling_goes_in_the_body_over_the_targets_temperature(server):
+    one(server, sampling=(("temperature", 0.8), ("top_p", 0.95), ("logprobs", 2)))
+    body = server.bodies[-1]
+    assert (body["temperature"], body["top_p"], body["logprobs"]) == (0.8, 0.95, 2)
+    one(server, endpoint="chat", sampling=(("logprobs", 2),))
+    body = server.bodies[-1]
+    assert body["logprobs"] is True and body["top_logprobs"] == 2
 
 
 def test_transformers_flavor_sends_a_generation_config_instead(server):

@@ -140,3 +140,15 @@ def test_smollm2_prompts_are_exact(smollm2_dir):
             else:
                 ids = tokenizer(built.prompt)["input_ids"]
             assert len(ids) == n
+
+
+def test_sampled_chat_mix_carries_each_class_sampling_in_its_share():
+    specs = preset("chat-sampled").sample(rng(), 5000)
+    by_class = {name: [s for s in specs if s.cls == name] for name in ("greedy", "sampled", "penalized")}
+    assert len(by_class["sampled"]) / len(specs) == pytest.approx(0.4, abs=0.03)
+    assert len(by_class["penalized"]) / len(specs) == pytest.approx(0.2, abs=0.03)
+    assert all(dict(s.sampling) == {"temperature": 0.0} for s in by_class["greedy"])
+    assert all(dict(s.sampling) == {"temperature": 0.8, "top_p": 0.95} for s in by_class["sampled"])
+    penalized = dict(by_class["penalized"][0].sampling)
+    assert penalized["presence_penalty"] > 0 and penalized["logprobs"] == 2
+    assert "top_p=0.95" in preset("chat-sampled").describe()
