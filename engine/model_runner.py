@@ -6,6 +6,7 @@ updated from the scheduler's diffs, so the same code runs on every tensor-parall
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups
+from kernels.kernel_paths import KernelPaths
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
 
 
@@ -62,6 +64,14 @@ class ModelRunner:
             self.model.use_fused_decode(SMALL_M_MAX_ROWS if self.small_m_linear else 0)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
+        self.kernel_paths = KernelPaths.of(
+            device=self.device, dtype=self.dtype, native_decode=self.native_decode,
+            native_prefill=self.native_prefill, small_m_linear=self.small_m_linear,
+            fused_decode=self.fused_decode, head_dim=model_config.head_dim,
+            query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
+            small_m_max_rows=SMALL_M_MAX_ROWS,
+        )
+        logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
         self.num_blocks = self._num_blocks()
         # One tensor for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
         # This is also the layout kv_transfer ships, so a request's KV is one index_select.

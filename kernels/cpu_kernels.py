@@ -31,6 +31,7 @@ _ISA_FLAGS = {
 
 _lock = threading.Lock()
 _loaded: bool | None = None
+_error: str | None = None  # why the build failed, when it did
 
 
 def load() -> bool:
@@ -43,7 +44,13 @@ def load() -> bool:
         return _loaded
 
 
+def build_error() -> str | None:
+    """Why `load()` returned False (the compiler's or loader's message); None if it did not."""
+    return _error
+
+
 def _build() -> bool:
+    global _error
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -66,6 +73,7 @@ def _build() -> bool:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, headers missing: fall back, loudly
+        _error = f"{type(exc).__name__}: {exc}"
         log.warning("C++ CPU kernels unavailable, using the torch reference: %s", exc)
         return False
     log.info("C++ CPU kernels (%s) ready in %.1fs", capability, time.monotonic() - start)

@@ -17,13 +17,13 @@ import functools
 import pytest
 import torch
 from engine_harness import Collected, add_all, assert_no_leak, drive, random_prompts
+from kernel_build import require_cpu_kernels
 from tiny_mistral import build_tiny_mistral
 
 from engine.config import EngineConfig, cpu_has_fast_bf16
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
-from kernels import cpu_kernels
 from kernels.linear import small_m_linear_available
 
 # Two bf16 steps of a logit in [16, 32): SmolLM2's divergences here sat at exactly one step.
@@ -32,9 +32,9 @@ BF16_NEAR_TIE_NATS = 0.25
 # SmolLM2, where 30 layers of bf16 rounding in another order than transformers add up).
 BF16_LOGPROB_ATOL = 0.375
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_has_fast_bf16() and cpu_kernels.load() and small_m_linear_available()),
-    reason="dtype auto is float32 on this CPU (no native bf16), or the C++ kernels did not build",
+pytestmark = require_cpu_kernels(
+    cpu_has_fast_bf16() and small_m_linear_available(),
+    "dtype auto is float32 on this CPU (no native bf16 dot products)",
 )
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5)

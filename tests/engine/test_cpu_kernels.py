@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import make_engine
+from kernel_build import require_cpu_kernels
 
 from engine.sampling_params import SamplingParams
-from kernels import cpu_kernels
 from kernels.attention import paged_decode_attention
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+pytestmark = require_cpu_kernels()
 
 BLOCK = 16
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import drive
+from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
 from engine.layers.activation import silu_and_mul
@@ -14,10 +15,9 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kernels import cpu_kernels
 from kernels.attention import store_kv
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+pytestmark = require_cpu_kernels()
 ops = torch.ops.splitserve_cpu
 
 # The float32 sum of squares of an RMS is taken in another order than torch's sum, so now and

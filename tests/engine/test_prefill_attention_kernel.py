@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import drive
+from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kernels import cpu_kernels
 from kernels.attention import prefill_attention
 from kernels.linear import small_m_linear_available
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load() or not small_m_linear_available(),
-                                reason="needs the C++ CPU kernels and a CPU with avx512_bf16")
+pytestmark = require_cpu_kernels(small_m_linear_available(), "needs a CPU with avx512_bf16")
 
 
 def _inputs(q_len, ctx, heads, kv_heads, head_dim, seed=0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_harness import drive
+from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -14,7 +15,7 @@ from engine.scheduler import SchedulerConfig
 from kernels import cpu_kernels
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available, small_m_linear_reference
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+pytestmark = require_cpu_kernels()
 
 needs_avx512_bf16 = pytest.mark.skipif(
     not cpu_kernels.load() or not small_m_linear_available(), reason="the CPU lacks avx512_bf16"

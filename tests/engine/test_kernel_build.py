@@ -1,0 +1,91 @@
+"""The C++ kernels cannot vanish silently: with CI=true a failed build fails the kernel tests
+(a real build with a compiler that does not exist, in a pytest of its own), elsewhere they
+skip naming why; and the engine logs one line naming the path each hot op takes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import make_engine
+from kernel_build import require_cpu_kernels
+
+from engine.config import EngineConfig, cpu_has_fast_bf16
+from engine.llm_engine import LLMEngine
+from kernels import cpu_kernels
+from kernels.linear import small_m_linear_available
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pytest_with_a_broken_compiler(tmp_path, ci: bool) -> subprocess.CompletedProcess:
+    """tests/engine/test_cpu_kernels.py where the kernels must be built (an empty extension
+    cache) by a C++ compiler that does not exist."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(CXX=str(tmp_path / "no-such-c++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    if ci:
+        env["CI"] = "true"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/engine/test_cpu_kernels.py", "-q",
+         "-p", "no:cacheprovider", "-rs"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_in_ci_a_failed_kernel_build_fails_the_kernel_tests(tmp_path):
+    result = _pytest_with_a_broken_compiler(tmp_path, ci=True)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "CI=true and the C++ CPU kernels did not build" in result.stdout, result.stdout[-2000:]
+    assert "no-such-c++" in result.stdout  # the compiler's own complaint, not just a verdict
+
+
+def test_outside_ci_a_failed_kernel_build_skips_naming_why(tmp_path):
+    result = _pytest_with_a_broken_compiler(tmp_path, ci=False)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "skipped" in result.stdout and "passed" not in result.stdout
+    assert "the C++ CPU kernels did not build" in result.stdout
+
+
+def test_require_cpu_kernels_reads_ci_from_the_environment(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_error", "CalledProcessError: c++ exited 1")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="c\\+\\+ exited 1"):
+        require_cpu_kernels()
+    monkeypatch.setenv("CI", "false")
+    mark = require_cpu_kernels()
+    assert mark.name == "skip" and "c++ exited 1" in mark.kwargs["reason"]
+
+
+def _kernel_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "engine.model_runner" and r.getMessage().startswith("kernels on ")]
+
+
+def test_the_engine_logs_one_line_naming_each_path(tiny_llama_dir, caplog):
+    caplog.set_level(logging.INFO, logger="engine.model_runner")
+    make_engine(tiny_llama_dir, cpu_attention="torch")  # float32, head_dim 8
+    (line,) = _kernel_lines(caplog)
+    assert line == (
+        "kernels on cpu in float32: decode attention torch SDPA reference; prefill attention "
+        "torch SDPA reference; linear torch F.linear; fused decode off (per-layer modules)"
+    )
+
+
+@pytest.mark.skipif(not (cpu_has_fast_bf16() and cpu_kernels.load() and small_m_linear_available()),
+                    reason="the shipped path here is float32 or the torch reference")
+def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
+    caplog.set_level(logging.INFO, logger="engine.model_runner")
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), device="cpu", num_kv_blocks=4))
+    (line,) = _kernel_lines(caplog)
+    assert engine.runner.dtype == torch.bfloat16
+    assert line == (
+        "kernels on cpu in bfloat16: decode attention cpp paged_decode_attention (AVX-512 "
+        "head_dim-64); prefill attention cpp prefill_attention (AVX-512 BF16); linear cpp "
+        "small_m_linear (AVX-512 BF16, <= 64 rows), torch above; fused decode cpp decode_layers"
+    )
