@@ -21,8 +21,11 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
-        self.prefix_queries = 0  # prompt tokens looked up
-        self.prefix_hits = 0  # prompt tokens found
+        # Prompt tokens looked up / found, once per request (record_prefix_lookup).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        # Requests whose blocks hold no real KV (the profiler's): never registered.
+        self._uncacheable: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,7 +53,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks. At least one token is left
-        uncomputed, because the forward pass must produce logits for the next token."""
+        uncomputed, because the forward pass must produce logits for the next token. Counts
+        nothing: a request blocked at the head of the queue is looked up again every step, so
+        the scheduler records the lookup it admits the request with (record_prefix_lookup)."""
         if not self.enable_prefix_caching:
             return [], 0
         self._update_block_hashes(request)
@@ -63,9 +68,17 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's lookup in the prefix-cache statistics."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def exclude_from_prefix_cache(self, request: Request) -> None:
+        """Never register this request's blocks: their contents are not its KV."""
+        self._uncacheable.add(request.request_id)
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         needed = cdiv(num_tokens, self.block_size) - len(self._req_blocks.get(request.request_id, ()))
@@ -100,9 +113,9 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed."""
-        if not self.enable_prefix_caching:
-            return
         rid = request.request_id
+        if not self.enable_prefix_caching or rid in self._uncacheable:
+            return
         blocks = self._req_blocks.get(rid)
         if not blocks:
             return
@@ -133,5 +146,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._uncacheable.discard(request.request_id)
         if blocks:
             self.pool.free(reversed(blocks))

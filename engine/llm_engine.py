@@ -142,18 +142,42 @@ class LLMEngine:
             )
         return block_ids
 
-    def receive_remote_kv(
-        self, request_id: str, first_token: int, payload: torch.Tensor | None
-    ) -> RequestOutput | None:
-        """Write a prompt's received KV into its reserved blocks and start decoding it.
-        Returns an output only when the first token already finished the request."""
+    def receive_remote_kv(self, request_id: str, first_token: int, payload) -> RequestOutput | None:
+        """Write a prompt's received KV (`payload`, [layers, 2, blocks, block_size, kv_heads,
+        head_dim], one block per reserved block) into its reserved blocks and start decoding
+        it. Returns an output only when the first token already finished the request. A
+        missing or misshapen payload raises ValueError and changes nothing."""
+        if payload is None:
+            raise ValueError(
+                f"receive_remote_kv({request_id!r}) got no KV payload: the blocks would be "
+                "marked computed and cached with nothing written (the profiler, which wants "
+                "exactly that, calls start_decode_for_profiling)"
+            )
         request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
             return None  # aborted meanwhile: the payload is dropped
-        if payload is not None:
-            block_ids = self.kv.block_ids(request_id)
-            self.runner.scatter_kv(block_ids[: payload.shape[2]], payload)
-        self.scheduler.remote_kv_arrived(request_id, first_token)
+        block_ids = self.kv.block_ids(request_id)
+        shape = tuple(payload.shape)
+        if len(shape) != 6 or shape[2] != len(block_ids):
+            raise ValueError(
+                f"KV payload for {request_id!r} has shape {shape}; expected 6 dims with "
+                f"{len(block_ids)} blocks on axis 2 (the blocks reserved for its prompt)"
+            )
+        self.runner.scatter_kv(block_ids, payload)
+        return self._remote_kv_arrived(request, first_token)
+
+    def start_decode_for_profiling(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """Profiler only (services/autoscaler/profiler.py): start decoding a reserved request
+        as if its KV had arrived, writing none, because the values do not change a step's
+        time. Its blocks hold whatever was there, so they never enter the prefix cache."""
+        request = self.scheduler.waiting_for_kv.get(request_id)
+        if request is None:
+            return None
+        self.kv.exclude_from_prefix_cache(request)
+        return self._remote_kv_arrived(request, first_token)
+
+    def _remote_kv_arrived(self, request: Request, first_token: int) -> RequestOutput | None:
+        self.scheduler.remote_kv_arrived(request.request_id, first_token)
         if request.is_finished:
             return self._final_output(request)
         return None

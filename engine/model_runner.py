@@ -175,6 +175,7 @@ class ModelRunner:
             )
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
+            del state.block_ids[diff.num_kept_blocks :]  # the scheduler's trim, if any
             state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
 
@@ -305,9 +306,9 @@ class ModelRunner:
 
     def _verify(self, hidden, verify_rows, spec, draft_probs):
         """Score each verifying request's [last token, proposals...] and keep the accepted
-        run plus the target's own next token. The rejected proposals' KV slots are given
-        back: the block table keeps cdiv(num_computed_tokens, block_size) blocks, the rule
-        Scheduler.update trims the scheduler's copy by."""
+        run plus the target's own next token. The block table is left as it is: the
+        scheduler releases the rejected proposals' slots and says so in the request's next
+        CachedRequestData; until then nothing here reads the table."""
         index = [row for _, row0, n in verify_rows for row in range(row0, row0 + n)]
         logits = self.model.compute_logits(hidden[index])
         items = []
@@ -325,7 +326,6 @@ class ModelRunner:
         for (rid, _, n), (tokens, lps) in zip(verify_rows, verified, strict=True):
             state = self.requests[rid]
             state.num_computed_tokens -= n - len(tokens)
-            del state.block_ids[-(-state.num_computed_tokens // self.block_size) :]
             state.token_ids.extend(tokens)
             sampled[rid] = tokens
             if lps:

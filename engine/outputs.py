@@ -25,11 +25,14 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A diff for a request the runner already tracks."""
+    """A diff for a request the runner already tracks. The scheduler alone decides a block
+    table: the runner keeps the first `num_kept_blocks` of its copy (fewer than it holds when
+    the scheduler released the slots of rejected proposals) and appends `new_block_ids`."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_kept_blocks: int
 
 
 @dataclass(frozen=True)

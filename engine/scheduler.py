@@ -44,6 +44,13 @@ def _fit_proposals(request: Request, spec_token_ids: dict[str, list[int]] | None
     return list(spec_token_ids.get(request.request_id, ())[: max(room, 0)])
 
 
+def _prefill_left(request: Request) -> int:
+    """Tokens of a running request's prefill not yet computed (0 once it decodes). A request
+    resumed after preemption recomputes its outputs too, except the newest, which it decodes."""
+    left = request.num_tokens - request.num_computed_tokens
+    return left if left > 1 or request.num_output_tokens == 0 else 0
+
+
 class Scheduler:
     """Owned by the engine thread."""
 
@@ -178,7 +185,9 @@ class Scheduler:
             hit_blocks: list = []
             num_hit = 0
             # Prompt logprobs need every prompt position computed, so no prefix reuse.
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            looked_up = (request.num_computed_tokens == 0
+                         and request.sampling_params.prompt_logprobs is None)
+            if looked_up:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -188,10 +197,13 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.pop(0)
-            # Usage reports the prompt tokens served from the cache at first admission. A
-            # preempted request's hits on resumption are mostly its own output blocks.
+            # Usage and the prefix-cache statistics count the prompt tokens served from the
+            # cache at first admission, once: not each step the request waited at the head of
+            # the queue, nor on resumption, where the hits are mostly its own output blocks.
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
+                if looked_up:
+                    self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             if request.first_scheduled_ns is None:
                 request.first_scheduled_ns = time.time_ns()
             request.num_computed_tokens += num_hit
@@ -222,7 +234,9 @@ class Scheduler:
     def _emit(self, request: Request, new_block_ids: list[int], new_reqs, cached_reqs) -> None:
         rid = request.request_id
         if rid in self._known_to_runner:
-            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens))
+            num_kept = len(self.kv.block_ids(rid)) - len(new_block_ids)
+            cached_reqs.append(CachedRequestData(rid, new_block_ids, request.num_computed_tokens,
+                                                 num_kept))
             return
         self._known_to_runner.add(rid)
         new_reqs.append(
@@ -282,7 +296,8 @@ class Scheduler:
             )
             if spec:
                 # Verified: KV stands for every token but the newest (the accepted run), not
-                # for the rejected proposals. The runner trims its block table by the same rule.
+                # for the rejected proposals, whose slots are released here. This is the only
+                # trim: the runner's copy of the table follows from the next CachedRequestData.
                 request.num_computed_tokens = request.num_tokens - 1
                 if not request.is_finished:
                     self.kv.trim(request, request.num_computed_tokens)
@@ -317,4 +332,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     def queued_prefill_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        """Prompt tokens still to be computed: all of a waiting request's, and the rest of a
+        running one's prompt while it is in (chunked) prefill. A decoding request's one
+        uncomputed token is decode work, not queued prefill."""
+        return (sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+                + sum(_prefill_left(r) for r in self.running))

@@ -28,6 +28,11 @@ def prefill(engine, rid, prompt, params):
     return out.new_token_ids[0], out.kv
 
 
+def blank_kv(engine, num_blocks):
+    """A payload of the right layout for `num_blocks` blocks (its values do not matter here)."""
+    return torch.zeros_like(engine.runner.kv_cache[:, :, :num_blocks])
+
+
 def single_engine_tokens(model_dir, prompts, params):
     engine = make_engine(model_dir)
     for rid, prompt in prompts.items():
@@ -112,7 +117,7 @@ def test_first_token_that_finishes_the_request_is_reported_by_receive_remote_kv(
     (prompt,) = random_prompts([6], seed=4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     engine.reserve_remote("r", prompt, params)
-    out = engine.receive_remote_kv("r", 42, None)
+    out = engine.receive_remote_kv("r", 42, blank_kv(engine, 2))
     assert out is not None and out.finished and out.finish_reason == "length"
     assert out.num_output_tokens == 1
     assert_no_leak(engine)
@@ -123,7 +128,7 @@ def test_eos_as_first_token_finishes_with_stop(tiny_llama_dir):
     (prompt,) = random_prompts([6], seed=4)
     engine.reserve_remote("r", prompt, GREEDY)
     eos = engine.model_config.eos_token_ids[0]
-    out = engine.receive_remote_kv("r", eos, None)
+    out = engine.receive_remote_kv("r", eos, blank_kv(engine, 2))
     assert out is not None and out.finish_reason == "stop"
     assert_no_leak(engine)
 
@@ -187,4 +192,49 @@ def test_abort_of_a_held_prefill_request_frees_its_blocks(tiny_llama_dir):
     engine.step()  # first chunk only
     assert engine.abort("r") is True
     assert engine.step() == []
+    assert_no_leak(engine)
+
+
+def test_receive_remote_kv_without_a_payload_is_refused_and_changes_nothing(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([10], seed=9)
+    engine.reserve_remote("r", prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"got no KV payload.*start_decode_for_profiling"):
+        engine.receive_remote_kv("r", 7, None)
+    # Still waiting for its KV, nothing marked computed, nothing in the prefix cache.
+    assert "r" in engine.scheduler.waiting_for_kv and engine.scheduler.running == []
+    assert engine.scheduler.requests["r"].num_computed_tokens == 0
+    assert engine.kv.pool.num_cached_blocks == 0
+    # The real KV, when it comes, is taken as usual.
+    first, kv = prefill(make_engine(tiny_llama_dir), "r", prompt, GREEDY)
+    assert engine.receive_remote_kv("r", first, kv) is None
+    expected = single_engine_tokens(tiny_llama_dir, {"r": prompt}, GREEDY)["r"]
+    assert [first] + drive(engine)["r"].token_ids == expected
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("num_blocks", [2, 4], ids=["fewer blocks", "more blocks"])
+def test_a_payload_of_the_wrong_block_count_is_refused_and_changes_nothing(tiny_llama_dir, num_blocks):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([10], seed=10)  # three blocks reserved
+    engine.reserve_remote("r", prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"expected 6 dims with 3 blocks on axis 2"):
+        engine.receive_remote_kv("r", 7, torch.ones_like(engine.runner.kv_cache[:, :, :num_blocks]))
+    assert "r" in engine.scheduler.waiting_for_kv and engine.kv.pool.num_cached_blocks == 0
+    assert not engine.runner.kv_cache.any(), "a refused payload was written"
+    engine.abort("r")
+    assert_no_leak(engine)
+
+
+def test_the_profiler_entry_point_decodes_without_kv_and_caches_none_of_it(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([13], seed=11)  # three full blocks
+    engine.reserve_remote("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert engine.start_decode_for_profiling("r", 100) is None
+    assert engine.scheduler.requests["r"] in engine.scheduler.running
+    collected = drive(engine)["r"]
+    assert len(collected.token_ids) == 7 and collected.finish_reason == "length"
+    # Blocks that never held the request's KV (nor KV computed from them) are not findable.
+    assert engine.kv.pool.num_cached_blocks == 0
+    assert engine.start_decode_for_profiling("ghost", 100) is None
     assert_no_leak(engine)

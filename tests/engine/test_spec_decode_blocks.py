@@ -1,6 +1,7 @@
 """KV blocks under speculation: rejected proposals give their slots back (every step, no
-request holds a block past its computed KV), nothing leaks after many rejections, preemption
-or an abort that lands while a verification runs, proposals never cause a preemption, and the
+request holds a block past its computed KV), the scheduler alone trims (the runner's block
+tables follow from the SchedulerOutputs), nothing leaks after many rejections, preemption or
+an abort that lands while a verification runs, proposals never cause a preemption, and the
 prefix cache only ever learns accepted tokens."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from spec_decode_harness import (
 )
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -53,6 +55,37 @@ def test_many_rejected_proposals_leak_nothing_even_under_preemption(
     assert_no_leak(engine)
     if method == "draft":
         assert draft_pool_is_free(engine)
+
+
+def test_the_schedule_alone_decides_every_block_table(tiny_llama_dir, tiny_draft_dir):
+    """One owner for speculative trimming. At every forward the engine's runner holds exactly
+    the scheduler's block table for each scheduled request, and so does a second runner that
+    only follows the SchedulerOutputs, as another tensor-parallel rank does: a trim by a rule
+    of the runner's own, or one the schedule does not carry, makes them differ."""
+    engine = spec_engine(tiny_llama_dir, method="draft", k=4, draft=tiny_draft_dir,
+                         num_kv_blocks=24)
+    follower = ModelRunner(engine.config, engine.model_config)
+    run = engine.runner.execute_model
+    verified = 0
+
+    def execute(sched, *args):
+        nonlocal verified
+        follower._update_states(sched)
+        result = run(sched, *args)
+        for rid in sched.num_scheduled_tokens:  # the scheduler has not seen the result yet
+            table = engine.kv.block_ids(rid)
+            assert engine.runner.requests[rid].block_ids == table, ("runner", rid)
+            assert follower.requests[rid].block_ids == table, ("follower", rid)
+        verified += len(sched.spec_token_ids)
+        return result
+
+    engine.runner.execute_model = execute
+    add_all(engine, _prompts(seed=40), PARAMS)
+    drive(engine)
+    stats = engine.stats()
+    assert verified > 20 and stats["preemptions"] > 0
+    assert stats["spec_proposed_tokens"] - stats["spec_accepted_tokens"] > 25
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("abort_at_step", [2, 3, 6])
@@ -176,3 +209,19 @@ def test_tokens_after_a_stop_inside_a_verified_run_are_dropped():
     assert out.new_token_ids == [8, 42] and out.finish_reason == "stop"
     assert request.output_token_ids == [1, 8, 42]
     assert kv.num_free_blocks == 16
+
+
+def test_the_next_schedule_tells_the_runner_which_blocks_the_trim_kept():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(), kv)
+    (a,) = _decoding(scheduler, {"a": 3})  # block 0
+    sched = scheduler.schedule({"a": [10, 11, 12, 13, 14]})  # positions 3..8: blocks 1, 2
+    (diff,) = sched.cached_requests
+    assert (diff.new_block_ids, diff.num_kept_blocks) == ([1, 2], 1)
+    scheduler.update(sched, ModelRunnerOutput(sampled_token_ids={"a": [99]}))  # all rejected
+    assert a.num_computed_tokens == 4 and kv.block_ids("a") == [0]
+    # The runner still lists blocks 1 and 2 (released, tail first, to the back of the free
+    # queue): it keeps block 0 and gets position 4's block from the front of the queue.
+    (diff,) = scheduler.schedule().cached_requests
+    assert (diff.new_block_ids, diff.num_kept_blocks) == ([3], 1)
+    assert kv.block_ids("a") == [0, 3]
