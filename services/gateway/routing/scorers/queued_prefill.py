@@ -18,8 +18,8 @@ class QueuedPrefillScorer:
 
 
 def queued_tokens(worker: WorkerEndpoint) -> int:
-    """Prompt tokens ahead of a new prompt: queued at the last poll plus what this gateway
-    sent since, or this gateway's unanswered prefills if more (they include the one running,
-    which the worker's queue no longer counts)."""
+    """Prompt tokens ahead of a new prompt: queued at the last poll (waiting prompts and the
+    rest of those in chunked prefill) plus what this gateway sent since, or this gateway's
+    unanswered prefills if more (they count whole prompts, computed parts included)."""
     polled = worker.stats.queued_prefill_tokens + worker.prefill_tokens_since_poll
     return max(polled, worker.prefill_tokens_in_flight)
