@@ -5,28 +5,80 @@ Imports no torch. Owned by the engine thread; nothing here is thread-safe.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-# Parent hash of the first block of every sequence. Hashes of int tuples are stable across
-# processes (no PYTHONHASHSEED salt for ints), so a gateway can compute the same chain.
-ROOT_HASH = 0x5EED
+# Block hashes are 16-byte BLAKE2b digests, held as ints (and written as decimal ints in the
+# Redis prefix events). Each block's digest covers its parent's digest and its token ids as
+# little-endian uint32, so equal hashes mean equal whole prefixes (up to a 2^-128 accident),
+# in every process and on every host: a gateway computes the same chain as the workers.
+HASH_BYTES = 16
+MAX_CACHE_SALT_BYTES = 256
+_ROOT_DOMAIN = b"splitserve prefix cache v1\x00"
 
 
-def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chained block hash: two blocks match only if all tokens up to and including them match."""
-    return hash((parent_hash, token_ids))
+@functools.lru_cache(maxsize=1024)
+def root_hash(cache_salt: str = "") -> int:
+    """Parent hash of the first block of a request with this salt. Requests with different
+    salts (tenants) share no block hash, so none can hit another's cached blocks."""
+    salt = cache_salt.encode()
+    if len(salt) > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache salt of {len(salt)} bytes; at most {MAX_CACHE_SALT_BYTES}")
+    return int.from_bytes(hashlib.blake2b(_ROOT_DOMAIN + salt, digest_size=HASH_BYTES).digest(),
+                          "big")
 
 
-def hash_prompt_blocks(token_ids: list[int], block_size: int) -> list[int]:
-    """Hashes of every full block of `token_ids`, in order (used by routers too)."""
+# The unsalted root: requests without a tenant (no API keys configured) all share it.
+ROOT_HASH = root_hash("")
+
+
+def chain_block_hashes(parent_hash: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of every full block of `token_ids` (a trailing partial block gets none), each
+    chained from the one before, the first from `parent_hash`. Token ids must lie in
+    [0, 2^32); anything else is a ValueError."""
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    num_full = len(token_ids) // block_size
+    if num_full == 0:
+        return []
+    if not 0 <= parent_hash < 1 << (8 * HASH_BYTES):
+        raise ValueError(f"parent hash {parent_hash} is not a {HASH_BYTES}-byte digest")
+    try:
+        # One conversion for the whole prompt; each block hashes a slice of its bytes.
+        tokens = array("I", token_ids[: num_full * block_size])
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2^32) to be hashed: {exc}") from None
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
+    step = block_size * tokens.itemsize
+    blake2b = hashlib.blake2b
+    parent = parent_hash.to_bytes(HASH_BYTES, "big")
     hashes: list[int] = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tuple(token_ids[start : start + block_size]))
-        hashes.append(parent)
+    for offset in range(0, num_full * step, step):
+        digest = blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(data[offset : offset + step])
+        parent = digest.digest()
+        hashes.append(int.from_bytes(parent, "big"))
     return hashes
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Chained block hash: two blocks match only if all tokens up to and including them match."""
+    if not token_ids:
+        raise ValueError("a block holds at least one token")
+    return chain_block_hashes(parent_hash, token_ids, len(token_ids))[0]
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
+    """Hashes of every full block of `token_ids`, in order, from the salt's root (used by
+    routers too)."""
+    return chain_block_hashes(root_hash(cache_salt), token_ids, block_size)
 
 
 @dataclass(eq=False)

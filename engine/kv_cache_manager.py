@@ -5,7 +5,7 @@ Imports no torch. Owned by the engine thread (the scheduler calls it).
 
 from __future__ import annotations
 
-from engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens
+from engine.block_pool import BlockPool, KVCacheBlock, chain_block_hashes
 from engine.request import Request
 
 
@@ -44,12 +44,9 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
-        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block_tokens(parent, tuple(tokens[start : start + bs]))
-            hashes.append(parent)
+        parent = hashes[-1] if hashes else request.block_hash_root  # the salt's root
+        start = len(hashes) * self.block_size
+        hashes.extend(chain_block_hashes(parent, request.all_token_ids[start:], self.block_size))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks. At least one token is left

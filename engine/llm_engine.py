@@ -97,7 +97,8 @@ class LLMEngine:
         if request_id in self.scheduler.requests or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
 
-    def _make_request(self, request_id, prompt_token_ids, params, priority, hold_kv, arrival_time):
+    def _make_request(self, request_id, prompt_token_ids, params, priority, hold_kv, arrival_time,
+                      cache_salt=""):
         self.validate(request_id, prompt_token_ids, params)
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
@@ -108,6 +109,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params,
             eos_token_ids=self.model_config.eos_token_ids, priority=priority,
             arrival_time=arrival_time, hold_kv=hold_kv, max_model_len=max_len,
+            cache_salt=cache_salt,
         )
 
     def add_request(
@@ -118,10 +120,13 @@ class LLMEngine:
         priority: int = 0,
         hold_kv: bool = False,
         arrival_time: float | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request. `hold_kv` (prefill role) keeps its KV after the first token and
-        returns it in that token's RequestOutput.kv."""
-        request = self._make_request(request_id, prompt_token_ids, params, priority, hold_kv, arrival_time)
+        returns it in that token's RequestOutput.kv. `cache_salt` (the gateway's, per tenant
+        or cache group) seeds its block hashes, so it hits only blocks cached with the same."""
+        request = self._make_request(request_id, prompt_token_ids, params, priority, hold_kv,
+                                     arrival_time, cache_salt)
         if hold_kv:
             self._held[request_id] = request
         self.scheduler.add_request(request)
@@ -129,11 +134,12 @@ class LLMEngine:
 
     def reserve_remote(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, cache_salt: str = "",
     ) -> list[int]:
         """Decode role: reserve blocks for a prompt whose KV a prefill worker will send.
         Returns the block ids to scatter into; raises KVCacheFull at once if they don't fit."""
-        request = self._make_request(request_id, prompt_token_ids, params, priority, False, None)
+        request = self._make_request(request_id, prompt_token_ids, params, priority, False, None,
+                                     cache_salt)
         block_ids = self.scheduler.reserve_for_remote_kv(request)
         if block_ids is None:
             raise KVCacheFull(

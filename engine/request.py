@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.block_pool import root_hash
 from engine.sampling_params import SamplingParams
 from engine.token_counts import TokenCounts
 
@@ -47,6 +48,7 @@ class Request:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         max_model_len: int | None = None,
+        cache_salt: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -57,12 +59,17 @@ class Request:
         # Prefill role: keep the blocks after the first token so the KV can be shipped.
         self.hold_kv = hold_kv
         self.max_model_len = max_model_len
+        # Seeds the chain of block hashes: requests with different salts (tenants) never share
+        # a cached block. Raises ValueError for a salt block_pool would not hash.
+        self.cache_salt = cache_salt
+        self.block_hash_root = root_hash(cache_salt)
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[int] = []  # hashes of the full blocks of all_token_ids
+        # Hashes of the full blocks of all_token_ids, chained from block_hash_root.
+        self.block_hashes: list[int] = []
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
         # Penalty counts over all_token_ids for the draft proposer's own sampling (the model
         # runner keeps its own beside its copy of the tokens).
