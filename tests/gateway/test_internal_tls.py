@@ -22,7 +22,7 @@ from splitserve.v1 import (
 )
 
 from services.common.security import TLSFiles, sync_channel
-from tests.tls_certs import make_pki
+from splitserve_cli.dev_certs import make_pki
 
 pytestmark = pytest.mark.timeout(180)
 

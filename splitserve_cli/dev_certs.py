@@ -1,6 +1,7 @@
-"""Throwaway certificates for the mutual-TLS tests, made with `cryptography`: a cluster CA and a
-node certificate it signs (server and client use, for 127.0.0.1 and localhost), and the same
-again from an unrelated CA, which the cluster must refuse. EC P-256 keys: milliseconds each."""
+"""Throwaway certificates for trying mutual TLS on one machine (tests, bench/tls_overhead.py): a
+CA and a node certificate it signs, for server and client use, naming 127.0.0.1, localhost and
+splitserve-internal. EC P-256 keys: milliseconds each. Needs `cryptography` (a dev dependency);
+a cluster gets its certificates from the Helm chart or cert-manager instead."""
 
 from __future__ import annotations
 
