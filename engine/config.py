@@ -69,7 +69,7 @@ class ModelConfig:
         if gen_file.is_file():
             eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+        _check_rope_scaling(rope_scaling)
         return cls(
             path=str(path),
             architecture=architectures[0],
@@ -85,11 +85,33 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", is_qwen2),
+            attention_bias=_qkv_bias(raw, architectures[0]),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             layer_windows=_layer_windows(raw, architectures[0], raw["num_hidden_layers"]),
         )
+
+
+def _check_rope_scaling(scaling: dict | None) -> None:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind not in (None, "default", "llama3"):
+        raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported "
+                         "(supported: default, llama3)")
+
+
+def _qkv_bias(raw: dict, architecture: str) -> bool:
+    """Whether q/k/v have biases, as transformers builds each: Qwen2 always, Mistral never;
+    Llama's attention_bias would put one on o_proj too, and mlp_bias on the MLP, which the
+    fused C++ decode does not add: refused rather than half loaded."""
+    if architecture == "Qwen2ForCausalLM":
+        return True
+    if architecture == "MistralForCausalLM":
+        return False
+    for name in ("attention_bias", "mlp_bias"):
+        if raw.get(name):
+            raise ValueError(f"config.json: {name}=true is not supported for {architecture} "
+                             "(biases are supported on Qwen2's q/k/v projections only)")
+    return False
 
 
 def _layer_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
