@@ -16,9 +16,17 @@ from services.gateway.generation_spec import GenerationSpec
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity
 
 
+# Characters JSON leaves raw that many line readers (Python's str.splitlines, and so httpx's
+# aiter_lines) take for line breaks: a token that decodes to one would cut its SSE event in two.
+# Escaped, they are the same JSON string.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                         "\u2029": "\\u2029"})
+
+
 def encode_sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(
-        payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+    ).translate(_LINE_BREAKS_JSON_KEEPS)
     return f"data: {data}\n\n".encode()
 
 
