@@ -89,3 +89,18 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
         "head_dim-64); prefill attention cpp prefill_attention (AVX-512 BF16); linear cpp "
         "small_m_linear (AVX-512 BF16, <= 64 rows), torch above; fused decode cpp decode_layers"
     )
+
+
+def test_splitserve_doctor_prints_the_build_the_model_and_its_paths(tiny_llama_dir, capsys):
+    import argparse
+
+    from splitserve_cli import doctor
+
+    args = argparse.Namespace(model=str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert doctor.run(args) == 0
+    out = capsys.readouterr().out
+    built = cpu_kernels.load()
+    assert ("C++ CPU kernels: built" if built else "C++ CPU kernels: NOT built") in out
+    assert "LlamaForCausalLM, 2 layers, head_dim 8, rope scaling none, sliding window none" in out
+    decode = "cpp paged_decode_attention (portable)" if built else "torch SDPA reference"
+    assert f"kernels on cpu in float32: decode attention {decode};" in out
