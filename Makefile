@@ -28,7 +28,7 @@ export TORCHINDUCTOR_COMPILE_THREADS := 1
 export HF_HUB_OFFLINE := 1
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: help install protos model redis test run bench bench-engine peers lint clean distclean
+.PHONY: help install protos model redis test fuzz run bench bench-engine peers lint clean distclean
 
 help: ## list these verbs (default)
 	@echo "usage: make VERB"
@@ -65,6 +65,14 @@ redis: ## make sure redis-server is installed (apt), for the tests that need one
 test: install model redis ## run the test suite (PYTEST_ARGS="-k x" to narrow it)
 	$(PY) -m pytest tests -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests; treating as success"; exit 0; fi; exit $$rc
+
+# The edge fuzzers at length (CI runs them bounded): schemathesis from the gateway's OpenAPI
+# document at a real gateway, hypothesis on the detokenizer and stop strings (SmolLM2 tokenizer).
+FUZZ_EXAMPLES ?= 2000
+
+fuzz: install model ## fuzz the gateway's edge for minutes (FUZZ_EXAMPLES per property, 2000)
+	SPLITSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/gateway/test_edge_fuzz.py tests/gateway/test_text_fuzz.py $(PYTEST_ARGS)
 
 run: install model ## start gateway + prefill + decode locally with the default model
 	$(VENV)/bin/splitserve up

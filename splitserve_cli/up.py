@@ -30,8 +30,8 @@ class UpConfig:
     model: str = DEFAULT_MODEL
     mode: str = "disagg"
     grpc_port: int = -1
-    # The gateway's admin port (/metrics, /ready) on 127.0.0.1; 0: --port + 1 (any free port
-    # when --port is 0).
+    # The gateway's admin port (/metrics, /ready) on 127.0.0.1; 0: the gateway's default,
+    # --port + 1 (any free port when --port is 0).
     admin_port: int = 0
     num_threads: int = 0  # torch threads per worker; 0 splits this machine's cores
     startup_timeout_s: float = 600.0
@@ -44,10 +44,6 @@ class UpConfig:
             raise ValueError(f"--model {self.model!r} is not a model folder (run `make model`)")
         if self.admin_port < 0:
             raise ValueError("--admin-port must be a port (0: --port + 1)")
-
-    @property
-    def gateway_admin_port(self) -> int:
-        return self.admin_port or (self.port + 1 if self.port else 0)
 
     def threads(self) -> dict[str, int]:
         """Torch threads per worker: the cores split between the workers (the gateway runs
@@ -158,7 +154,7 @@ class Deployment:
         gateway = self._spawn("gateway", cli + ["gateway", "--model", cfg.model, "--host", cfg.host,
                                                 "--port", str(cfg.port),
                                                 "--grpc-port", str(cfg.grpc_port),
-                                                "--admin-port", str(cfg.gateway_admin_port)]
+                                                "--admin-port", str(cfg.admin_port)]
                               + routing, None)
         address = gateway.wait_ready(deadline, self.stop_requested)
         fields = dict(part.partition("=")[::2] for part in gateway.ready_line.split()[3:])

@@ -35,7 +35,7 @@ class GatewayConfig:
     grpc_port: int = -1  # gRPC front door: -1 off, 0 any free port
     # /metrics, /ready (it lists worker addresses) and /openapi.json: never on the public port.
     admin_host: str = "127.0.0.1"
-    admin_port: int = 0  # 0: any free port (printed at start-up), -1: off
+    admin_port: int = 0  # 0: --port + 1 (any free port when --port is 0), -1: off
     health_interval_s: float = 1.0
     prefill_timeout_s: float = 120.0
     max_body_bytes: int = 8 << 20
@@ -117,9 +117,9 @@ class GatewayConfig:
             raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
             raise ValueError("--stream-buffer-chunks must be >= 1")
-        if self.admin_port < -1 or self.admin_port > 65535:
-            raise ValueError("--admin-port must be a port, 0 (any free port) or -1 (off)")
-        if self.admin_port > 0 and self.admin_port == self.port and self.admin_host == self.host:
+        if not -1 <= self.admin_port <= 65535 or self.admin_listen_port > 65535:
+            raise ValueError("--admin-port must be a port, 0 (--port + 1) or -1 (off)")
+        if self.admin_listen_port == self.port != 0 and self.admin_host == self.host:
             raise ValueError("--admin-port must differ from --port: /metrics and /ready are "
                              "never served on the public port")
         from services.common.security import read_cluster_secret
@@ -135,6 +135,13 @@ class GatewayConfig:
         from services.common.security import TLSFiles
 
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca, self.tls_server_name)
+
+    @property
+    def admin_listen_port(self) -> int:
+        """The admin port to bind (-1: none): --port + 1 unless told, any free one with 0."""
+        if self.admin_port:
+            return self.admin_port
+        return self.port + 1 if self.port else 0
 
     @property
     def model_name(self) -> str:
@@ -171,7 +178,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "grpc_port": "gRPC front door port (-1: off, 0: any free port)",
         "admin_host": "address of the admin port (127.0.0.1: this machine only)",
         "admin_port": "admin port with /metrics, /ready, /health and /openapi.json, kept off "
-                      "the public port (0: any free port, shown at start-up; -1: off)",
+                      "the public port (0: --port + 1, or any free port when --port is 0; "
+                      "-1: off)",
         "max_body_bytes": "largest request body (e.g. 8MiB)",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
                     "tenant (none and no tenants file: no authentication)",

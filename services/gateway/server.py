@@ -60,8 +60,8 @@ async def serve(config: GatewayConfig) -> None:
     # /metrics, /ready and /openapi.json: their own listener, 127.0.0.1 by default.
     admin = admin_sock = None
     admin_address = ""
-    if config.admin_port >= 0:
-        admin_sock = _listen(config.admin_host, config.admin_port, 0)
+    if config.admin_listen_port >= 0:
+        admin_sock = _listen(config.admin_host, config.admin_listen_port, 0)
         admin_address = f"{config.admin_host}:{admin_sock.getsockname()[1]}"
         admin = _Server(uvicorn.Config(create_admin_app(gateway), log_level="warning",
                                        access_log=False, lifespan="off", http="h11",

@@ -44,6 +44,16 @@ def test_the_admin_port_can_be_turned_off(gateway_factory, disagg_workers):
     assert httpx.get(f"http://{gateway.address}/health", timeout=10).status_code == 200
 
 
+def test_the_admin_port_defaults_to_the_next_port_or_a_free_one(tiny_llama_dir):
+    def config(**kwargs) -> GatewayConfig:
+        return GatewayConfig(model=str(tiny_llama_dir), worker=("127.0.0.1:1",), **kwargs)
+
+    assert config().admin_listen_port == 8001 and config().admin_host == "127.0.0.1"
+    assert config(port=0).admin_listen_port == 0  # any free port, as the public one
+    assert config(port=9000, admin_port=9500).admin_listen_port == 9500
+    assert config(admin_port=-1).admin_listen_port == -1
+
+
 def test_the_admin_port_cannot_be_the_public_port(tiny_llama_dir):
     with pytest.raises(ValueError, match="--admin-port must differ from --port"):
         GatewayConfig(model=str(tiny_llama_dir), worker=("127.0.0.1:1",), port=8123,

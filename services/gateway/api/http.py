@@ -29,6 +29,7 @@ from services.gateway.api.streaming import (
     sse_events,
     until_disconnected,
 )
+from services.gateway.api.unsupported_fields import document_accepted_values
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
 from services.gateway.request_record import RequestRecord
@@ -103,6 +104,7 @@ def openapi_document(app: FastAPI) -> dict:
             schema = body_type.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[body_type.__name__] = schema
+        document_accepted_values(schemas)
         schemas["ErrorBody"] = {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "object", "required": ["message", "type", "param", "code"],
                       "properties": {"message": {"type": "string"}, "type": {"type": "string"},

@@ -18,6 +18,10 @@ from services.gateway.generation_spec import GenerationSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_MODULUS = 1 << 63
+# The workers' protobuf carries these as float32: anything larger would arrive as infinity.
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,13 @@ class Preprocessor:
         if top_k < -1:
             raise APIError.invalid(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}",
                                    param="top_k")
+        if top_k >= limits.vocab_size:
+            top_k = 0  # keeps every token: the same as off, and it fits the workers' int32
+        for name in _FLOAT32_FIELDS:
+            value = getattr(req, name)
+            if value is not None and abs(value) > FLOAT32_MAX:
+                raise APIError.invalid(f"{name} must be at most {FLOAT32_MAX:.6g} in magnitude, "
+                                       f"got {value:g}", param=name)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_or(req.temperature, 1.0),

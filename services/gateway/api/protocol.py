@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from engine.sampling_params import SamplingParams
+from services.gateway.api.request_limits import MAX_N
 from services.gateway.api.unsupported_fields import refuse_unsupported
 from services.gateway.errors import APIError
 
@@ -20,26 +22,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _doc(**schema) -> dict:
+    """Documented ranges: the OpenAPI document says them; preprocess and SamplingParams check
+    them (with their own messages), so parsing stays as it was."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+MAX_LOGPROBS_DOC = SamplingParams.MAX_LOGPROBS
+_TOKEN_IDS = {"items": {"minimum": 0}}
+
+
 class _SamplingFields(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = _doc(minimum=1)
+    temperature: float | None = _doc(minimum=0)
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _doc(minimum=-1)
+    min_p: float | None = _doc(minimum=0, maximum=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _doc(**_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
     ignore_eos: bool = False
     # splitserve extension: opt this request out of speculative decoding (same output
     # distribution, only the speed changes)
     disable_speculation: bool = False
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     # Accepted and ignored: they change nothing generated.
     user: str | None = None
     metadata: JsonValue = None
@@ -70,7 +82,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     echo: bool = False
     best_of: JsonValue = None  # refused unless equal to n
     suffix: JsonValue = None  # refused unless empty
@@ -99,10 +111,10 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _doc(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     parallel_tool_calls: JsonValue = None  # accepted: without tools it changes nothing
     prediction: JsonValue = None  # accepted: a latency hint, the output is the same
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).

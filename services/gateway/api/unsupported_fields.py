@@ -1,7 +1,7 @@
 """Request fields of the OpenAI API (and vLLM's extensions to it) that would change what is
 generated and that splitserve does not implement: refused by name with a 400, so a client never
 gets a 200 with unconstrained output it did not ask for. A value that changes nothing (`tools:
-[]`, `tool_choice: "none"`, `logit_bias: {}`, `best_of` equal to `n`, ...) is accepted."""
+[]`, `tool_choice: "none"`, `logit_bias: {}`, `best_of` equal to `n`, ...) is accepted, and is what the OpenAPI document offers."""
 
 from __future__ import annotations
 
@@ -11,18 +11,29 @@ from typing import Any
 from services.gateway.errors import APIError
 
 
-def _absent(value: Any, body: Any) -> bool:
-    return value is None
+class NoOp:
+    """The values of one field that change nothing: a check, and the JSON schema the OpenAPI
+    document gives the field (so a client generated from it sends only those)."""
+
+    def __init__(self, check: Callable[[Any, Any], bool], schema: dict) -> None:
+        self.check = check
+        self.schema = {"anyOf": [{"type": "null"}, schema]}
 
 
-def _empty(value: Any, body: Any) -> bool:
-    return value is None or value == [] or value == {}
+_ABSENT = NoOp(lambda value, body: value is None, {"not": {}})
+_EMPTY = NoOp(lambda value, body: value is None or value == [] or value == {},
+              {"anyOf": [{"type": "array", "maxItems": 0},
+                         {"type": "object", "maxProperties": 0}]})
 
 
-def _one_of(*no_ops: Any) -> Callable[[Any, Any], bool]:
+def _one_of(*no_ops: Any) -> NoOp:
     def check(value: Any, body: Any) -> bool:
         return value is None or any(value == v and type(value) is type(v) for v in no_ops)
-    return check
+    unique: list[Any] = []  # JSON has one 1 where Python has 1 and 1.0
+    for v in no_ops:
+        if v not in unique:
+            unique.append(v)
+    return NoOp(check, {"enum": unique})
 
 
 def _zero_biases(value: Any, body: Any) -> bool:
@@ -30,54 +41,56 @@ def _zero_biases(value: Any, body: Any) -> bool:
         isinstance(v, int | float) and not isinstance(v, bool) and v == 0 for v in value.values()))
 
 
-def _text_format(value: Any, body: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _best_of_n(value: Any, body: Any) -> bool:
     # best_of == n samples n and returns n: exactly what the request does without it.
     return value is None or (type(value) is int and value == body.n)
 
 
-def _text_modality(value: Any, body: Any) -> bool:
-    return value is None or value == ["text"]
+_ZERO_BIASES = NoOp(_zero_biases, {"type": "object", "additionalProperties": {"enum": [0]}})
+_TEXT_FORMAT = NoOp(lambda value, body: value is None or value == {"type": "text"},
+                    {"type": "object", "required": ["type"], "additionalProperties": False,
+                     "properties": {"type": {"enum": ["text"]}}})
+_BEST_OF_N = NoOp(_best_of_n, {"type": "integer", "description": "must equal n"})
+_TEXT_MODALITY = NoOp(lambda value, body: value is None or value == ["text"],
+                      {"type": "array", "items": {"enum": ["text"]}, "minItems": 1,
+                       "maxItems": 1})
 
 
 # name -> (what it would do, the values that change nothing). Both endpoints unless listed
 # in CHAT_ONLY or COMPLETIONS_ONLY.
-REFUSED: dict[str, tuple[str, Callable[[Any, Any], bool]]] = {
-    "tools": ("tool calling", _empty),
+REFUSED: dict[str, tuple[str, NoOp]] = {
+    "tools": ("tool calling", _EMPTY),
     "tool_choice": ("tool calling", _one_of("none", "auto")),
-    "functions": ("function calling", _empty),
+    "functions": ("function calling", _EMPTY),
     "function_call": ("function calling", _one_of("none", "auto")),
-    "response_format": ("structured output", _text_format),
-    "logit_bias": ("logit biases", _zero_biases),
-    "best_of": ("best-of-n sampling", _best_of_n),
+    "response_format": ("structured output", _TEXT_FORMAT),
+    "logit_bias": ("logit biases", _ZERO_BIASES),
+    "best_of": ("best-of-n sampling", _BEST_OF_N),
     "suffix": ("insertion (a suffix after the completion)", _one_of("")),
-    "reasoning_effort": ("reasoning effort", _absent),
-    "web_search_options": ("web search", _absent),
-    "audio": ("audio output", _absent),
-    "modalities": ("output modalities other than text", _text_modality),
+    "reasoning_effort": ("reasoning effort", _ABSENT),
+    "web_search_options": ("web search", _ABSENT),
+    "audio": ("audio output", _ABSENT),
+    "modalities": ("output modalities other than text", _TEXT_MODALITY),
     # vLLM's extensions
-    "guided_json": ("guided decoding", _absent),
-    "guided_regex": ("guided decoding", _absent),
-    "guided_choice": ("guided decoding", _absent),
-    "guided_grammar": ("guided decoding", _absent),
-    "structured_outputs": ("structured output", _absent),
+    "guided_json": ("guided decoding", _ABSENT),
+    "guided_regex": ("guided decoding", _ABSENT),
+    "guided_choice": ("guided decoding", _ABSENT),
+    "guided_grammar": ("guided decoding", _ABSENT),
+    "structured_outputs": ("structured output", _ABSENT),
     "min_tokens": ("a minimum output length", _one_of(0)),
-    "bad_words": ("banned words", _empty),
-    "allowed_token_ids": ("a restricted vocabulary", _absent),
+    "bad_words": ("banned words", _EMPTY),
+    "allowed_token_ids": ("a restricted vocabulary", _ABSENT),
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
     "include_stop_str_in_output": ("stop strings kept in the output", _one_of(False)),
     "skip_special_tokens": ("special tokens in the output text", _one_of(True)),
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
-    "truncate_prompt_tokens": ("prompt truncation", _absent),
+    "truncate_prompt_tokens": ("prompt truncation", _ABSENT),
     "add_generation_prompt": ("a chat template without the generation prompt", _one_of(True)),
     "continue_final_message": ("continuing the final message", _one_of(False)),
-    "chat_template": ("a caller-supplied chat template", _absent),
-    "chat_template_kwargs": ("chat template arguments", _empty),
-    "documents": ("documents in the chat template", _empty),
+    "chat_template": ("a caller-supplied chat template", _ABSENT),
+    "chat_template_kwargs": ("chat template arguments", _EMPTY),
+    "documents": ("documents in the chat template", _EMPTY),
 }
 CHAT_ONLY = frozenset({"tools", "tool_choice", "functions", "function_call", "reasoning_effort",
                        "web_search_options", "audio", "modalities", "add_generation_prompt",
@@ -85,10 +98,10 @@ CHAT_ONLY = frozenset({"tools", "tool_choice", "functions", "function_call", "re
                        "documents"})
 COMPLETIONS_ONLY = frozenset({"best_of", "suffix"})
 # In a chat message: what it would put into the prompt that the chat template here drops.
-REFUSED_IN_MESSAGES: dict[str, tuple[str, Callable[[Any, Any], bool]]] = {
-    "tool_calls": ("tool calls in the conversation", _empty),
-    "function_call": ("function calls in the conversation", _absent),
-    "audio": ("audio in the conversation", _absent),
+REFUSED_IN_MESSAGES: dict[str, tuple[str, NoOp]] = {
+    "tool_calls": ("tool calls in the conversation", _EMPTY),
+    "function_call": ("function calls in the conversation", _ABSENT),
+    "audio": ("audio in the conversation", _ABSENT),
 }
 
 
@@ -101,12 +114,11 @@ def refuse_unsupported(body: Any, chat: bool) -> None:
     """Raises a 400 naming the first field `body` sets to a value splitserve cannot honour."""
     for name in fields_for(chat):
         what, no_op = REFUSED[name]
-        value = getattr(body, name)
-        if not no_op(value, body):
+        if not no_op.check(getattr(body, name), body):
             raise _unsupported(name, what)
     for i, message in enumerate(getattr(body, "messages", None) or ()):
         for name, (what, no_op) in REFUSED_IN_MESSAGES.items():
-            if not no_op(getattr(message, name), message):
+            if not no_op.check(getattr(message, name), message):
                 raise _unsupported(f"messages.{i}.{name}", what)
 
 
@@ -115,3 +127,18 @@ def _unsupported(param: str, what: str) -> APIError:
         f"Unsupported parameter: '{param}' ({what}) is not implemented by this server; "
         "remove it (an unconstrained answer would not be what was asked for).",
         param=param, code="unsupported_parameter")
+
+
+def document_accepted_values(schemas: dict) -> None:
+    """In OpenAPI component `schemas` (of protocol.py's bodies), each refused field's schema
+    becomes the values it is accepted with, and its description says why."""
+    bodies = (("CompletionRequest", fields_for(chat=False)),
+              ("ChatCompletionRequest", fields_for(chat=True)),
+              ("ChatMessage", list(REFUSED_IN_MESSAGES)))
+    for body, names in bodies:
+        table = REFUSED_IN_MESSAGES if body == "ChatMessage" else REFUSED
+        properties = schemas[body]["properties"]
+        for name in names:
+            what, no_op = table[name]
+            properties[name] = {**no_op.schema, "default": None, "description":
+                                f"Not implemented ({what}): any other value is refused (400)."}
