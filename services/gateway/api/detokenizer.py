@@ -26,7 +26,14 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._token_ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A prompt (token ids) may end inside a character: as context its bytes would join the
+        # output's first ones into a character neither text has, and those output bytes would
+        # never be emitted. Context that ends in whole characters keeps the output's own text.
+        while context and tokenizer.decode(context, skip_special_tokens).endswith(
+                REPLACEMENT_CHAR):
+            context.pop()
+        self._token_ids: list[int] = context
         # [prefix_offset, read_offset): tokens whose text was emitted, kept as context.
         # [read_offset, end): tokens whose text is not emitted yet.
         self._prefix_offset = 0

@@ -37,9 +37,12 @@ class StopStringMatcher:
         return "" if self.stopped else held
 
     def _earliest_match(self, buffer: str) -> int | None:
-        # Released text never ends in a stop string's prefix, so a match starts inside buffer.
-        found = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        """Where the output ends: before the stop string that is complete first, as if the text
+        came one character at a time (of two complete at once, the longer), so the result does
+        not depend on where token boundaries fall. Released text never ends in a stop string's
+        prefix, so a match starts inside buffer."""
+        found = [(i + len(s), i) for s in self.stop if (i := buffer.find(s)) >= 0]
+        return min(found)[1] if found else None
 
     def _longest_partial_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of buffer that is a proper prefix of a stop string."""
