@@ -23,7 +23,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -58,6 +61,48 @@ def step_totals(text: str) -> tuple[float, float]:
         elif line.startswith("splitserve_worker_step_seconds_count"):
             count += float(line.split()[-1])
     return total, count
+
+
+def top_leaves(collapsed: str, n: int = 8) -> list[tuple[str, float]]:
+    """The functions a py-spy profile (raw, collapsed stacks) found on top of the stack most,
+    as shares of all samples."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.rsplit(";", 1)[-1]
+        counts[leaf] = counts.get(leaf, 0) + int(count)
+        total += int(count)
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:n]
+    return [(name, c / total) for name, c in ranked] if total else []
+
+
+class Profiler:
+    """py-spy on the gateway and the decode worker for the length of one round (--profile)."""
+
+    def __init__(self, out_dir: Path, pids: dict[str, int], tag: str) -> None:
+        self.out_dir, self.tag = out_dir, tag
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.procs = {
+            name: subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+                 "--rate", "200", "--format", "raw", "--threads", "--nonblocking",
+                 "--output", str(out_dir / f"{tag}-{name}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()}
+
+    def stop(self) -> dict[str, list[tuple[str, float]]]:
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for proc in self.procs.values():
+            proc.wait(30)
+        tops = {}
+        for name in self.procs:
+            path = self.out_dir / f"{self.tag}-{name}.txt"
+            tops[name] = top_leaves(path.read_text()) if path.exists() else []
+        return tops
 
 
 def window_itl(times: list[float], counts: list[int], start: float, end: float) -> float | None:
@@ -106,10 +151,13 @@ class Round:
     step_ms: float  # the decode worker's mean step time over the round
     tokens: int
     cpu_ms_per_token: dict[str, float]
+    profile: dict | None = None  # --profile: top functions per process
 
 
 class Bench:
-    def __init__(self, mode: str, model: str, prompt_len: int, output_len: int, log) -> None:
+    def __init__(self, mode: str, model: str, prompt_len: int, output_len: int, log,
+                 profile_dir: Path | None = None) -> None:
+        self.profile_dir = profile_dir
         self.mode, self.prompt_len, self.output_len = mode, prompt_len, output_len
         self.deployment = Deployment(UpConfig(port=free_port(), model=model, mode=mode))
         self.url = self.deployment.start()
@@ -131,6 +179,11 @@ class Bench:
         cpu0 = {n: cpu_seconds(p) for n, p in self.pids.items()}
         samples: list[tuple[float, float, float]] = []  # (time, step seconds sum, step count)
         poller = asyncio.create_task(self._poll_steps(samples))
+        profiler = None
+        if self.profile_dir is not None and layer == "http":
+            profiler = Profiler(self.profile_dir, {"gateway": self.pids["gateway"],
+                                                   "decode": self.decode.process.pid},
+                                f"{self.mode}-b{batch}-{len(samples)}{time.monotonic_ns()}")
         if layer == "grpc":
             async with grpc.aio.insecure_channel(self.decode.address) as channel:
                 stub = decode_pb2_grpc.DecodeStub(channel)
@@ -143,19 +196,22 @@ class Bench:
                                                               self.output_len) for p in prompts))
         cpu1 = {n: cpu_seconds(p) for n, p in self.pids.items()}
         poller.cancel()
+        profile = profiler.stop() if profiler is not None else None
         tokens = sum(sum(c) for _, c in results)
-        # Everything is judged in the window where every request of the batch decodes: after
-        # the last first token and before the first request ends (no prefill step inside).
-        start = max(t[0] for t, _ in results)
-        end = min(t[-1] for t, _ in results)
+        # Everything is judged in the window where (nearly) the whole batch decodes: after 90%
+        # of the first tokens and before 10% of the requests have ended, so no prefill step
+        # and no shrinking batch is inside.
+        firsts = sorted(t[0] for t, _ in results)
+        lasts = sorted(t[-1] for t, _ in results)
+        start, end = firsts[-(-9 * batch // 10) - 1], lasts[batch // 10]
         window = [s for s in samples if start <= s[0] <= end]
         if len(window) < 2 or window[-1][2] == window[0][2]:
-            raise RuntimeError(f"batch {batch}: the requests never all decoded together for two "
+            raise RuntimeError(f"batch {batch}: the requests never decoded together for two "
                                "metric samples; give more --output-len")
         step_ms = 1000 * (window[-1][1] - window[0][1]) / (window[-1][2] - window[0][2])
         itls = [v for v in (window_itl(t, c, start, end) for t, c in results) if v is not None]
         return Round(self.mode, batch, layer, 1000 * statistics.median(itls), step_ms, tokens,
-                     {n: 1000 * (cpu1[n] - cpu0[n]) / tokens for n in self.pids})
+                     {n: 1000 * (cpu1[n] - cpu0[n]) / tokens for n in self.pids}, profile)
 
     async def _poll_steps(self, samples: list, every_s: float = 0.1) -> None:
         async with httpx.AsyncClient(timeout=5) as client:
@@ -205,11 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per layer and batch")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="py-spy the gateway and the decode worker during the HTTP rounds "
+                             "(needs py-spy in this venv) and print their top functions")
     parser.add_argument("--shipped-admission", dest="admit_all", action="store_false",
                         help="keep the shipped TTFT target (a batch-32 burst is then partly refused)")
     parser.add_argument("--log", type=Path, default=Path("/tmp/serving_overhead.log"),
                         help="where the deployment's own output goes")
     args = parser.parse_args(argv)
+    if args.profile and not shutil.which("py-spy", path=str(Path(sys.executable).parent)):
+        parser.error("--profile needs py-spy in this venv: .venv/bin/pip install py-spy")
     out = sys.stdout
     # Every request of a batch must be admitted, or the batch measured is not the one asked
     # for: the shipped TTFT target refuses part of a burst of 32 on 2 cores.
@@ -229,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting splitserve up --mode {mode} ...", file=out, flush=True)
             sys.stdout = log  # the deployment echoes its children's output here, all run long
             try:
-                bench = Bench(mode, args.model, args.prompt_len, args.output_len, log)
+                bench = Bench(mode, args.model, args.prompt_len, args.output_len, log,
+                              args.profile)
             except BaseException:
                 sys.stdout = out
                 raise
@@ -242,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                             rounds.append(r)
                             print(f"  {mode} batch {batch} {layer}: ITL {r.itl_ms:.2f} ms, "
                                   f"step {r.step_ms:.2f} ms", file=out, flush=True)
+                            for proc, top in (r.profile or {}).items():
+                                shown = "; ".join(f"{name} {share:.0%}" for name, share in top)
+                                print(f"    {proc} top: {shown}", file=out, flush=True)
             finally:
                 bench.stop()
                 sys.stdout = out
