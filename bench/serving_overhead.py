@@ -225,31 +225,50 @@ class Bench:
 
 
 def summarize(rounds: list[Round]) -> list[dict]:
+    """Per mode and batch, medians over rounds. The hand-off is ITL minus the step time in the
+    same rounds (what reaching the client adds to a token); the slowdown is the step time in the
+    HTTP rounds over the gRPC rounds (what the gateway's CPU work costs the engine on shared
+    cores)."""
     rows = []
-    keys = sorted({(r.mode, r.batch) for r in rounds}, key=lambda k: (k[0], k[1]))
-    for mode, batch in keys:
+    for mode, batch in sorted({(r.mode, r.batch) for r in rounds}):
         by = {layer: [r for r in rounds if (r.mode, r.batch, r.layer) == (mode, batch, layer)]
               for layer in ("grpc", "http")}
-        step = statistics.median(r.step_ms for r in by["grpc"] + by["http"])
-        g = statistics.median(r.itl_ms for r in by["grpc"])
-        h = statistics.median(r.itl_ms for r in by["http"])
+        med = {layer: (statistics.median(r.step_ms for r in rs),
+                       statistics.median(r.itl_ms for r in rs),
+                       statistics.median(r.itl_ms - r.step_ms for r in rs))
+               for layer, rs in by.items()}
         cpu = {n: statistics.median(r.cpu_ms_per_token[n] for r in by["http"])
                for n in by["http"][0].cpu_ms_per_token}
-        rows.append({"mode": mode, "batch": batch, "step_ms": step, "grpc_itl_ms": g,
-                     "http_itl_ms": h, "loop_grpc_ms": g - step, "gateway_sse_ms": h - g,
-                     "http_over_step": h / step, "cpu_ms_per_token_http": cpu})
+        rows.append({"mode": mode, "batch": batch,
+                     "grpc_step_ms": med["grpc"][0], "grpc_itl_ms": med["grpc"][1],
+                     "grpc_handoff_ms": med["grpc"][2],
+                     "http_step_ms": med["http"][0], "http_itl_ms": med["http"][1],
+                     "http_handoff_ms": med["http"][2],
+                     "step_slowdown": med["http"][0] / med["grpc"][0],
+                     "http_itl_over_grpc_step": med["http"][1] / med["grpc"][0],
+                     "cpu_ms_per_token_http": cpu})
     return rows
 
 
 def print_table(rows: list[dict], out) -> None:
-    print("\n| mode | batch | engine step ms | gRPC ITL ms | HTTP ITL ms | loop+gRPC ms | "
-          "gateway+SSE ms | HTTP / step | CPU ms per token (HTTP rounds) |", file=out)
-    print("|---|---|---|---|---|---|---|---|---|", file=out)
+    print("\n| mode | batch | gRPC rounds: step / ITL ms | HTTP rounds: step / ITL ms | "
+          "hand-off gRPC / HTTP ms | step slowdown with the gateway | HTTP ITL / gRPC step | "
+          "CPU ms per output token (HTTP rounds) |", file=out)
+    print("|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
         cpu = ", ".join(f"{n} {v:.2f}" for n, v in r["cpu_ms_per_token_http"].items())
-        print(f"| {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | {r['grpc_itl_ms']:.2f} | "
-              f"{r['http_itl_ms']:.2f} | {r['loop_grpc_ms']:+.2f} | {r['gateway_sse_ms']:+.2f} | "
-              f"{r['http_over_step']:.2f}x | {cpu} |", file=out)
+        print(f"| {r['mode']} | {r['batch']} | {r['grpc_step_ms']:.2f} / {r['grpc_itl_ms']:.2f} | "
+              f"{r['http_step_ms']:.2f} / {r['http_itl_ms']:.2f} | "
+              f"{r['grpc_handoff_ms']:+.2f} / {r['http_handoff_ms']:+.2f} | "
+              f"{r['step_slowdown']:.3f}x | {r['http_itl_over_grpc_step']:.2f}x | {cpu} |", file=out)
+
+
+def resummarize(path: Path) -> None:
+    """Print the table of a saved run again (--from-json)."""
+    data = json.loads(path.read_text())
+    fields = {f for f in Round.__dataclass_fields__}
+    print_table(summarize([Round(**{k: v for k, v in r.items() if k in fields})
+                           for r in data["rounds"]]), sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per layer and batch")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--from-json", type=Path, help="print a saved run's table and exit")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="py-spy the gateway and the decode worker during the HTTP rounds "
                              "(needs py-spy in this venv) and print their top functions")
@@ -269,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, default=Path("/tmp/serving_overhead.log"),
                         help="where the deployment's own output goes")
     args = parser.parse_args(argv)
+    if args.from_json:
+        resummarize(args.from_json)
+        return 0
     if args.profile and not shutil.which("py-spy", path=str(Path(sys.executable).parent)):
         parser.error("--profile needs py-spy in this venv: .venv/bin/pip install py-spy")
     out = sys.stdout
@@ -312,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout = out
     rows = summarize(rounds)
     print_table(rows, out)
+    print("hand-off: ITL minus the engine's step time in the same rounds; slowdown: the step "
+          "time with the gateway streaming (HTTP rounds) over without (gRPC rounds)", file=out)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "rounds": [asdict(r) for r in rounds],
