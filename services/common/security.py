@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+log = logging.getLogger(__name__)
 # A shorter secret is a password, not a key: refuse it at start-up rather than sign with it.
 MIN_CLUSTER_SECRET_BYTES = 16
 TLS_ENV = {"cert": "SPLITSERVE_TLS_CERT", "key": "SPLITSERVE_TLS_KEY", "ca": "SPLITSERVE_TLS_CA",
@@ -72,12 +74,44 @@ class TLSFiles:
         return cls(**{field: env.get(name, "") for field, name in TLS_ENV.items()})
 
 
+def _server_configuration(tls: TLSFiles):
+    cert, key, ca = tls.read()
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+class _RenewedCertificates:
+    """gRPC asks this at each new connection's handshake (on its own threads): a new
+    configuration when one of the files changed, else None (keep the current one). A renewed
+    Secret reaches running pods as new files (an atomic swap), so no restart is needed."""
+
+    def __init__(self, tls: TLSFiles) -> None:
+        self.tls = tls
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino)
+                     for st in (os.stat(p) for p in (self.tls.cert, self.tls.key, self.tls.ca)))
+
+    def __call__(self):
+        try:
+            stamp = self._stamp()
+            if stamp == self.stamp:
+                return None
+            configuration = _server_configuration(self.tls)
+        except OSError:  # a file missing for a moment: keep serving with the current one
+            return None
+        self.stamp = stamp
+        log.info("TLS certificate files changed: new connections get the new ones")
+        return configuration
+
+
 def server_credentials(tls: TLSFiles, *, require_client_cert: bool = True) -> grpc.ServerCredentials:
     """A peer whose certificate does not chain to `tls.ca` fails the handshake; without
-    `require_client_cert`, a client may also connect with no certificate at all."""
-    cert, key, ca = tls.read()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=require_client_cert)
+    `require_client_cert`, a client may also connect with no certificate at all. The files are
+    re-read when they change (a renewed certificate or CA bundle)."""
+    return grpc.dynamic_ssl_server_credentials(
+        _server_configuration(tls), _RenewedCertificates(tls),
+        require_client_authentication=require_client_cert)
 
 
 def add_port(server, address: str, tls: TLSFiles | None, *,

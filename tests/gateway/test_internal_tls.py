@@ -189,3 +189,34 @@ def test_gateway_never_routes_to_a_worker_whose_certificate_is_from_another_ca(
     finally:
         gateway.stop()
         server.stop(0)
+
+
+def test_a_renewed_certificate_reaches_a_running_worker(tiny_llama_dir, tmp_path):
+    old, new = make_pki(tmp_path / "old", "old"), make_pki(tmp_path / "new", "new")
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def install(files) -> None:  # as a Secret update lands: each file replaced whole
+        for source, name in ((files.cert, "tls.crt"), (files.key, "tls.key"), (files.ca, "ca.crt")):
+            (live / f".{name}").write_bytes(source.read_bytes())
+            os.replace(live / f".{name}", live / name)
+
+    install(old)
+    mounted = TLSFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt"))
+    env = {**os.environ, "SPLITSERVE_TLS_CERT": mounted.cert, "SPLITSERVE_TLS_KEY": mounted.key,
+           "SPLITSERVE_TLS_CA": mounted.ca}
+    worker = ServiceProcess("decode", ["worker", "--role", "decode", "--model", str(tiny_llama_dir),
+                                       "--port", "0", *WORKER_FLAGS], env=env).wait_ready()
+    try:
+        address = worker.address
+        assert _health(address, sync_channel(address, _tls(old))).status == \
+            common_pb2.HealthResponse.SERVING
+        assert _refused(lambda: _health(address, sync_channel(address, _tls(new)))) == \
+            grpc.StatusCode.UNAVAILABLE
+        install(new)
+        assert _health(address, sync_channel(address, _tls(new))).status == \
+            common_pb2.HealthResponse.SERVING
+        assert _refused(lambda: _health(address, sync_channel(address, _tls(old)))) == \
+            grpc.StatusCode.UNAVAILABLE
+    finally:
+        worker.stop()
