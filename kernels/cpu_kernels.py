@@ -2,11 +2,13 @@
 compiler, cached by torch.utils.cpp_extension, and registered as torch.ops.splitserve_cpu.*.
 
 Each has its torch reference in this package; tests/engine/test_cpu_kernels.py holds them to it.
-Where no compiler is available, `load()` returns False and the references run instead.
+Where no compiler is available, `load()` returns False and the references run instead. A build
+is named by a digest of its sources and flags: a library already built for them is loaded as is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -21,6 +23,10 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in (
     "paged_decode_attention.cpp", "small_m_linear.cpp", "fused_decode.cpp",
     "prefill_attention.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / "vector_math.h"]
+# A build lock older than this was left by a process killed mid-build (torch's own lock has no
+# owner check, so every later load would wait on it forever); builds take about a minute.
+STALE_LOCK_SECONDS = 15 * 60
 # Vector instructions per torch CPU capability. The capability is part of the build's name,
 # so a cache shared between machines never hands one CPU code built for another. (The AVX-512
 # BF16 code in small_m_linear.cpp is compiled for its own functions only and chosen at run time.)
@@ -32,6 +38,7 @@ _ISA_FLAGS = {
 _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str | None = None  # why the build failed, when it did
+_library: Path | None = None  # what load() loaded
 
 
 def load() -> bool:
@@ -59,22 +66,63 @@ def _build() -> bool:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     start = time.monotonic()
+    # -fopenmp: at::parallel_for is inline, and without it compiles to a plain loop on one
+    # thread. Linked, it shares the libgomp torch loaded (one pool, one torch.set_num_threads).
+    # Measured: the small-M linear read 29 GB/s on one thread, 50 GB/s on two (gate_up_proj,
+    # bench/cpu_linear.py).
+    cflags = ["-O3", "-fno-math-errno", "-fopenmp", *_ISA_FLAGS.get(capability, [])]
+    ldflags = ["-fopenmp"]
+    name = build_name(capability, cflags, ldflags)
     try:
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        library = build_dir / f"{name}.so"
+        _remove_stale_lock(build_dir / "lock")
+        if library.is_file() and not (build_dir / "lock").exists():
+            # Built before for exactly these sources: no ninja run, no wait on the build lock.
+            torch.ops.load_library(str(library))
+            _set_library(library)
+            log.info("C++ CPU kernels (%s) loaded from %s", capability, library)
+            return True
         cpp_extension.load(
-            name=f"splitserve_cpu_kernels_{capability.lower()}",
-            sources=[str(s) for s in _SOURCES],
-            # -fopenmp: at::parallel_for is inline, and without it compiles to a plain loop on
-            # one thread. Linked, it shares the libgomp torch loaded (one pool, one
-            # torch.set_num_threads). Measured: the small-M linear read 29 GB/s on one thread,
-            # 50 GB/s on two (gate_up_proj, bench/cpu_linear.py).
-            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
+            name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
+            extra_ldflags=ldflags, build_directory=str(build_dir), is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, headers missing: fall back, loudly
         _error = f"{type(exc).__name__}: {exc}"
         log.warning("C++ CPU kernels unavailable, using the torch reference: %s", exc)
         return False
+    _set_library(library)
     log.info("C++ CPU kernels (%s) ready in %.1fs", capability, time.monotonic() - start)
     return True
+
+
+def library_path() -> Path | None:
+    """The shared library `load()` loaded, None before or when it did not."""
+    return _library
+
+
+def _set_library(path: Path) -> None:
+    global _library
+    _library = path
+
+
+def build_name(capability: str, cflags: list[str], ldflags: list[str]) -> str:
+    """The build's name (and folder): the CPU capability and a digest of the sources, headers,
+    flags and torch version, so checkouts or versions that differ never rebuild over each
+    other and a finished build is never rebuilt."""
+    digest = hashlib.sha256(repr((cflags, ldflags, torch.__version__)).encode())
+    for path in (*_SOURCES, *_HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"splitserve_cpu_kernels_{capability.lower()}_{digest.hexdigest()[:12]}"
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing a build lock left %.0f min ago by a process that did not finish: %s",
+                    age / 60, lock)
+        lock.unlink(missing_ok=True)

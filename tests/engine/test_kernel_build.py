@@ -51,6 +51,29 @@ def test_outside_ci_a_failed_kernel_build_skips_naming_why(tmp_path):
     assert "the C++ CPU kernels did not build" in result.stdout
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="needs a built library to copy")
+def test_a_finished_build_loads_at_once_past_a_lock_left_by_a_killed_build(tmp_path):
+    """A build folder holding the library for these very sources and an hour-old `lock` (its
+    builder was killed): a fresh process loads the library without waiting on that lock and
+    without a compiler. (torch's own loader waits on such a lock for ever.)"""
+    library = cpu_kernels.library_path()
+    folder = tmp_path / "ext" / library.parent.name
+    folder.mkdir(parents=True)
+    (folder / library.name).write_bytes(library.read_bytes())
+    lock = folder / "lock"
+    lock.touch()
+    os.utime(lock, (lock.stat().st_atime - 3600, lock.stat().st_mtime - 3600))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "CXX": str(tmp_path / "no-such-c++")}
+    code = ("from kernels import cpu_kernels; import torch; "
+            "print(cpu_kernels.load(), cpu_kernels.library_path(), "
+            "hasattr(torch.ops.splitserve_cpu, 'prefill_attention'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.split() == ["True", str(folder / library.name), "True"], result.stderr[-2000:]
+    assert not lock.exists()
+
+
 def test_require_cpu_kernels_reads_ci_from_the_environment(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setattr(cpu_kernels, "_error", "CalledProcessError: c++ exited 1")
