@@ -7,20 +7,29 @@ import json
 from bench import engine_plot
 
 
-def _report(with_hf: bool) -> dict:
-    results = {"dtype": "bfloat16", "splitserve": {"tokens_per_s": 500.0}, "splitserve_decode_ms": 7.5,
-               "decode_floor_ms": 12.0, "copy_bandwidth_gbs": 22.0}
-    if with_hf:
-        results.update(hf_generate={"tokens_per_s": 150.0, "batch_size": 32},
-                       hf_continuous_batching={"tokens_per_s": 35.0}, hf_generate_decode_ms=21.0,
-                       decode_read_floor_ms=6.0, read_bandwidth_gbs=44.0)
-    return {"workload": {"requests": 64}, "results": results}
+def _summary(greedy: float, prefill: float, decode_ms: float, sampled: bool = True) -> dict:
+    summary = {"greedy": {"output_tok_s": greedy}, "prefill": {"prompt_tok_s": prefill},
+               "decode": {"ms": decode_ms, "read_gbs": 40.0}}
+    if sampled:
+        summary["sampled"] = {"output_tok_s": greedy * 0.9}
+    return {"summary": summary}
+
+
+def _report(peers: tuple[str, ...]) -> dict:
+    systems = {"splitserve": _summary(560, 4000, 7.5)}
+    if "vllm" in peers:
+        systems["vllm"] = _summary(400, 3000, 9.0)
+    if "transformers" in peers:
+        systems["transformers"] = _summary(150, 2500, 21.0, sampled=False)
+    return {"workload": {"requests": 64, "prompt_len": [128, 512], "long_prompts": 8, "long_prompt_len": 2048,
+                         "decode_prompt_len": 128},
+            "dtype": "bfloat16", "weight_bytes": 268_800_000, "systems": systems}
 
 
 def test_the_figure_is_a_png_beside_the_json(tmp_path):
-    for with_hf in (True, False):
-        path = tmp_path / f"run-{with_hf}.json"
-        path.write_text(json.dumps(_report(with_hf)))
+    for peers in ((), ("vllm",), ("vllm", "transformers")):
+        path = tmp_path / f"run-{len(peers)}.json"
+        path.write_text(json.dumps(_report(peers)))
         engine_plot.main([str(path)])
         png = path.with_suffix(".png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
