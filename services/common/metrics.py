@@ -101,6 +101,11 @@ class _StatsCollector:
                            sum(s.failures + s.failed_transfers for s in snaps))
             yield _counter("splitserve_kv_transfer_dropped", "KV received for dead requests.",
                            role, sum(s.dropped for s in snaps))
+            yield _counter("splitserve_kv_frames_refused", "KV frames refused (bad header, tag "
+                           "or fields; the request recomputes).", role,
+                           sum(s.refused_frames for s in snaps))
+            yield _counter("splitserve_kv_auth_failures", "KV channels closed: the peer did not "
+                           "prove the cluster secret.", role, sum(s.auth_failures for s in snaps))
 
 
 def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:

@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
+from services.common.malformed import add_servicer
 from services.common.metrics import WorkerMetrics
 from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.security import add_port, read_cluster_secret
@@ -55,7 +56,7 @@ class Worker:
         )
         # Decode role: transfer key -> request id for ids too long to travel verbatim; the
         # Generate streams fill it, the KV receiver callbacks read it.
-        self.kv_keys = RemoteKVKeys()
+        self.kv_keys = RemoteKVKeys(vocab_size=self.engine.model_config.vocab_size)
         self.state = WorkerState(config.role, config.resolved_worker_id, config.model_name)
         self.receiver = None
         self.senders = None
@@ -90,6 +91,10 @@ class Worker:
                 on_kv=self._on_kv, timeout_s=cfg.kv_transfer_timeout_s,
                 on_channel_error=self._on_channel_error,
                 on_abort=self._on_kv_abort,
+                # Every frame checked against its reservation before anything is allocated.
+                secret=self.cluster_secret, max_blocks=self.engine.kv.num_blocks,
+                check_frame=self.kv_keys.check_frame,
+                on_refused=lambda header, reason: self._on_kv_abort(header),
             )
             # One endpoint per tensor-parallel rank, in rank order.
             kv_endpoint = ",".join(f"{cfg.public_host}:{endpoint.rsplit(':', 1)[1]}"
@@ -97,10 +102,13 @@ class Worker:
             self.metrics.kv_stats.append(self.receiver.stats)
         if cfg.role in ("prefill", "both"):
             self.senders = open_kv_senders(self.engine, layout=layout, device=device,
-                                           timeout_s=cfg.kv_transfer_timeout_s)
+                                           timeout_s=cfg.kv_transfer_timeout_s,
+                                           secret=self.cluster_secret,
+                                           max_senders=cfg.max_kv_senders)
             self.metrics.kv_stats.append(self.senders.stats)
 
         from services.decode.servicer import DecodeServicer
+        from services.prefill.kv_endpoints import KVEndpointPolicy
         from services.prefill.servicer import PrefillServicer
 
         self.server = grpc.aio.server(options=[
@@ -108,15 +116,16 @@ class Worker:
             ("grpc.max_send_message_length", 64 << 20),
         ])
         if cfg.role in ("prefill", "both"):
-            prefill_pb2_grpc.add_PrefillServicer_to_server(
-                PrefillServicer(self.engine_loop, self.senders, cfg.model_name, self.state), self.server
-            )
+            endpoints = KVEndpointPolicy(cfg.kv_allowed_endpoints, cfg.redis_url,
+                                         self.cluster_secret)
+            add_servicer(prefill_pb2_grpc.add_PrefillServicer_to_server,
+                         PrefillServicer(self.engine_loop, self.senders, cfg.model_name,
+                                         self.state, endpoints), self.server)
         if cfg.role in ("decode", "both"):
-            decode_pb2_grpc.add_DecodeServicer_to_server(
-                DecodeServicer(self.engine_loop, kv_endpoint, self.state, cfg.kv_wait_timeout_s,
-                               kv_keys=self.kv_keys),
-                self.server,
-            )
+            add_servicer(decode_pb2_grpc.add_DecodeServicer_to_server,
+                         DecodeServicer(self.engine_loop, kv_endpoint, self.state,
+                                        cfg.kv_wait_timeout_s, kv_keys=self.kv_keys),
+                         self.server)
         # With TLS files only the mutual-TLS port exists: a plaintext peer cannot even speak.
         self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         if self.port == 0:

@@ -15,6 +15,7 @@ from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
+from services.prefill.kv_endpoints import parse_allow_list
 
 ROLES = ("prefill", "decode", "both")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -88,6 +89,11 @@ class WorkerConfig:
     tls_ca: str = ""
     # The shared secret (a file) that signs this worker's registry entries and KV channels.
     cluster_secret_file: str = ""
+    # Prefill role: decode KV endpoints accepted besides registered decode workers' (with
+    # --redis-url) or loopback (without); comma-separated host:port, host:* or *.
+    kv_allowed_endpoints: str = ""
+    # Prefill role: KV channels (decode endpoints) open at once; a new one past it is refused.
+    max_kv_senders: int = 128
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -107,6 +113,9 @@ class WorkerConfig:
         self.tls.check()
         if self.cluster_secret_file:
             read_cluster_secret(self.cluster_secret_file)
+        parse_allow_list(self.kv_allowed_endpoints)
+        if self.max_kv_senders < 1:
+            raise ValueError("--max-kv-senders must be >= 1")
         if self.tensor_parallel_size != 1:
             model = ModelConfig.from_dir(self.model)
             check_tensor_parallel_size(self.tensor_parallel_size, model.num_heads,
@@ -262,6 +271,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--cluster-secret-file", default=_env("cluster_secret_file", ""),
                         help="file holding the cluster secret (>= 16 bytes) that signs registry "
                              "entries and authenticates KV channels")
+    parser.add_argument("--kv-allowed-endpoints", default=_env("kv_allowed_endpoints", ""),
+                        help="prefill: decode KV endpoints (host:port, host:* or *) accepted as "
+                             "decode_kv_endpoint besides registered decode workers' (with "
+                             "--redis-url) or loopback ones (without)")
+    parser.add_argument("--max-kv-senders", type=int, default=int(_env("max_kv_senders", 128)),
+                        help="prefill: KV channels to decode endpoints open at once; a Prefill "
+                             "call needing one more is refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
     parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
@@ -314,4 +330,6 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         cluster_secret_file=args.cluster_secret_file,
+        kv_allowed_endpoints=args.kv_allowed_endpoints,
+        max_kv_senders=args.max_kv_senders,
     )

@@ -21,6 +21,7 @@ from engine.outputs import RequestOutput
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState, health_response
+from services.common.malformed import refuse_malformed
 from services.decode.kv_keys import RemoteKVKeys
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv_keys = kv_keys if kv_keys is not None else RemoteKVKeys()
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
+        await refuse_malformed(request, context)
         with _tracer.start_as_current_span(
             "decode", context=tracing.context_from_grpc(context), kind=SpanKind.SERVER,
             attributes={"splitserve.request_id": request.request_id,
@@ -75,8 +77,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         def start(engine: LLMEngine):
             if remote:
-                return engine.reserve_remote(rid, prompt, params, priority=request.priority)
-            engine.add_request(rid, prompt, params, priority=request.priority)
+                return engine.reserve_remote(rid, prompt, params, priority=request.priority,
+                                             cache_salt=request.cache_salt)
+            engine.add_request(rid, prompt, params, priority=request.priority,
+                               cache_salt=request.cache_salt)
             return None
 
         try:
@@ -92,7 +96,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         first_delta = True
         try:
             if remote:
-                self.kv_keys.add(rid)
+                self.kv_keys.add(rid, num_tokens=len(prompt), num_blocks=len(block_ids))
                 yield decode_pb2.GenerateResponse(
                     reserved=decode_pb2.Reserved(kv_endpoint=self.kv_endpoint, num_blocks=len(block_ids))
                 )
@@ -132,6 +136,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine_loop.submit(lambda engine: engine.recompute_locally(request_id))
 
     async def Health(self, request, context) -> common_pb2.HealthResponse:
+        await refuse_malformed(request, context)
         return health_response(self.engine_loop, self.worker, self.kv_endpoint)
 
 

@@ -16,9 +16,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from engine.llm_engine import LLMEngine
+from kv_transfer import KVSenderLimitError
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import health_response
+from services.common.malformed import refuse_malformed
+from services.prefill.kv_endpoints import KVEndpointPolicy, KVEndpointRefused
 from services.prefill.kv_handoff import KVHandoff
 
 log = logging.getLogger(__name__)
@@ -26,14 +29,18 @@ _tracer = tracing.tracer("splitserve.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine_loop: EngineLoop, senders, model_name: str, worker) -> None:
+    def __init__(self, engine_loop: EngineLoop, senders, model_name: str, worker,
+                 kv_endpoints: KVEndpointPolicy | None = None) -> None:
         self.engine_loop = engine_loop
         self.senders = senders  # kv_transfer.KVSenderPool
         self.kv_handoff = KVHandoff(senders)
+        # Where decode_kv_endpoint may point (default: loopback only).
+        self.kv_endpoints = kv_endpoints if kv_endpoints is not None else KVEndpointPolicy()
         self.model_name = model_name
         self.worker = worker  # WorkerState: role, id, draining flag
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        await refuse_malformed(request, context)
         with _tracer.start_as_current_span(
             "prefill", context=tracing.context_from_grpc(context), kind=SpanKind.SERVER,
             attributes={"splitserve.request_id": request.request_id,
@@ -56,13 +63,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             params = convert.sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.decode_kv_endpoint:
+            # Before any compute: an endpoint this worker will not push to fails the call now.
+            try:
+                await self.kv_endpoints.check(request.decode_kv_endpoint)
+            except KVEndpointRefused as exc:
+                log.warning("Prefill %.80s refused: %s", rid, exc)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         def start(engine: LLMEngine):
             # Judge the request as the client sent it; then produce exactly one token here
             # (the decode worker makes the rest).
             engine.validate(rid, prompt, params)
             first_only = dataclasses.replace(params, max_tokens=1)
-            engine.add_request(rid, prompt, first_only, priority=request.priority, hold_kv=True)
+            engine.add_request(rid, prompt, first_only, priority=request.priority, hold_kv=True,
+                               cache_salt=request.cache_salt)
 
         try:
             stream, _ = await self.engine_loop.open(rid, start)
@@ -95,8 +112,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 send_span.set_status(Status(StatusCode.ERROR, str(exc)))
                 send_span.end()
                 log.warning("KV transfer of %.80s not queued: %s", rid, exc)
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"KV transfer to {endpoint} not possible: {exc}")
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, KVSenderLimitError)
+                        else grpc.StatusCode.UNAVAILABLE)
+                await context.abort(code, f"KV transfer to {endpoint[:200]} not possible: {exc}")
             span.set_attribute("splitserve.transfer_bytes", kv_bytes)
         response = prefill_pb2.PrefillResponse(
             request_id=rid,
@@ -112,6 +130,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return response
 
     async def Health(self, request, context) -> common_pb2.HealthResponse:
+        await refuse_malformed(request, context)
         return health_response(self.engine_loop, self.worker, kv_endpoint="")
 
 

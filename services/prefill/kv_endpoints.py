@@ -1,0 +1,118 @@
+"""Which decode KV endpoints a prefill worker will push KV to: a Prefill call's
+`decode_kv_endpoint` is taken only if a registered decode worker advertises it (the registry in
+Redis) or the operator's allow-list names it; anything else would let a caller aim this worker
+at any host:port.
+
+Used on the gRPC event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from kv_transfer.channel import parse_endpoint, split_endpoints
+from services.common.registry import list_workers
+
+log = logging.getLogger(__name__)
+
+# With no Redis and no allow-list (one machine, `make run`), peers are local processes.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# A miss re-reads the registry at most this often, so a flood of bad endpoints costs Redis
+# two scans a second, while a decode worker that just registered is found within one.
+REGISTRY_REFRESH_S = 0.5
+
+
+class KVEndpointRefused(PermissionError):
+    """The endpoint is neither a registered decode worker's nor on the allow-list."""
+
+
+def parse_allow_list(text: str) -> tuple[frozenset[str], frozenset[str], bool]:
+    """`--kv-allowed-endpoints`: comma-separated `host:port`, `host:*` or `*` (any endpoint).
+    Returns (exact endpoints, hosts with any port, any); ValueError names a bad entry."""
+    exact, hosts, any_endpoint = set(), set(), False
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            any_endpoint = True
+        elif entry.endswith(":*") and entry[:-2]:
+            hosts.add(entry[:-2].strip("[]"))
+        else:
+            try:
+                host, port = parse_endpoint(entry)
+            except ValueError:
+                raise ValueError(f"--kv-allowed-endpoints entry {entry!r} is not host:port, "
+                                 "host:* or *") from None
+            exact.add(f"{host}:{port}")
+    return frozenset(exact), frozenset(hosts), any_endpoint
+
+
+class KVEndpointPolicy:
+    """Allow-list entries always pass. With a Redis URL, so does any endpoint a live decode
+    (or role-both) worker advertises; without one and with no allow-list, loopback only."""
+
+    def __init__(self, allowed: str = "", redis_url: str = "", secret: bytes | None = None,
+                 refresh_s: float = REGISTRY_REFRESH_S) -> None:
+        self.exact, self.hosts, self.any_endpoint = parse_allow_list(allowed)
+        if not allowed.strip() and not redis_url:
+            self.hosts = frozenset(LOOPBACK_HOSTS)
+        self.redis_url = redis_url
+        self.secret = secret
+        self.refresh_s = refresh_s
+        self.num_refused = 0
+        self._redis = None
+        self._registered: frozenset[str] = frozenset()
+        self._read_at = float("-inf")
+
+    def describe(self) -> str:
+        if self.any_endpoint:
+            return "any (--kv-allowed-endpoints '*')"
+        parts = sorted(self.exact) + [f"{h}:*" for h in sorted(self.hosts)]
+        if self.redis_url:
+            parts.insert(0, "registered decode workers")
+        return ", ".join(parts) or "none"
+
+    async def check(self, endpoint: str) -> None:
+        """Raises KVEndpointRefused (or ValueError for one that is not host:port at all)."""
+        parts = split_endpoints(endpoint)
+        if not parts:
+            raise ValueError("decode_kv_endpoint is empty")
+        for part in parts:
+            parse_endpoint(part)  # ValueError with the offending text
+        if self.any_endpoint or all(self._listed(part) for part in parts):
+            return
+        if self.redis_url and await self._registered_has(",".join(parts)):
+            return
+        self.num_refused += 1
+        raise KVEndpointRefused(
+            f"decode_kv_endpoint {endpoint[:200]!r} is not a registered decode worker's KV "
+            f"endpoint nor on --kv-allowed-endpoints (allowed: {self.describe()})"
+        )
+
+    def _listed(self, part: str) -> bool:
+        host, port = parse_endpoint(part)
+        return f"{host}:{port}" in self.exact or host in self.hosts
+
+    async def _registered_has(self, endpoint: str) -> bool:
+        if endpoint in self._registered:
+            return True
+        if time.monotonic() - self._read_at < self.refresh_s:
+            return False
+        self._read_at = time.monotonic()
+        try:
+            self._registered = await self._read_registry()
+        except Exception as exc:  # Redis down: refuse what is not known already
+            log.warning("cannot read the worker registry to check a KV endpoint: %s", exc)
+        return endpoint in self._registered
+
+    async def _read_registry(self) -> frozenset[str]:
+        if self._redis is None:
+            self._redis = aioredis.from_url(self.redis_url, socket_timeout=2,
+                                            socket_connect_timeout=2)
+        workers = await list_workers(self._redis, self.secret)
+        return frozenset(",".join(split_endpoints(w.kv_endpoint)) for w in workers
+                         if w.role in ("decode", "both") and isinstance(w.kv_endpoint, str)
+                         and w.kv_endpoint)
