@@ -70,9 +70,10 @@ test: install model redis ## run the test suite (PYTEST_ARGS="-k x" to narrow it
 # document at a real gateway, hypothesis on the detokenizer and stop strings (SmolLM2 tokenizer).
 FUZZ_EXAMPLES ?= 2000
 
-fuzz: install model ## fuzz the gateway's edge for minutes (FUZZ_EXAMPLES per property, 2000)
+fuzz: install model ## fuzz the gateway's edge, the KV receiver and the worker RPCs for minutes (FUZZ_EXAMPLES per property, 2000)
 	SPLITSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
-		tests/gateway/test_edge_fuzz.py tests/gateway/test_text_fuzz.py $(PYTEST_ARGS)
+		tests/gateway/test_edge_fuzz.py tests/gateway/test_text_fuzz.py \
+		tests/kv_transfer/test_kv_fuzz.py tests/services/test_worker_rpc_fuzz.py $(PYTEST_ARGS)
 
 run: install model ## start gateway + prefill + decode locally with the default model
 	$(VENV)/bin/splitserve up

@@ -5,6 +5,8 @@ receiver goes on serving. Bounded for CI (hypothesis max_examples; a few seconds
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,9 @@ from kv_transfer import HeaderError, HeaderFlag, KVHeader, KVLayout, KVReceiver,
 from kv_transfer.frame_check import check_data_frame
 from kv_transfer.header import header_from_bytes, header_to_bytes
 
-pytestmark = pytest.mark.timeout(120)
+# `make fuzz` raises it (SPLITSERVE_FUZZ_EXAMPLES) for a longer run.
+EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", 40))
+pytestmark = pytest.mark.timeout(120 + 1 * EXAMPLES)
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
 MAX_BLOCKS = 6
@@ -125,7 +129,7 @@ def parse(raw: bytes) -> KVHeader | None:
         return None
 
 
-@settings(max_examples=40, deadline=None, database=None,
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_no_frame_crashes_or_sneaks_past_the_receiver(target, data):

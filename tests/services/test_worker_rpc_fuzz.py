@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 
 import grpc
 import pytest
@@ -18,7 +19,9 @@ from engine.sampling_params import SamplingParams
 from splitserve_cli.processes import start_worker
 from tests.services.flows import disaggregated, greedy
 
-pytestmark = pytest.mark.timeout(240)
+# `make fuzz` raises it (SPLITSERVE_FUZZ_EXAMPLES) for a longer run.
+EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", 60))
+pytestmark = pytest.mark.timeout(240 + 3 * EXAMPLES)
 
 CALL_TIMEOUT_S = 20.0
 # The message reads of one Generate call; its stream is then cancelled (a fuzzed request may
@@ -120,7 +123,7 @@ async def call_raw(address: str, method: str, payload: bytes) -> grpc.StatusCode
     return grpc.StatusCode.OK
 
 
-@settings(max_examples=60, deadline=None, database=None,
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(call=calls)
 def test_no_message_makes_a_worker_rpc_fail_unhandled(workers, call):
