@@ -52,6 +52,10 @@ ACCEPTED = [
 ]
 
 
+def _name(endpoint: str) -> str:
+    return "chat" if endpoint == CHAT else "completions"
+
+
 def _body(endpoint: str, model: str, extra: dict) -> dict:
     base = {"model": model, "max_tokens": 2}
     if endpoint == CHAT:
@@ -62,7 +66,7 @@ def _body(endpoint: str, model: str, extra: dict) -> dict:
 
 
 @pytest.mark.parametrize(("endpoint", "field", "value"), REFUSED,
-                         ids=[f"{e.rsplit('/', 1)[1]}-{f}-{i}" for i, (e, f, _) in enumerate(REFUSED)])
+                         ids=[f"{_name(e)}-{f}-{i}" for i, (e, f, _) in enumerate(REFUSED)])
 def test_a_field_that_would_change_the_output_is_refused_by_name(disagg_stack, tiny_llama_dir,
                                                                  endpoint, field, value):
     before = worker_stats(disagg_stack.decode.address).steps
@@ -87,7 +91,7 @@ def test_tool_calls_in_a_chat_message_are_refused_with_their_path(disagg_stack, 
 
 
 @pytest.mark.parametrize(("endpoint", "extra"), ACCEPTED,
-                         ids=[f"{e.rsplit('/', 1)[1]}-{i}" for i, (e, _) in enumerate(ACCEPTED)])
+                         ids=[f"{_name(e)}-{i}" for i, (e, _) in enumerate(ACCEPTED)])
 def test_no_op_values_and_fields_that_change_nothing_are_served(disagg_stack, tiny_llama_dir,
                                                                 endpoint, extra):
     response = httpx.post(disagg_stack.url + endpoint,
