@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -20,23 +19,20 @@ from kv_transfer.buffer_pool import KVBufferPool
 from kv_transfer.channel import (
     ARRIVALS_QUEUE,
     PEERS_COUNTER,
-    RECEIVER_RANK,
-    KVChannel,
     KVChannelError,
     backend_name,
     channel_key,
     tensor_parallel_mismatch,
     timedelta,
 )
-from kv_transfer.frame_check import FrameRefused, check_data_frame, check_hello
-from kv_transfer.header import HEADER_NBYTES, HeaderError, HeaderFlag, KVHeader, header_from_bytes
+from kv_transfer.frame_check import FrameRefused, check_hello
+from kv_transfer.header import KVHeader
+from kv_transfer.inbound_channel import WAKE, InboundChannel
 from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.stats import KVStats
 
 logger = logging.getLogger(__name__)
 
-# Pushed by close() into a queue the accept or a channel thread is blocked on, to wake it.
-_WAKE = b"wake"
 # The accept thread blocks on the arrivals queue; close() wakes it, so this only bounds how
 # often an idle receiver logs c10d's socket-timeout warning.
 _ACCEPT_POLL_S = 24 * 3600.0
@@ -116,7 +112,7 @@ class KVReceiver:
         self._on_channel_error = on_channel_error
         self._pool = buffer_pool if buffer_pool is not None else KVBufferPool(self.device)
         self._lock = threading.Lock()  # guards _channels and _closed
-        self._channels: dict[int, _InboundChannel] = {}
+        self._channels: dict[int, InboundChannel] = {}
         self._closed = False
         # Only __init__ and close() touch the master store object; threads use clones.
         self._store = dist.TCPStore(
@@ -158,9 +154,9 @@ class KVReceiver:
         for ch in channels:
             ch.stopping = True
         try:
-            self._store.queue_push(ARRIVALS_QUEUE, _WAKE)
+            self._store.queue_push(ARRIVALS_QUEUE, WAKE)
             for ch in channels:
-                self._store.queue_push(channel_key(ch.index, "bell"), _WAKE)
+                self._store.queue_push(channel_key(ch.index, "bell"), WAKE)
         except RuntimeError:
             logger.debug("could not wake kv threads", exc_info=True)
         join_s = self.timeout_s + 1.0 if timeout_s is None else timeout_s
@@ -189,7 +185,7 @@ class KVReceiver:
                 if self._closed:
                     return
                 continue  # poll timeout on a long-idle receiver
-            if raw == _WAKE or self._closed:
+            if raw == WAKE or self._closed:
                 continue
             try:
                 hello = check_hello(raw, MAX_HELLO_BYTES, store.add(PEERS_COUNTER, 0))
@@ -256,7 +252,7 @@ class KVReceiver:
             return
         # Cloned here, not in the channel thread: close() may drop the master store any time
         # after it has joined this (accept) thread.
-        channel = _InboundChannel(self, index, peer_id, self._store.clone())
+        channel = InboundChannel(self, index, peer_id, self._store.clone())
         verdict = {"ok": True, "heartbeat_s": self.timeout_s / 4}
         if self.secret is not None:
             channel.nonces = (sender_nonce, auth.new_nonce())
@@ -278,7 +274,7 @@ class KVReceiver:
         if self._on_channel_error is not None:
             self._call(self._on_channel_error, peer_id, exc)
 
-    def _forget(self, channel: _InboundChannel) -> None:
+    def _forget(self, channel: InboundChannel) -> None:
         with self._lock:
             if self._channels.get(channel.index) is channel:
                 del self._channels[channel.index]
@@ -290,182 +286,3 @@ class KVReceiver:
             self.stats.add(callback_errors=1)
             logger.exception("kv receiver %s: callback %r raised", self.endpoint, fn)
             return None
-
-
-class _InboundChannel:
-    """Receiver side of one channel. Everything here is owned by `self.thread`, except
-    `stopping`, which close() sets (a plain bool flip, read between frames)."""
-
-    def __init__(self, receiver: KVReceiver, index: int, peer_id: str, store: dist.Store):
-        self.receiver = receiver
-        self.store = store
-        self.index = index
-        self.peer_id = peer_id
-        self.stopping = False
-        self.nonces: tuple[str, str] | None = None  # (sender's, ours) with a cluster secret
-        self.frame_key: bytes | None = None  # tags this channel's frames once authenticated
-        self.thread = threading.Thread(
-            target=self._run, name=f"kv-recv-{index}-{peer_id}", daemon=True
-        )
-
-    def _run(self) -> None:
-        r = self.receiver
-        store = self.store
-        store.set_timeout(timedelta(r.timeout_s))
-        channel = None
-        try:
-            if self.nonces is not None and not self._authenticate(store):
-                return
-            channel = KVChannel(store, self.index, RECEIVER_RANK, r.device, r.timeout_s)
-            r.stats.add(channels_opened=1)
-            self._read_frames(store, channel)
-        except Exception as exc:
-            if not self.stopping:
-                if not isinstance(exc, KVChannelError):
-                    exc = _wrap(exc, self.peer_id)
-                r._report(self.peer_id, exc)
-        finally:
-            if channel is not None:
-                channel.close()
-                r.stats.add(channels_closed=1)
-            try:
-                store.set(channel_key(self.index, "closed"), b"1")
-            except RuntimeError:
-                pass  # the store is gone with a closing receiver; nobody is left to tell
-            r._forget(self)
-
-    def _authenticate(self, store: dist.Store) -> bool:
-        """Before the process group exists: the sender answers our challenge, or the channel
-        ends here (its `closed` key is set on the way out)."""
-        r = self.receiver
-        key = channel_key(self.index, "auth")
-        try:
-            store.wait([key], timedelta(r.timeout_s))
-            answer = store.get(key).decode("ascii", "replace")
-        except RuntimeError:
-            answer = ""
-        expected = auth.sender_proof(r.secret, self.index, *self.nonces, self.peer_id)
-        ok = auth.proof_ok(expected, answer)
-        store.set(channel_key(self.index, "auth_verdict"), b"ok" if ok else b"refused")
-        if not ok:
-            r.stats.add(auth_failures=1, refused=1)
-            logger.warning("kv receiver %s: channel %d from %s did not prove the cluster "
-                           "secret; closed", r.endpoint, self.index, self.peer_id)
-            return False
-        self.frame_key = auth.session_key(r.secret, self.index, *self.nonces)
-        return True
-
-    def _read_frames(self, store: dist.Store, channel: KVChannel) -> None:
-        r = self.receiver
-        bell = channel_key(self.index, "bell")
-        expected_seq = 0
-        while not self.stopping:
-            try:
-                raw = store.queue_pop(bell, True)
-            except RuntimeError as exc:
-                if self.stopping:
-                    return
-                raise KVChannelError(
-                    f"no frame or heartbeat from {self.peer_id} for {r.timeout_s}s: presumed dead",
-                    peer_id=self.peer_id,
-                ) from exc
-            if self.stopping:
-                return
-            if raw == _WAKE:
-                continue
-            if self.frame_key is not None:
-                frame = auth.untag_frame(self.frame_key, raw, HEADER_NBYTES)
-                if frame is None:  # not from our peer: some other store client wrote it
-                    r.stats.add(refused_frames=1)
-                    logger.warning("kv receiver %s: dropped a frame with a bad tag on channel "
-                                   "%d", r.endpoint, self.index)
-                    continue
-                raw = frame
-            try:
-                header = header_from_bytes(raw)
-                if header.seq == expected_seq and not header.flags & HeaderFlag.CLOSE:
-                    r.layout.check_compatible(header.layout, self_name="decode",
-                                              other_name="prefill")
-            except (HeaderError, LayoutMismatchError) as exc:
-                # Whether a payload follows is unknown, so the channel cannot stay in step.
-                r.stats.add(refused_frames=1)
-                raise KVChannelError(f"bad frame from {self.peer_id}: {exc}",
-                                     peer_id=self.peer_id) from exc
-            if header.seq != expected_seq:
-                raise KVChannelError(
-                    f"frame {header.seq} from {self.peer_id} out of sequence (want {expected_seq})",
-                    peer_id=self.peer_id,
-                )
-            expected_seq += 1
-            if header.flags & HeaderFlag.CLOSE:
-                logger.info("kv receiver %s: %s closed its channel", r.endpoint, self.peer_id)
-                return
-            if header.flags & HeaderFlag.HEARTBEAT:
-                continue
-            if header.flags & HeaderFlag.ABORT:
-                r.stats.add(aborts=1)
-                if r._on_abort is not None:
-                    r._call(r._on_abort, header)
-                continue
-            self._receive_payload(header, channel)
-
-    def _receive_payload(self, header: KVHeader, channel: KVChannel) -> None:
-        r = self.receiver
-        reason = check_data_frame(header, r.layout, r.max_blocks)
-        if reason is None and r._check_frame is not None:
-            try:
-                reason = r._check_frame(header)
-            except Exception as exc:  # a rule that cannot decide refuses
-                r.stats.add(callback_errors=1)
-                reason = f"check_frame raised {exc!r}"
-        if reason is not None:
-            self._refuse(header, str(reason), channel)
-            return
-        wanted = True
-        if r._is_wanted is not None:
-            answer = r._call(r._is_wanted, header.request_key)
-            wanted = True if answer is None else bool(answer)
-        payload = r._pool.acquire(r.layout.payload_shape(header.num_blocks), r.layout.torch_dtype)
-        start = time.perf_counter()
-        try:
-            channel.recv(payload)
-        except KVChannelError as exc:
-            # The header arrived but its payload did not: discard, and say which request lost it.
-            exc.peer_id, exc.request_key = self.peer_id, header.request_key
-            raise
-        seconds = time.perf_counter() - start
-        if not wanted:
-            # Received in full even so: the bytes were already on the wire, and skipping them
-            # would desynchronise the channel.
-            r._pool.release(payload)
-            r.stats.add(dropped=1)
-            return
-        r.stats.add(transfers=1, bytes=payload.nbytes, seconds=seconds)
-        r._call(r._on_kv, header, payload)
-
-    def _refuse(self, header: KVHeader, reason: str, channel: KVChannel) -> None:
-        """Fail the frame's request, never the worker; keep the channel if its payload can be
-        read into a bounded buffer and thrown away."""
-        r = self.receiver
-        r.stats.add(refused_frames=1)
-        logger.warning("kv receiver %s: refused KV for %.80r from %s: %s", r.endpoint,
-                       header.request_key, self.peer_id, reason)
-        if r._on_refused is not None:
-            r._call(r._on_refused, header, reason)
-        if r.max_blocks is None or header.num_blocks > r.max_blocks:
-            raise KVChannelError(
-                f"refused a frame of {header.num_blocks} blocks from {self.peer_id} ({reason}); "
-                "its payload is not read, so the channel is closed",
-                peer_id=self.peer_id, request_key=header.request_key,
-            )
-        payload = r._pool.acquire(r.layout.payload_shape(header.num_blocks), r.layout.torch_dtype)
-        try:
-            channel.recv(payload)
-        finally:
-            r._pool.release(payload)
-
-
-def _wrap(exc: Exception, peer_id: str) -> KVChannelError:
-    wrapped = KVChannelError(f"channel from {peer_id} failed: {exc}", peer_id=peer_id)
-    wrapped.__cause__ = exc
-    return wrapped
