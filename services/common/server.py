@@ -117,7 +117,7 @@ class Worker:
         ])
         if cfg.role in ("prefill", "both"):
             endpoints = KVEndpointPolicy(cfg.kv_allowed_endpoints, cfg.redis_url,
-                                         self.cluster_secret)
+                                         self.cluster_secret, local_hosts=(cfg.public_host,))
             add_servicer(prefill_pb2_grpc.add_PrefillServicer_to_server,
                          PrefillServicer(self.engine_loop, self.senders, cfg.model_name,
                                          self.state, endpoints), self.server)

@@ -90,7 +90,7 @@ class WorkerConfig:
     # The shared secret (a file) that signs this worker's registry entries and KV channels.
     cluster_secret_file: str = ""
     # Prefill role: decode KV endpoints accepted besides registered decode workers' (with
-    # --redis-url) or loopback (without); comma-separated host:port, host:* or *.
+    # --redis-url) or this machine's (without); comma-separated host:port, host:* or *.
     kv_allowed_endpoints: str = ""
     # Prefill role: KV channels (decode endpoints) open at once; a new one past it is refused.
     max_kv_senders: int = 128
@@ -274,7 +274,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--kv-allowed-endpoints", default=_env("kv_allowed_endpoints", ""),
                         help="prefill: decode KV endpoints (host:port, host:* or *) accepted as "
                              "decode_kv_endpoint besides registered decode workers' (with "
-                             "--redis-url) or loopback ones (without)")
+                             "--redis-url) or this machine's (without)")
     parser.add_argument("--max-kv-senders", type=int, default=int(_env("max_kv_senders", 128)),
                         help="prefill: KV channels to decode endpoints open at once; a Prefill "
                              "call needing one more is refused with RESOURCE_EXHAUSTED")

@@ -18,7 +18,8 @@ from services.common.registry import list_workers
 
 log = logging.getLogger(__name__)
 
-# With no Redis and no allow-list (one machine, `make run`), peers are local processes.
+# With no Redis and no allow-list (one machine, `make run`), peers are local processes: they
+# advertise a loopback address, or this machine's own (`splitserve up --host 0.0.0.0`).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # A miss re-reads the registry at most this often, so a flood of bad endpoints costs Redis
 # two scans a second, while a decode worker that just registered is found within one.
@@ -52,13 +53,14 @@ def parse_allow_list(text: str) -> tuple[frozenset[str], frozenset[str], bool]:
 
 class KVEndpointPolicy:
     """Allow-list entries always pass. With a Redis URL, so does any endpoint a live decode
-    (or role-both) worker advertises; without one and with no allow-list, loopback only."""
+    (or role-both) worker advertises; without one and with no allow-list, only this machine's
+    (loopback, or `local_hosts`: the address this worker advertises)."""
 
     def __init__(self, allowed: str = "", redis_url: str = "", secret: bytes | None = None,
-                 refresh_s: float = REGISTRY_REFRESH_S) -> None:
+                 refresh_s: float = REGISTRY_REFRESH_S, local_hosts: tuple[str, ...] = ()) -> None:
         self.exact, self.hosts, self.any_endpoint = parse_allow_list(allowed)
         if not allowed.strip() and not redis_url:
-            self.hosts = frozenset(LOOPBACK_HOSTS)
+            self.hosts = frozenset(LOOPBACK_HOSTS + tuple(local_hosts))
         self.redis_url = redis_url
         self.secret = secret
         self.refresh_s = refresh_s
