@@ -1,6 +1,6 @@
 """Benchmark: the C++ small-M bfloat16 linear kernel against torch's bf16 mm on SmolLM2's
 shapes (microseconds and GB/s of weights per call), and batch-1 decode of the engine with
-cpu_linear torch and cpp against the copy-bandwidth floor.
+cpu_linear torch and cpp against the read-bandwidth floor.
 
 Run from the repo root:  .venv/bin/python bench/cpu_linear.py [--rows 1,2,4,8] [--skip-engine]
 Each call reads another copy of the weights, more of them than the last-level cache holds, so
@@ -26,7 +26,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.engine_throughput import copy_bandwidth_gbs, splitserve_decode_ms, weight_bytes  # noqa: E402
+from bench.offline.floor import read_bandwidth_gbs, weight_bytes  # noqa: E402
+from bench.offline.splitserve_runner import decode_step_ms as splitserve_decode_ms  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available  # noqa: E402
@@ -82,7 +83,7 @@ def micro(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int,
 
 def engine_decode(model: str, threads: int, tokens: int, rounds: int) -> dict:
     """Batch-1 decode ms/token with each linear path, the two engines alternating so that both
-    see the same machine; the copy bandwidth is sampled between rounds."""
+    see the same machine; the read bandwidth is sampled between rounds."""
     vocab = ModelConfig.from_dir(model).vocab_size
     prompt = [100 + (i * 7919) % (vocab - 100) for i in range(128)]
     base = EngineConfig(model=model, dtype="bfloat16", device="cpu", num_threads=threads,
@@ -92,18 +93,18 @@ def engine_decode(model: str, threads: int, tokens: int, rounds: int) -> dict:
     for engine in engines.values():
         splitserve_decode_ms(engine, prompt, 8)  # warm-up
     runs: dict[str, list[float]] = {c: [] for c in engines}
-    copies = [copy_bandwidth_gbs()]
+    copies = [read_bandwidth_gbs()]
     for _ in range(rounds):
         for choice, engine in engines.items():
             runs[choice].append(splitserve_decode_ms(engine, prompt, tokens))
-        copies.append(copy_bandwidth_gbs())
+        copies.append(read_bandwidth_gbs())
     bandwidth = statistics.median(copies)
     wbytes = weight_bytes(engines["cpp"].runner.model)
     floor_ms = wbytes / (bandwidth * 1e9) * 1e3
-    out = {"copy_bandwidth_gbs": bandwidth, "copy_bandwidth_samples_gbs": copies,
+    out = {"read_bandwidth_gbs": bandwidth, "read_bandwidth_samples_gbs": copies,
            "weight_bytes": wbytes, "floor_ms": floor_ms}
     print(f"\nbatch-1 decode in bfloat16 (the dtype the cpp linear path serves; the shipped CPU "
-          f"dtype is float32), {tokens} tokens x {rounds} rounds, {threads} threads; copy bandwidth "
+          f"dtype is float32), {tokens} tokens x {rounds} rounds, {threads} threads; read bandwidth "
           f"{bandwidth:.1f} GB/s ({', '.join(f'{c:.1f}' for c in copies)}), weights "
           f"{wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms/token")
     for choice, times in runs.items():

@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     work = plan(cfg.shape, ModelConfig.from_dir(cfg.model).vocab_size)
     systems: dict = {}
     systems["splitserve"], wbytes, dtype = run_splitserve(cfg, work)
-    if not cfg.skip_vllm:
+    if not cfg.skip_vllm and not vllm_runner.available():
+        progress(f"vLLM skipped: no peer venv at {vllm_runner.VLLM_VENV} (make peers builds it)")
+    elif not cfg.skip_vllm:
         systems["vllm"] = run_vllm(cfg, work, dtype)
     if not cfg.skip_hf:
         systems["transformers"] = run_hf(cfg, work, dtype)

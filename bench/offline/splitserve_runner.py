@@ -4,6 +4,7 @@ prefix caching on), driven through its step API in this process."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -54,3 +55,17 @@ class SplitserveRunner:
                 done += len(out.new_token_ids)
         return {"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
                 "output_tokens": done, "cached_tokens": engine.kv.prefix_hits - hits_before}
+
+
+def decode_step_ms(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
+    """Median milliseconds of one batch-1 engine step after the prefill step (bench/cpu_linear.py
+    compares linear paths with it; this bench times whole runs instead, as it must for vLLM)."""
+    engine.add_request(f"b1-{time.monotonic_ns()}", prompt,
+                       SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+    engine.step()  # prefill and the first token
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
