@@ -21,6 +21,9 @@ class GenerationSpec:
     params: SamplingParams  # seed always set
     stop: tuple[str, ...] = ()
     echo_text: str | None = None  # completions' echo: the prompt text to prepend
+    # Prefix-cache salt of the tenant (admission sets it): the workers and the router hash the
+    # prompt's blocks from it, so tenants never share cached KV unless their group says so.
+    cache_salt: str = ""
 
     @property
     def logprobs(self) -> int | None:

@@ -250,6 +250,6 @@ class _RecordedDispatcher:
         self.dispatcher = dispatcher
         self.record = record
 
-    def generate(self, request_id, prompt_token_ids, sampling) -> AsyncIterator:
+    def generate(self, request_id, prompt_token_ids, sampling, cache_salt="") -> AsyncIterator:
         return self.dispatcher.generate(request_id, prompt_token_ids, sampling,
-                                        observer=self.record)
+                                        observer=self.record, cache_salt=cache_salt)

@@ -92,10 +92,11 @@ class _MeteredDispatcher:
         self.dispatcher = dispatcher
         self.ticket = ticket
 
-    async def generate(self, request_id, prompt_token_ids, sampling) -> AsyncIterator:
+    async def generate(self, request_id, prompt_token_ids, sampling,
+                       cache_salt: str = "") -> AsyncIterator:
         ticket = self.ticket
-        async with aclosing(self.dispatcher.generate(request_id, prompt_token_ids,
-                                                     sampling)) as events:
+        async with aclosing(self.dispatcher.generate(request_id, prompt_token_ids, sampling,
+                                                     cache_salt=cache_salt)) as events:
             async for event in events:
                 if event.token_ids:
                     ticket._tokens(len(event.token_ids))
@@ -142,7 +143,8 @@ class Admission:
         """Waits in the fair queue until released. Raises APIError: 400 (over the tenant's
         prompt limit), 429 (quota, queue full), 503 (cannot meet the TTFT target, or the
         quota service is down under fail-closed). Cancelling it leaves nothing behind."""
-        specs = self._within_limits(tenant, specs)
+        specs = [dataclasses.replace(s, cache_salt=tenant.cache_salt)
+                 for s in self._within_limits(tenant, specs)]
         block_size = self.room.pool.block_size()
         now = time.monotonic()
         ticket = Ticket(

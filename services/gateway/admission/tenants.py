@@ -1,5 +1,6 @@
-"""Tenants: who a caller is (API key -> tenant) and what it may use (weight, priority class,
-token rate, concurrency, queue and length limits). Keys are kept only as SHA-256 digests.
+"""Tenants: who a caller is (API key -> tenant), what it may use (weight, priority class,
+token rate, concurrency, queue and length limits) and whose prefix cache it shares (its own
+unless it names a cache group). Keys are kept only as SHA-256 digests.
 
 Built once at start-up from the tenants file (YAML) and the API-key secret; read-only after.
 """
@@ -35,10 +36,16 @@ class Tenant:
     max_queued: int = 0  # requests waiting in this gateway's fair queue
     max_prompt_tokens: int = 0  # longer prompts are a 400
     max_output_tokens: int = 0  # max_tokens is capped at this
+    # Tenants naming the same group share cached prompt blocks (a common system prompt);
+    # empty: the tenant's blocks are its own.
+    cache_group: str = ""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"tenant name {self.name!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+        if self.cache_group and not _NAME.match(self.cache_group):
+            raise ValueError(f"tenant {self.name}: cache_group {self.cache_group!r}: use 1-64 "
+                             "of A-Z a-z 0-9 _ . -")
         if not self.weight > 0:
             raise ValueError(f"tenant {self.name}: weight must be > 0")
         for f in dataclasses.fields(self):
@@ -52,6 +59,16 @@ class Tenant:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_minute / 60.0
+
+    @property
+    def cache_salt(self) -> str:
+        """What the workers seed this tenant's block hashes with: requests with different
+        salts never hit each other's cached blocks. The anonymous tenant (no API keys) keeps
+        the unsalted cache everyone shared before tenants. Tenant and group names live in
+        separate namespaces, so a group can never alias a tenant's private cache."""
+        if self.cache_group:
+            return f"group:{self.cache_group}"
+        return "" if self.name == ANONYMOUS else f"tenant:{self.name}"
 
 
 _SETTINGS = {f.name for f in dataclasses.fields(Tenant)} - {"name"}
@@ -177,6 +194,12 @@ def _tenant(name: str, settings: dict) -> Tenant:
     values = {}
     for f in dataclasses.fields(Tenant):
         if f.name in settings:
+            if f.type == "str":
+                if not isinstance(settings[f.name], str):
+                    raise ValueError(f"tenant {name}: {f.name} must be a string, "
+                                     f"got {settings[f.name]!r}")
+                values[f.name] = settings[f.name]
+                continue
             cast = float if f.type == "float" else int
             try:
                 values[f.name] = cast(settings[f.name])

@@ -37,7 +37,8 @@ async def stream_text(
     """Raises APIError if the request fails before its first token (nothing was sent)."""
     detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids)
     matcher = StopStringMatcher(spec.stop)
-    events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb())
+    events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb(),
+                                 cache_salt=spec.cache_salt)
     num_output = 0
     num_cached = 0
     try:

@@ -84,10 +84,11 @@ class Dispatcher:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
-        observer: AttemptObserver = _UNOBSERVED,
+        observer: AttemptObserver = _UNOBSERVED, cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
         """Tokens of one request. Raises APIError if it fails before any token came back;
-        after that a failure is one final event with finish_reason "error"."""
+        after that a failure is one final event with finish_reason "error". `cache_salt` (the
+        tenant's) goes to both workers and into the router's block hashes."""
         tried: set[str] = set()
         last: _AttemptFailed | None = None
         for attempt in range(self.max_attempts):
@@ -95,7 +96,8 @@ class Dispatcher:
             attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
             try:
                 async with aclosing(self._attempt(attempt_id, prompt_token_ids, sampling,
-                                                  tried, attempt, observer)) as events:
+                                                  tried, attempt, observer,
+                                                  cache_salt)) as events:
                     async for event in events:
                         emitted = True
                         yield event
@@ -122,8 +124,9 @@ class Dispatcher:
         raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
 
     async def _attempt(self, request_id, prompt, sampling, tried, attempt: int,
-                       observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
-        route = self.router.route(prompt, sampling.max_tokens, exclude=tried)
+                       observer: AttemptObserver, cache_salt: str) -> AsyncIterator[TokenEvent]:
+        route = self.router.route(prompt, sampling.max_tokens, exclude=tried,
+                                  cache_salt=cache_salt)
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
         observer.routed(route, attempt)
@@ -131,10 +134,12 @@ class Dispatcher:
         decode.outstanding += 1
         try:
             if prefill is None:
-                flow = self._aggregated(decode, request_id, prompt, sampling, observer)
+                flow = self._aggregated(decode, request_id, prompt, sampling, observer,
+                                        cache_salt)
             else:
                 flow = self._disaggregated(decode, prefill, request_id, prompt, sampling,
-                                           len(prompt) - route.cached_tokens, observer)
+                                           len(prompt) - route.cached_tokens, observer,
+                                           cache_salt)
             async with aclosing(flow) as events:
                 async for event in events:
                     yield event
@@ -142,11 +147,11 @@ class Dispatcher:
             decode.outstanding -= 1
 
     async def _aggregated(self, decode, request_id, prompt, sampling,
-                          observer: AttemptObserver) -> AsyncIterator[TokenEvent]:
+                          observer: AttemptObserver, cache_salt: str) -> AsyncIterator[TokenEvent]:
         """The decode (or role-both) worker runs the prompt itself."""
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            remote_prefill=False,
+            remote_prefill=False, cache_salt=cache_salt,
         ), metadata=observer.grpc_metadata)
         try:
             async with aclosing(_decode_events(call, decode, next_index=0)) as events:
@@ -156,10 +161,10 @@ class Dispatcher:
             call.cancel()
 
     async def _disaggregated(self, decode, prefill, request_id, prompt, sampling,
-                             uncached_tokens: int, observer: AttemptObserver):
+                             uncached_tokens: int, observer: AttemptObserver, cache_salt: str):
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            remote_prefill=True,
+            remote_prefill=True, cache_salt=cache_salt,
         ), metadata=observer.grpc_metadata)
         prefill_call = prefill_done = decode_next = None
         try:
@@ -174,7 +179,7 @@ class Dispatcher:
                 raise _AttemptFailed(decode, _synthetic_error("decode stream did not reserve"))
             prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                decode_kv_endpoint=reserved.reserved.kv_endpoint,
+                decode_kv_endpoint=reserved.reserved.kv_endpoint, cache_salt=cache_salt,
             ), timeout=self.prefill_timeout_s, metadata=observer.grpc_metadata)
             # Watch the decode stream while the prefill runs: a decode worker that dies now
             # fails the attempt before its first token, so it is retried, not errored.

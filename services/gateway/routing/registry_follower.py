@@ -18,6 +18,7 @@ import logging
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.block_pool import HASH_BYTES
 from services.common.registry import (
     PREFIX_STREAM,
     REJECT_REASONS,
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _STREAM_BLOCK_MS = 1000
 _STREAM_BATCH = 1000
+_HASH_LIMIT = 1 << (8 * HASH_BYTES)
 
 
 class RegistryFollower:
@@ -134,7 +136,10 @@ class RegistryFollower:
         try:
             worker = fields[b"worker"].decode()
             kind = fields[b"kind"].decode()
+            # Block hashes: 16-byte digests as decimal ints (engine.block_pool), salted per tenant.
             hashes = [int(h) for h in fields[b"hashes"].split(b",") if h]
+            if not all(0 <= h < _HASH_LIMIT for h in hashes):
+                raise ValueError(f"a block hash outside [0, 2^{8 * HASH_BYTES})")
         except (KeyError, ValueError) as exc:
             log.warning("skipping a malformed prefix event: %r (%s)", fields, exc)
             return

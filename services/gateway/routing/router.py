@@ -94,8 +94,10 @@ class ScoringRouter:
         return True
 
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
-              exclude: Collection[str] = ()) -> Route | None:
-        request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size())
+              exclude: Collection[str] = (), cache_salt: str = "") -> Route | None:
+        """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count."""
+        request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size(),
+                                       cache_salt)
         decode = _best(self.pool.decoders(), self.decode_scorers, request, exclude,
                        self._decode_turn)
         if decode is None:

@@ -12,7 +12,7 @@ from services.gateway.routing.worker_pool import WorkerEndpoint
 @dataclass(frozen=True)
 class RoutingRequest:
     """A request as routing sees it: its prompt, output budget and the chained hashes of the
-    prompt's full blocks (the same hashes the workers' prefix caches use)."""
+    prompt's full blocks, salted per tenant (the same hashes the workers' prefix caches use)."""
 
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
@@ -20,10 +20,11 @@ class RoutingRequest:
     block_hashes: tuple[int, ...]
 
     @classmethod
-    def build(cls, prompt_token_ids, max_tokens: int, block_size: int) -> RoutingRequest:
+    def build(cls, prompt_token_ids, max_tokens: int, block_size: int,
+              cache_salt: str = "") -> RoutingRequest:
         prompt = tuple(prompt_token_ids)
         return cls(prompt, max_tokens, block_size,
-                   tuple(hash_prompt_blocks(list(prompt), block_size)))
+                   tuple(hash_prompt_blocks(prompt, block_size, cache_salt)))
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,117 @@
+"""Tenants and the prefix cache: each tenant's cached blocks are its own (the gateway salts
+every request's block hashes with its tenant) unless the tenants file puts tenants in one
+`cache_group`. Checked on the tenants file, on the router's index, and end to end on real
+prefill and decode workers through the cache hit counts (never timing)."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from gateway_processes import worker_stats
+from synthetic_workers import StaticPool, worker
+from tenant_load import tenants_file
+
+from engine.block_pool import hash_prompt_blocks
+from services.gateway.admission.tenants import ANONYMOUS, Tenant, key_digest, load_tenants
+from services.gateway.routing.prefix_index import PrefixIndex
+from services.gateway.routing.router import ScoringRouter
+
+SYSTEM = list(range(1000, 1256))  # 16 blocks of 16 tokens
+
+
+def test_tenants_are_private_by_default_and_a_cache_group_is_shared(tmp_path):
+    path = tenants_file(tmp_path, {"a": {}, "b": {}, "g1": {"cache_group": "common"},
+                                   "g2": {"cache_group": "common"}})
+    directory = load_tenants(path)
+    salts = {name: directory.authenticate(f"Bearer sk-{name}").cache_salt
+             for name in ("a", "b", "g1", "g2")}
+    assert salts == {"a": "tenant:a", "b": "tenant:b", "g1": "group:common",
+                     "g2": "group:common"}
+    # A group named like a tenant is still not that tenant's private cache.
+    assert Tenant("x", cache_group="a").cache_salt != Tenant("a").cache_salt
+    # No keys at all: one anonymous tenant, the one unsalted cache everyone shared before.
+    assert load_tenants().authenticate(None).cache_salt == "" == Tenant(ANONYMOUS).cache_salt
+
+
+@pytest.mark.parametrize("group, message", [("no spaces", "cache_group"), (7, "must be a string"),
+                                            ("x" * 65, "cache_group")])
+def test_a_bad_cache_group_is_refused_at_start_up(tmp_path, group, message):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"tenants:\n  a:\n    api_key_sha256: '{key_digest('sk-a')}'\n"
+                    f"    cache_group: {group!r}\n")
+    with pytest.raises(ValueError, match=message):
+        load_tenants(str(path))
+
+
+def test_the_routing_index_uses_salted_hashes():
+    prompt = SYSTEM + [7] * 32
+    a, b = hash_prompt_blocks(prompt, 16, "tenant:a"), hash_prompt_blocks(prompt, 16, "tenant:b")
+    assert len(a) == len(b) == 18 and not set(a) & set(b)
+    index = PrefixIndex()
+    warm, cold = worker("warm", "prefill"), worker("cold", "prefill")
+    # The warm worker's events carry tenant a's salted hashes, as its engine computed them.
+    index.apply_event(warm.worker_id, "stored", hash_prompt_blocks(SYSTEM, 16, "tenant:a"))
+    router = ScoringRouter(StaticPool(worker("d"), warm, cold), index)
+    mine = router.route(prompt, 8, cache_salt="tenant:a")
+    assert mine.prefill is warm and mine.cached_tokens == 256
+    theirs = router.route(prompt, 8, cache_salt="tenant:b")
+    assert theirs.cached_tokens == 0
+    assert router.route(prompt, 8).cached_tokens == 0  # nor the unsalted (anonymous) chain
+
+
+@pytest.fixture
+def cache_gateway(gateway_factory, disagg_workers, tmp_path):
+    prefill, decode = disagg_workers
+    path = tenants_file(tmp_path, {"a": {}, "b": {}, "g1": {"cache_group": "common"},
+                                   "g2": {"cache_group": "common"}})
+    return gateway_factory("--prefill", prefill.address, "--decode", decode.address,
+                           "--tenants-file", path)
+
+
+def _cached_tokens(gateway, model: str, tenant: str, prompt: list[int]) -> int:
+    response = httpx.post(
+        f"http://{gateway.address}/v1/completions", timeout=60,
+        headers={"Authorization": f"Bearer sk-{tenant}"},
+        json={"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] == len(prompt)
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def _hits(disagg_workers) -> tuple[int, int]:
+    prefill, decode = disagg_workers
+    return (worker_stats(prefill.address, "prefill").prefix_hits,
+            worker_stats(decode.address).prefix_hits)
+
+
+def test_another_tenants_cached_prefix_gives_no_cached_tokens_and_no_hits(
+        cache_gateway, disagg_workers, tiny_llama_dir):
+    model = tiny_llama_dir.name
+    # A prompt no other test sends (the workers are shared by the session), 5 blocks + 3.
+    prompt = random.Random().sample(range(100, 400), 83)
+    assert _cached_tokens(cache_gateway, model, "a", prompt) == 0
+    assert _cached_tokens(cache_gateway, model, "a", prompt) == 80  # a's blocks are cached
+    before = _hits(disagg_workers)
+    # Tenant b: nothing of a's counts, in its usage or in any worker's hit counters (the
+    # numbers /metrics exports), so neither tells b what a has sent.
+    assert _cached_tokens(cache_gateway, model, "b", prompt) == 0
+    assert _hits(disagg_workers) == before
+    assert _cached_tokens(cache_gateway, model, "b", prompt) == 80  # b's own second time
+    # A shared cache group shares: g2 reuses what g1 cached, a's stays apart from both.
+    assert _cached_tokens(cache_gateway, model, "g1", prompt) == 0
+    assert _cached_tokens(cache_gateway, model, "g2", prompt) == 80
+
+
+def test_gateway_metrics_carry_no_cache_salt_or_block_hash(cache_gateway, tiny_llama_dir):
+    prompt = random.Random().sample(range(100, 400), 40)
+    for tenant in ("a", "b"):
+        _cached_tokens(cache_gateway, tiny_llama_dir.name, tenant, prompt)
+    metrics = httpx.get(f"http://{cache_gateway.admin_address}/metrics", timeout=10).text
+    assert "tenant:" not in metrics and "group:" not in metrics
+    for salt in ("tenant:a", "tenant:b"):
+        assert not any(str(h) in metrics for h in hash_prompt_blocks(prompt, 16, salt))
+    assert "cache" not in "".join(line for line in metrics.splitlines()
+                                  if 'tenant="' in line and not line.startswith("#"))
