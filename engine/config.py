@@ -157,6 +157,10 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank)
+    # Threads for CPU steps of at most 16 tokens (decode at small batches; engine/step_threads.py):
+    # None: half of num_threads (one on 2 cores); equal to num_threads: every step uses all.
+    # One rank only; needs num_threads set.
+    small_step_threads: int | None = None
     # CPU attention: "cpp" runs the C++ kernels (kernels/cpu, built on first use): decode reads
     # K/V in place from the paged cache, and in bfloat16 on a CPU with AVX-512 BF16 prefill is
     # a flash kernel of bf16 dot products; "torch" is the reference (SDPA); "auto": cpp if it

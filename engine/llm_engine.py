@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import Speculator, build_proposer
+from engine.step_threads import StepThreads, default_small_threads
 
 
 class KVCacheFull(RuntimeError):
@@ -66,6 +67,13 @@ class LLMEngine:
         # The batch of the step in progress, None between steps. Only swapped as a reference,
         # so a watchdog on another thread may read it to say what a slow step holds.
         self.scheduled: SchedulerOutput | None = None
+        self.step_threads: StepThreads | None = None
+        if (config.num_threads and config.tensor_parallel_size == 1
+                and config.resolve_device().type == "cpu"):
+            small = config.small_step_threads or default_small_threads(config.num_threads)
+            self.step_threads = StepThreads(config.num_threads, small)
+            if not self.step_threads.active:
+                self.step_threads = None
 
     # -- admission -----------------------------------------------------------------------
 
@@ -213,6 +221,8 @@ class LLMEngine:
         proposals = spec.propose(self.scheduler) if spec is not None else None
         sched = self.scheduler.schedule(proposals.token_ids if proposals else None)
         self.scheduled = sched
+        if self.step_threads is not None:
+            self.step_threads.before_step(sched.total_num_scheduled_tokens)
         try:
             if proposals is not None and proposals.draft_probs:
                 result = self.runner.execute_model(sched, proposals.draft_probs)

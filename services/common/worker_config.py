@@ -56,6 +56,8 @@ class WorkerConfig:
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
     num_threads: int = 0
+    # Threads for steps of at most 16 tokens (engine/step_threads.py); 0: half of num_threads.
+    small_step_threads: int = 0
     # Processes (ranks) the model is split across; each owns the KV cache of its heads.
     tensor_parallel_size: int = 1
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
@@ -187,6 +189,7 @@ class WorkerConfig:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             num_threads=self.num_threads or None,
+            small_step_threads=self.small_step_threads or None,
             tensor_parallel_size=self.tensor_parallel_size,
             speculative=self.speculative_config(),
         )
@@ -219,6 +222,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=_env("no_prefix_caching", "") not in ("", "0"))
     parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)),
                         help="torch threads per process (per rank with tensor parallelism)")
+    parser.add_argument("--small-step-threads", type=int,
+                        default=int(_env("small_step_threads", 0)),
+                        help="torch threads for steps of at most 16 tokens (small decode batches, "
+                             "whose threads wait on each other when the cores are shared); "
+                             "0: half of --num-threads; equal to it: every step uses all")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(_env("tensor_parallel_size", 1)),
                         help="split the model across this many ranks, one process each "
@@ -309,6 +317,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        small_step_threads=args.small_step_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,

@@ -1,0 +1,52 @@
+"""Steps of a few tokens run with fewer torch threads than prefill chunks and large batches
+(engine/step_threads.py), on the thread that runs the steps, and only when asked for."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.step_threads import StepThreads, default_small_threads
+from tests.engine.engine_harness import make_engine, random_prompts
+
+
+def test_small_steps_get_the_small_count_and_switches_happen_only_on_a_change(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    threads = StepThreads(num_threads=4, small_threads=1, small_tokens=16)
+    for tokens in (512, 3, 3, 16, 17, 17, 1):
+        threads.before_step(tokens)
+    assert calls == [4, 1, 4, 1]
+    assert [default_small_threads(n) for n in (1, 2, 3, 8)] == [1, 1, 1, 4]
+
+
+def test_the_engine_decodes_with_the_small_count_and_prefills_with_all(tiny_llama_dir):
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_llama_dir, num_threads=2)
+        assert engine.step_threads is not None and engine.step_threads.small_threads == 1
+        seen = []
+        real_execute = engine.runner.execute_model
+
+        def execute(sched, *args):
+            seen.append((sched.total_num_scheduled_tokens, torch.get_num_threads()))
+            return real_execute(sched, *args)
+
+        engine.runner.execute_model = execute
+        engine.add_request("r", random_prompts([40], seed=0)[0],
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while engine.scheduler.running or engine.scheduler.waiting:
+            engine.step()
+        assert seen[0] == (40, 2)  # the prompt, all threads
+        assert all(threads == 1 for tokens, threads in seen[1:]) and len(seen) == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_equal_counts_or_no_thread_count_leave_torch_alone(tiny_llama_dir):
+    before = torch.get_num_threads()
+    try:
+        assert make_engine(tiny_llama_dir, num_threads=2, small_step_threads=2).step_threads is None
+        assert make_engine(tiny_llama_dir).step_threads is None
+    finally:
+        torch.set_num_threads(before)
