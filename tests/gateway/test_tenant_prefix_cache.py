@@ -35,6 +35,23 @@ def test_tenants_are_private_by_default_and_a_cache_group_is_shared(tmp_path):
     assert load_tenants().authenticate(None).cache_salt == "" == Tenant(ANONYMOUS).cache_salt
 
 
+def test_with_the_cluster_secret_salts_are_keyed_and_agree_across_gateways(tmp_path):
+    path = tenants_file(tmp_path, {"a": {}, "g1": {"cache_group": "common"},
+                                   "g2": {"cache_group": "common"}})
+    one, other = (load_tenants(path, salt_key=b"s" * 32) for _ in range(2))
+    rotated = load_tenants(path, salt_key=b"t" * 32)
+
+    def salt(directory, name: str) -> str:
+        return directory.cache_salt(directory.authenticate(f"Bearer sk-{name}"))
+
+    keyed = salt(one, "a")
+    assert len(keyed) == 64 and "tenant:a" != keyed != salt(rotated, "a")
+    assert keyed == salt(other, "a")  # two gateways with one secret share one cache
+    assert salt(one, "g1") == salt(one, "g2") != keyed
+    assert load_tenants(salt_key=b"s" * 32).cache_salt(Tenant()) == ""  # anonymous: shared
+    hash_prompt_blocks(SYSTEM, 16, keyed)  # a salt the workers accept
+
+
 @pytest.mark.parametrize("group, message", [("no spaces", "cache_group"), (7, "must be a string"),
                                             ("x" * 65, "cache_group")])
 def test_a_bad_cache_group_is_refused_at_start_up(tmp_path, group, message):
@@ -61,13 +78,19 @@ def test_the_routing_index_uses_salted_hashes():
     assert router.route(prompt, 8).cached_tokens == 0  # nor the unsalted (anonymous) chain
 
 
-@pytest.fixture
-def cache_gateway(gateway_factory, disagg_workers, tmp_path):
+@pytest.fixture(params=["unkeyed", "keyed"])
+def cache_gateway(request, gateway_factory, disagg_workers, tmp_path):
+    """A gateway over the session's workers; "keyed": with a cluster secret (keyed salts)."""
     prefill, decode = disagg_workers
     path = tenants_file(tmp_path, {"a": {}, "b": {}, "g1": {"cache_group": "common"},
                                    "g2": {"cache_group": "common"}})
+    extra = []
+    if request.param == "keyed":
+        secret = tmp_path / "cluster-secret"
+        secret.write_text(f"{random.getrandbits(256):064x}\n")
+        extra = ["--cluster-secret-file", str(secret)]
     return gateway_factory("--prefill", prefill.address, "--decode", decode.address,
-                           "--tenants-file", path)
+                           "--tenants-file", path, *extra)
 
 
 def _cached_tokens(gateway, model: str, tenant: str, prompt: list[int]) -> int:

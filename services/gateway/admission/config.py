@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Protocol
 
+from services.common.security import read_cluster_secret
 from services.gateway.admission.admission import Admission
 from services.gateway.admission.capacity import CapacityRule, ClusterRoom
 from services.gateway.admission.fair_queue import POLICIES, FairQueue
@@ -73,7 +74,10 @@ def _directory(config: AdmissionSettings):
     # --max-inflight-per-key predates tenants: it is every tenant's default concurrency.
     defaults = {"max_concurrency": config.max_inflight_per_key} \
         if config.max_inflight_per_key else {}
-    return load_tenants(config.tenants_file, config.api_keys, defaults)
+    # The cluster secret, when set, keys the tenants' prefix-cache salts.
+    secret_file = getattr(config, "cluster_secret_file", "")
+    salt_key = read_cluster_secret(secret_file) if secret_file else None
+    return load_tenants(config.tenants_file, config.api_keys, defaults, salt_key)
 
 
 def make_admission(config: AdmissionSettings, pool: WorkerPool) -> Admission:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from services.gateway.errors import APIError
 ANONYMOUS = "anonymous"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SALT_DOMAIN = b"splitserve cache salt v1\x00"
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ class TenantDirectory:
     """API key digests -> tenants. Authentication is on when any key is known."""
 
     def __init__(self, tenants: Iterable[Tenant], keys: dict[str, str],
-                 anonymous: Tenant | None = None) -> None:
+                 anonymous: Tenant | None = None, salt_key: bytes | None = None) -> None:
+        """`salt_key` (the cluster secret) keys the cache salts; see cache_salt."""
         self.tenants = {t.name: t for t in tenants}
+        self._salt_key = salt_key
         for name in keys.values():
             if name not in self.tenants:
                 raise ValueError(f"an API key names tenant {name!r}, which is not defined")
@@ -111,13 +115,22 @@ class TenantDirectory:
             raise APIError.unauthorized()
         return self.tenants[name]
 
+    def cache_salt(self, tenant: Tenant) -> str:
+        """The salt the workers seed `tenant`'s block hashes with. Keyed by the cluster secret
+        when there is one, so whoever reads the prefix events in Redis cannot recompute a
+        tenant's chain to test a guessed prompt; every gateway with the secret agrees."""
+        salt = tenant.cache_salt
+        if not salt or self._salt_key is None:
+            return salt
+        return hmac.new(self._salt_key, _SALT_DOMAIN + salt.encode(), hashlib.sha256).hexdigest()
+
     def describe(self) -> str:
         return (f"{len(self.tenants)} tenants ({', '.join(sorted(self.tenants))}), "
                 f"{len(self._keys)} API keys, auth {'on' if self.auth_enabled else 'off'}")
 
 
 def load_tenants(tenants_file: str = "", api_keys: Iterable[str] = (),
-                 defaults: dict | None = None) -> TenantDirectory:
+                 defaults: dict | None = None, salt_key: bytes | None = None) -> TenantDirectory:
     """The directory from the tenants file (may be "") and the key secret's entries.
 
     A secret entry `tenant:key` binds a key to a tenant of the file; a bare `key` is a tenant
@@ -163,7 +176,7 @@ def load_tenants(tenants_file: str = "", api_keys: Iterable[str] = (),
     if tenants_file and not keys:
         raise ValueError(f"{tenants_file} defines tenants but no API key reaches any of them: "
                          "add api_key_sha256 to a tenant or `tenant:key` to the API keys")
-    return TenantDirectory(tenants, keys, _tenant(ANONYMOUS, base))
+    return TenantDirectory(tenants, keys, _tenant(ANONYMOUS, base), salt_key)
 
 
 def _read(path: str) -> dict:
