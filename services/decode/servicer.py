@@ -13,7 +13,8 @@ from contextlib import aclosing
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status
+from opentelemetry.trace import StatusCode as SpanStatus
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from engine.llm_engine import KVCacheFull, LLMEngine
@@ -42,19 +43,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         await refuse_malformed(request, context)
-        with _tracer.start_as_current_span(
+        # Started, not made current: this generator is resumed, and may be closed, from
+        # different contexts (gRPC cancels or closes it at a yield), and a context attached in
+        # one cannot be detached in another ("Failed to detach context" on every closed stream).
+        # The phase spans name their parent explicitly (_record_phases).
+        span = _tracer.start_span(
             "decode", context=tracing.context_from_grpc(context), kind=SpanKind.SERVER,
             attributes={"splitserve.request_id": request.request_id,
                         "splitserve.worker_id": self.worker.worker_id,
                         "splitserve.prompt_tokens": len(request.prompt_token_ids),
                         "splitserve.remote_prefill": request.remote_prefill},
-        ) as span:
+        )
+        try:
             # Closed explicitly: when this stream is cancelled or closed at a yield, the inner
             # generator's finally (which aborts the request) runs now, not whenever it is
             # garbage collected.
             async with aclosing(self._generate(request, context, span)) as messages:
                 async for message in messages:
                     yield message
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(SpanStatus.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            span.end()
 
     async def _generate(self, request, context, span):
         if self.worker.draining:

@@ -68,3 +68,36 @@ def test_worker_spans_join_the_callers_trace(tiny_llama_dir, tmp_path):
     finally:
         decode.kill()
         prefill.kill()
+
+
+def test_a_stream_its_reader_cancels_ends_its_span_without_a_context_error(tiny_llama_dir,
+                                                                          tmp_path):
+    """gRPC closes the servicer's generator at a yield, from another context than the one that
+    started it; a span made current there could not be detached (an error log per stream)."""
+    trace_file = tmp_path / "spans.jsonl"
+    decode = start_worker("decode", tiny_llama_dir, "--num-kv-blocks", "64",
+                          env={"SPLITSERVE_TRACE_FILE": str(trace_file)})
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(decode.address) as channel:
+                for i in range(3):
+                    stream = decode_pb2_grpc.DecodeStub(channel).Generate(
+                        decode_pb2.GenerateRequest(request_id=f"cut-{i}",
+                                                   prompt_token_ids=list(range(20, 40)),
+                                                   sampling=greedy(200)))
+                    await stream.read()
+                    await stream.read()
+                    stream.cancel()
+
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            lines = trace_file.read_text().splitlines() if trace_file.exists() else []
+            if sum(json.loads(line)["name"] == "decode" for line in lines) == 3:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the cancelled streams' spans never ended")
+        assert "Failed to detach context" not in decode.output
+    finally:
+        decode.kill()
