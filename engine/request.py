@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.block_pool import root_hash
 from engine.sampling_params import SamplingParams
-from engine.token_counts import TokenCounts
+
+if TYPE_CHECKING:  # the scheduling modules import no torch; the proposer makes it
+    from engine.token_counts import TokenCounts
 
 
 class RequestStatus(enum.IntEnum):
@@ -72,8 +75,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.output_logprobs: list[tuple[float, dict[int, float]]] = []
         # Penalty counts over all_token_ids for the draft proposer's own sampling (the model
-        # runner keeps its own beside its copy of the tokens).
-        self.draft_token_counts = TokenCounts()
+        # runner keeps its own beside its copy of the tokens); made by the proposer on first use.
+        self.draft_token_counts: TokenCounts | None = None
         self.num_preemptions = 0
         # Wall-clock (ns) milestones for traces: first scheduled, remote KV written.
         self.first_scheduled_ns: int | None = None

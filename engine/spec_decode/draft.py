@@ -22,6 +22,7 @@ from engine.sampler import SamplingRow, sampling_probs
 from engine.spec_decode.draft_runner import DraftRunner, DraftSeq
 from engine.spec_decode.proposer import Proposals, Proposer
 from engine.spec_decode.rejection_sampler import draft_noise_for
+from engine.token_counts import TokenCounts
 
 
 @dataclass
@@ -144,6 +145,8 @@ class DraftModelProposer(Proposer):
         rows = []
         for j in sampled:
             request, params = requests[j], requests[j].sampling_params
+            if request.draft_token_counts is None:
+                request.draft_token_counts = TokenCounts()
             rows.append(SamplingRow(
                 params=params, seed=params.seed, position=request.num_tokens + len(drafted[j]),
                 token_ids=request.all_token_ids, num_prompt_tokens=request.num_prompt_tokens,
