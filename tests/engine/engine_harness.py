@@ -190,3 +190,21 @@ def assert_greedy_parity(
         assert ours.logprobs[i].rank == 1
     assert ours.token_ids == ref_tokens
     return len(ref_tokens)
+
+
+SMOL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def smollm2_chat_prompts(model_dir) -> dict[str, list[int]]:
+    """SMOL_QUESTIONS as SmolLM2 chat prompts (token ids), keyed q0, q1, ..."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return {f"q{i}": tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                return_dict=False)
+            for i, q in enumerate(SMOL_QUESTIONS)}

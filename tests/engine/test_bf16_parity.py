@@ -16,7 +16,14 @@ import functools
 
 import pytest
 import torch
-from engine_harness import Collected, add_all, assert_no_leak, drive, random_prompts
+from engine_harness import (
+    Collected,
+    add_all,
+    assert_no_leak,
+    drive,
+    random_prompts,
+    smollm2_chat_prompts,
+)
 from kernel_build import require_cpu_kernels
 from tiny_mistral import build_tiny_mistral
 
@@ -127,25 +134,11 @@ def test_tiny_head_dim_64_bf16_matches_transformers_bf16(model, tiny_d64_llama_d
 
 
 SMOL_TOKENS = 32
-SMOL_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-]
 
 
 @pytest.mark.slow
 def test_smollm2_bf16_matches_transformers_bf16(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    prompts = {
-        f"q{i}": tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        )
-        for i, q in enumerate(SMOL_QUESTIONS)
-    }
+    prompts = smollm2_chat_prompts(smollm2_dir)
     engine = shipped_engine(smollm2_dir)
     params = SamplingParams(max_tokens=SMOL_TOKENS, temperature=0.0, logprobs=5)
     add_all(engine, prompts, params)

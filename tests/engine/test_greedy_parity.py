@@ -17,6 +17,7 @@ from engine_harness import (
     hf_prompt_logprobs,
     make_engine,
     random_prompts,
+    smollm2_chat_prompts,
 )
 
 from engine.sampling_params import SamplingParams
@@ -183,25 +184,11 @@ def test_prompt_logprobs_are_delivered_once_even_after_preemption(tiny_llama_dir
 SMOL_TOKENS = 32
 # 30 layers of float32 summed in a different order than transformers: logprobs agree to ~1e-4.
 SMOL_ATOL = 2e-3
-SMOL_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-]
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_batched_chunked_preempted_and_cached(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    prompts = {
-        f"q{i}": tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        )
-        for i, q in enumerate(SMOL_QUESTIONS)
-    }
+    prompts = smollm2_chat_prompts(smollm2_dir)
     assert all(isinstance(t, int) for p in prompts.values() for t in p)
     params = SamplingParams(max_tokens=SMOL_TOKENS, temperature=0.0, logprobs=5)
     # Block size 16 as served; ~40-token prompts prefilled in chunks of 16; eight blocks
