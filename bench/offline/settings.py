@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 COLD_NOTE = ("every repetition draws fresh prompts (its own seed), so it starts with a cold prefix "
              "cache; no cache is reset, and a timed run that finds a cached prompt token is refused "
              "(splitserve's prefix_hits, vLLM's num_cached_tokens). Start-up (vLLM's compilation, "
-             "~90-150 s) and one warm-up of each kind are excluded; only generation is timed")
+             "1-2.5 min) and one warm-up of each kind are excluded; only generation is timed")
 
 
 def splitserve_config(engine) -> dict:
