@@ -81,7 +81,7 @@ run: install model ## start gateway + prefill + decode locally with the default 
 bench: install model ## quick serving comparison vs transformers serve (tiny model, ~3 min)
 	$(PY) -m bench.compare --quick
 
-bench-engine: install model ## quick offline engine throughput vs transformers (SmolLM2)
+bench-engine: install model ## quick offline engine benchmark: splitserve vs vLLM (if `make peers` ran) and transformers, SmolLM2
 	$(PY) bench/engine_throughput.py --quick
 
 # vLLM's CPU build, the peer `bench.compare --systems ...,vllm` starts, in a venv of its own (it
