@@ -8,6 +8,7 @@ Used on the gRPC event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -21,8 +22,9 @@ log = logging.getLogger(__name__)
 # With no Redis and no allow-list (one machine, `make run`), peers are local processes: they
 # advertise a loopback address, or this machine's own (`splitserve up --host 0.0.0.0`).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# A miss re-reads the registry at most this often, so a flood of bad endpoints costs Redis
-# two scans a second, while a decode worker that just registered is found within one.
+# A miss re-reads the registry at most this often (misses in the meantime wait for that read),
+# so a flood of bad endpoints costs Redis two scans a second, while a decode worker that just
+# registered is found within one.
 REGISTRY_REFRESH_S = 0.5
 
 
@@ -68,6 +70,7 @@ class KVEndpointPolicy:
         self._redis = None
         self._registered: frozenset[str] = frozenset()
         self._read_at = float("-inf")
+        self._reading: asyncio.Future[float] | None = None  # the registry read in flight
 
     def describe(self) -> str:
         if self.any_endpoint:
@@ -99,16 +102,35 @@ class KVEndpointPolicy:
         return f"{host}:{port}" in self.exact or host in self.hosts
 
     async def _registered_has(self, endpoint: str) -> bool:
-        if endpoint in self._registered:
-            return True
-        if time.monotonic() - self._read_at < self.refresh_s:
-            return False
-        self._read_at = time.monotonic()
-        try:
-            self._registered = await self._read_registry()
-        except Exception as exc:  # Redis down: refuse what is not known already
-            log.warning("cannot read the worker registry to check a KV endpoint: %s", exc)
+        """Known, or found by a registry read that started after this check did. Checks that
+        miss at once share one read (so a burst of requests for a decode worker that has just
+        registered all find it), and reads are at least `refresh_s` apart (so a flood of bad
+        endpoints costs Redis a few scans a second, and each bad request waits that long)."""
+        asked_at = time.monotonic()
+        for _ in range(2):
+            if endpoint in self._registered:
+                return True
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(self._read_when_allowed())
+            started = await asyncio.shield(self._reading)
+            if started >= asked_at:
+                break
         return endpoint in self._registered
+
+    async def _read_when_allowed(self) -> float:
+        """One registry read, no sooner than `refresh_s` after the last; returns when it began."""
+        try:
+            wait = self._read_at + self.refresh_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._read_at = time.monotonic()
+            try:
+                self._registered = await self._read_registry()
+            except Exception as exc:  # Redis down: refuse what is not known already
+                log.warning("cannot read the worker registry to check a KV endpoint: %s", exc)
+            return self._read_at
+        finally:
+            self._reading = None
 
     async def _read_registry(self) -> frozenset[str]:
         if self._redis is None:

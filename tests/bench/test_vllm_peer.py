@@ -123,8 +123,11 @@ def test_printed_settings_give_vllms_configuration_when_it_runs():
 def test_peer_plan_runs_the_issues_rows_and_nothing_longer():
     plan = peer_plan("m", ("splitserve-disagg", "splitserve-agg", "vllm"))
     by_name = {w.name: w for w in plan.workloads}
-    assert set(by_name) == {"burst", "batch1", "chat"}
+    assert set(by_name) == {"burst", "batch1", "chat", "chat-sampled"}
     burst, batch1, chat = by_name["burst"], by_name["batch1"], by_name["chat"]
+    sampled = by_name["chat-sampled"]
+    assert sampled.rates == (3.0,) and "top_p=0.95" in sampled.workload.describe()
+    assert "transformers-serve" not in sampled.systems  # its flavor takes no sampling fields
     assert burst.burst == 32 and burst.workload.describe() == (
         peer_plan("m").workloads[0].workload.describe())
     assert batch1.concurrency == 1 and batch1.num_requests == 8

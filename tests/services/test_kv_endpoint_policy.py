@@ -46,3 +46,33 @@ def test_a_malformed_endpoint_is_a_value_error_not_a_refusal(endpoint):
 def test_a_bad_allow_list_entry_names_the_flag(entry):
     with pytest.raises(ValueError, match="--kv-allowed-endpoints"):
         parse_allow_list(entry)
+
+
+def test_a_burst_for_a_decode_worker_that_just_registered_is_accepted_whole(redis_server):
+    """Real Redis. The checks that miss share one registry read, and one that comes while the
+    last read is too recent waits for the next rather than being refused; an endpoint nobody
+    registered is still refused. (A new decode worker's first requests used to be refused when
+    they arrived together: the autoscaler's scale-up test saw it.)"""
+    import time
+
+    import redis.asyncio as aioredis
+
+    from services.common.registry import WORKER_KEY, WorkerInfo
+
+    async def run():
+        policy = KVEndpointPolicy(redis_url=redis_server, refresh_s=0.3)
+        with pytest.raises(KVEndpointRefused):
+            await policy.check("10.1.2.3:4000")  # nobody yet; this read is the last for 0.3 s
+        client = aioredis.from_url(redis_server)
+        info = WorkerInfo("decode-new", "decode", "10.1.2.3:5000", "10.1.2.3:4000", "m", 16,
+                          2048, updated=time.time())
+        await client.set(WORKER_KEY + info.worker_id, info.to_json(), px=10_000)
+        await client.aclose()
+        results = await asyncio.gather(*(policy.check("10.1.2.3:4000") for _ in range(20)),
+                                       return_exceptions=True)
+        assert results == [None] * 20
+        with pytest.raises(KVEndpointRefused):
+            await policy.check("10.9.9.9:4000")
+        return policy.num_refused
+
+    assert asyncio.run(run()) == 2
