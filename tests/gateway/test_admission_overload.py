@@ -179,13 +179,21 @@ def test_ten_times_capacity_for_30s_then_a_normal_load(overload_stack):
     late = [r for r in records if r.status == "http_503" and _code(r) == "ttft_deadline_passed"]
     refused = [r for r in records if r.status in ("http_503", "http_429") and r not in late]
     other = [r for r in records if not r.ok and r not in late and r not in refused]
-    admitted = len(served) + len(late)
-    on_time = sum(r.ttft_s <= TTFT_TARGET_S for r in served)
-    undisturbed = [r for r in refused if not any(
-        begin < r.start_s + r.e2e_s and r.start_s < end for begin, end in stalls)]
+
+    def undisturbed_by_stalls(rs):
+        # A load-generator stall on these 2 cores stalls the gateway and workers too, and the
+        # client's own clock: what it overlapped says nothing about admission.
+        return [r for r in rs if not any(
+            begin < r.start_s + r.e2e_s and r.start_s < end for begin, end in stalls)]
+
+    calm_served, calm_late = undisturbed_by_stalls(served), undisturbed_by_stalls(late)
+    admitted = len(calm_served) + len(calm_late)
+    on_time = sum(r.ttft_s <= TTFT_TARGET_S for r in calm_served)
+    undisturbed = undisturbed_by_stalls(refused)
     refused_fast = sum(r.e2e_s <= 0.050 for r in undisturbed)
     report = (f"capacity {capacity:.1f} req/s, offered {flood.rate:.0f} req/s: {len(records)} "
-              f"sent, {len(served)} served ({on_time} on time), {len(late)} dropped late, "
+              f"sent, {len(served)} served, {len(late)} dropped late ({admitted} admitted clear "
+              f"of stalls, {on_time} of them on time), "
               f"{len(refused)} refused ({len(refused) - len(undisturbed)} during "
               f"{len(stalls)} load-generator stalls; of the others {refused_fast} within 50 ms), "
               f"slowest {max((r.e2e_s for r in refused), default=0) * 1000:.0f} ms, "
@@ -196,6 +204,7 @@ def test_ten_times_capacity_for_30s_then_a_normal_load(overload_stack):
     print(report)  # shown with -s, and on failure
     assert not other, (report, other[:3])  # nothing hung, nothing failed otherwise
     assert len(refused) > 0.5 * len(records), report  # it really was overloaded
+    assert admitted >= 0.5 * (len(served) + len(late)), report  # stalls did not hide the run
     assert on_time >= 0.95 * admitted, report
     assert refused_fast >= 0.99 * len(undisturbed), report
     assert all(r.e2e_s <= 1.0 for r in refused), report
