@@ -122,11 +122,9 @@ def hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=256)
-def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers `generate` (greedy, stops at EOS like the engine): tokens and the
-    log_softmax of the logits at every generated position, [n, vocab]."""
-    model = hf_model(model_dir)
+def generate_greedy(model, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers `generate` on `model` (greedy, stops at EOS like the engine): tokens and the
+    log_softmax of the logits at every generated position, [n, vocab], in float32."""
     input_ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
@@ -137,6 +135,12 @@ def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> t
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = torch.stack([step[0] for step in out.logits]).float().log_softmax(-1)
     return tokens, logprobs
+
+
+@functools.lru_cache(maxsize=256)
+def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """generate_greedy on the checkpoint as loaded by hf_model."""
+    return generate_greedy(hf_model(model_dir), prompt, max_new_tokens)
 
 
 @functools.lru_cache(maxsize=64)

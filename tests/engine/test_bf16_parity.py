@@ -21,6 +21,7 @@ from engine_harness import (
     add_all,
     assert_no_leak,
     drive,
+    generate_greedy,
     random_prompts,
     smollm2_chat_prompts,
 )
@@ -57,16 +58,7 @@ def _hf_bf16(model_dir: str):
 @functools.lru_cache(maxsize=64)
 def hf_bf16_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int):
     """transformers `generate` in bfloat16 (greedy, stops at EOS): tokens, [n, vocab] logprobs."""
-    model = _hf_bf16(model_dir)
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, temperature=None, top_p=None, top_k=None,
-            output_logits=True, return_dict_in_generate=True,
-        )
-    logprobs = torch.stack([step[0] for step in out.logits]).float().log_softmax(-1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
+    return generate_greedy(_hf_bf16(model_dir), prompt, max_new_tokens)
 
 
 def assert_bf16_parity(model_dir, prompt: list[int], ours: Collected, max_new_tokens: int) -> int:
