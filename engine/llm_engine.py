@@ -77,7 +77,8 @@ class LLMEngine:
 
     # -- admission -----------------------------------------------------------------------
 
-    def validate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 resumed_output_token_ids: Sequence[int] = ()) -> None:
         """Raise ValueError before any state changes."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; send at least one token")
@@ -85,7 +86,16 @@ class LLMEngine:
         for token in prompt_token_ids:
             if not isinstance(token, int) or not 0 <= token < vocab:
                 raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
-        n = len(prompt_token_ids)
+        for token in resumed_output_token_ids:
+            if not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(
+                    f"resumed output token id {token!r} is outside the vocabulary [0, {vocab})")
+        if resumed_output_token_ids and len(resumed_output_token_ids) >= params.max_tokens:
+            raise ValueError(
+                f"{len(resumed_output_token_ids)} resumed output tokens leave nothing to "
+                f"generate under max_tokens={params.max_tokens}")
+        # A resumed request recomputes its outputs like its prompt: both must fit.
+        n = len(prompt_token_ids) + len(resumed_output_token_ids)
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
@@ -106,8 +116,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def _make_request(self, request_id, prompt_token_ids, params, priority, hold_kv, arrival_time,
-                      cache_salt=""):
-        self.validate(request_id, prompt_token_ids, params)
+                      cache_salt="", resumed_output_token_ids=()):
+        self.validate(request_id, prompt_token_ids, params, resumed_output_token_ids)
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
         # No request may outgrow the whole KV cache: one that did would preempt itself and
@@ -117,7 +127,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params,
             eos_token_ids=self.model_config.eos_token_ids, priority=priority,
             arrival_time=arrival_time, hold_kv=hold_kv, max_model_len=max_len,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, output_token_ids=list(resumed_output_token_ids),
         )
 
     def add_request(
@@ -129,12 +139,18 @@ class LLMEngine:
         hold_kv: bool = False,
         arrival_time: float | None = None,
         cache_salt: str = "",
+        resumed_output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Queue a request. `hold_kv` (prefill role) keeps its KV after the first token and
         returns it in that token's RequestOutput.kv. `cache_salt` (the gateway's, per tenant
-        or cache group) seeds its block hashes, so it hits only blocks cached with the same."""
+        or cache group) seeds its block hashes, so it hits only blocks cached with the same.
+        `resumed_output_token_ids`: tokens it already generated elsewhere (migration); it
+        starts as a preempted request resumes, recomputing them and counting them as outputs
+        (penalties, max_tokens, output indexes), so it goes on as it would have there."""
+        if hold_kv and resumed_output_token_ids:
+            raise ValueError("a resumed request is recomputed on its decode worker, not held")
         request = self._make_request(request_id, prompt_token_ids, params, priority, hold_kv,
-                                     arrival_time, cache_salt)
+                                     arrival_time, cache_salt, resumed_output_token_ids)
         if hold_kv:
             self._held[request_id] = request
         self.scheduler.add_request(request)

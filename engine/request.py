@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.block_pool import root_hash
@@ -52,6 +53,7 @@ class Request:
         hold_kv: bool = False,
         max_model_len: int | None = None,
         cache_salt: str = "",
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,7 +69,9 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hash_root = root_hash(cache_salt)
 
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # `output_token_ids`: what this request already generated elsewhere (a migrated
+        # request): outputs to penalties, max_tokens and stop checks, as after a preemption.
+        self.all_token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = RequestStatus.WAITING

@@ -201,7 +201,8 @@ class Scheduler:
             # cache at first admission, once: not each step the request waited at the head of
             # the queue, nor on resumption, where the hits are mostly its own output blocks.
             if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_hit
+                # A resumed (migrated) request's hits past its prompt are its own outputs.
+                request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
                 if looked_up:
                     self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             if request.first_scheduled_ns is None:
