@@ -7,6 +7,50 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what one request may generate; exactly one field is set.
+
+    `json_schema` is the schema as JSON text; `json_object` asks for any JSON object; `regex`
+    must match the whole output; `choice` is a list of exact strings; `grammar` is a Lark
+    grammar in llguidance's dialect (it may embed `%json {...}` and `/regex/` terminals).
+    Plain data (no compiled grammar), so it crosses processes and the wire unchanged; the
+    engine compiles it (engine/structured)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set (validate() checks that exactly one is)."""
+        return next((k for k in self.KINDS if getattr(self, k) not in (None, False)), "")
+
+    def validate(self) -> None:
+        """Raise ValueError unless exactly one kind is set with a value of the right type.
+        Whether it compiles is engine/structured's check (it needs the grammar engine)."""
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_output must set exactly one of "
+                             f"{', '.join(self.KINDS)}; got {set_kinds or 'none'}")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output {name} must be a non-empty string")
+        if self.json_object not in (True, False):
+            raise ValueError("structured_output json_object must be a boolean")
+        if self.choice is not None and (
+            not isinstance(self.choice, tuple) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_output choice must be a non-empty list of "
+                             "non-empty strings")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of one request.
 
@@ -16,6 +60,7 @@ class SamplingParams:
     randomness is still a function of (seed, position) and survives moving between workers.
     `disable_speculation` opts this request out of speculative decoding on an engine that
     speculates (speculation changes the pace of generation, never its distribution).
+    `structured_output` constrains every sampled token to a grammar (engine/structured).
     """
 
     max_tokens: int = 16
@@ -32,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     disable_speculation: bool = False
+    structured_output: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
 
@@ -87,6 +133,10 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {self.MAX_LOGPROBS}], got {value!r}"
                 )
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput")
+            self.structured_output.validate()
 
 
 def _check_finite(name: str, value: float) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from splitserve.v1 import common_pb2
 
 from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -35,7 +35,27 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
         disable_speculation=pb.disable_speculation,
+        structured_output=(structured_from_pb(pb.structured_output)
+                           if pb.HasField("structured_output") else None),
     )
+
+
+def structured_from_pb(pb: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None for a message with no kind set (SamplingParams.validate then has nothing to check;
+    an empty oneof is what an older gateway would never send)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(pb.choice.values))
+    return StructuredOutput(**{kind: getattr(pb, kind)})
+
+
+def structured_to_pb(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    kind = so.kind
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(values=list(so.choice)))
+    return common_pb2.StructuredOutput(**{kind: getattr(so, kind)})
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -59,6 +79,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         pb.prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        pb.structured_output.CopyFrom(structured_to_pb(params.structured_output))
     return pb
 
 

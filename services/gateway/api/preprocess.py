@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.sampling_params import SamplingParams
 from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.gateway.api.request_limits import RequestLimits
+from services.gateway.api.structured import StructuredOutputChecker, structured_output_field
 from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
 from services.gateway.errors import APIError
 from services.gateway.generation_spec import GenerationSpec
@@ -37,6 +38,7 @@ class Preprocessor:
     def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.request_limits = request_limits
+        self.structured = StructuredOutputChecker(tokenizer)
 
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
         self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
@@ -89,6 +91,9 @@ class Preprocessor:
         self._check_length(len(prompt_ids), params.max_tokens, limits)
         params = dataclasses.replace(params, seed=_seed(params.seed, 0))
         _validate(params, limits)
+        if params.structured_output is not None:
+            self.structured.check(params.structured_output, limits.vocab_size,
+                                  param="sampling.structured_output")
         return GenerationSpec(request_id, 0, tuple(prompt_ids), params, tuple(stop))
 
     # -- pieces ---------------------------------------------------------------------------
@@ -162,6 +167,11 @@ class Preprocessor:
             prompt_logprobs=prompt_logprobs,
         )
         _validate(params, limits)
+        constraint = structured_output_field(req)
+        if constraint is not None:
+            param, so = constraint
+            self.structured.check(so, limits.vocab_size, param=param)
+            params = dataclasses.replace(params, structured_output=so)
         return params
 
     def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:

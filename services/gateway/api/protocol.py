@@ -57,14 +57,15 @@ class _SamplingFields(_Body):
     metadata: JsonValue = None
     store: JsonValue = None
     service_tier: JsonValue = None
-    # Refused unless their value changes nothing (unsupported_fields.REFUSED).
+    # Structured outputs: read and checked by api/structured.py (a 400 names what is wrong).
     response_format: JsonValue = None
-    logit_bias: JsonValue = None
     guided_json: JsonValue = None
     guided_regex: JsonValue = None
     guided_choice: JsonValue = None
     guided_grammar: JsonValue = None
     structured_outputs: JsonValue = None
+    # Refused unless their value changes nothing (unsupported_fields.REFUSED).
+    logit_bias: JsonValue = None
     min_tokens: JsonValue = None
     bad_words: JsonValue = None
     allowed_token_ids: JsonValue = None

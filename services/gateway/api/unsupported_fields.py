@@ -47,9 +47,6 @@ def _best_of_n(value: Any, body: Any) -> bool:
 
 
 _ZERO_BIASES = NoOp(_zero_biases, {"type": "object", "additionalProperties": {"enum": [0]}})
-_TEXT_FORMAT = NoOp(lambda value, body: value is None or value == {"type": "text"},
-                    {"type": "object", "required": ["type"], "additionalProperties": False,
-                     "properties": {"type": {"enum": ["text"]}}})
 _BEST_OF_N = NoOp(_best_of_n, {"type": "integer", "description": "must equal n"})
 _TEXT_MODALITY = NoOp(lambda value, body: value is None or value == ["text"],
                       {"type": "array", "items": {"enum": ["text"]}, "minItems": 1,
@@ -63,7 +60,6 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "tool_choice": ("tool calling", _one_of("none", "auto")),
     "functions": ("function calling", _EMPTY),
     "function_call": ("function calling", _one_of("none", "auto")),
-    "response_format": ("structured output", _TEXT_FORMAT),
     "logit_bias": ("logit biases", _ZERO_BIASES),
     "best_of": ("best-of-n sampling", _BEST_OF_N),
     "suffix": ("insertion (a suffix after the completion)", _one_of("")),
@@ -71,12 +67,7 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "web_search_options": ("web search", _ABSENT),
     "audio": ("audio output", _ABSENT),
     "modalities": ("output modalities other than text", _TEXT_MODALITY),
-    # vLLM's extensions
-    "guided_json": ("guided decoding", _ABSENT),
-    "guided_regex": ("guided decoding", _ABSENT),
-    "guided_choice": ("guided decoding", _ABSENT),
-    "guided_grammar": ("guided decoding", _ABSENT),
-    "structured_outputs": ("structured output", _ABSENT),
+    # vLLM's extensions (its structured_outputs and guided_* are implemented: api/structured.py)
     "min_tokens": ("a minimum output length", _one_of(0)),
     "bad_words": ("banned words", _EMPTY),
     "allowed_token_ids": ("a restricted vocabulary", _ABSENT),

@@ -1,0 +1,140 @@
+"""Structured outputs at the edge: the request fields that constrain generation (OpenAI's
+`response_format`, vLLM's `structured_outputs` and its older `guided_*` fields) read into one
+engine StructuredOutput, and compiled here against the model's tokenizer, so a constraint the
+engine could not build is a 400 naming the problem before any worker sees the request."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from engine.sampling_params import StructuredOutput
+from engine.structured.grammar import GrammarCompiler, GrammarError
+from services.gateway.errors import APIError
+
+# vLLM's structured_outputs keys -> StructuredOutput fields. Its other keys tune how vLLM
+# builds the grammar (whitespace, backend fallback) and change nothing here: ignored.
+_VLLM_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+              "grammar": "grammar", "json_object": "json_object"}
+_VLLM_IGNORED = frozenset({"disable_fallback", "disable_any_whitespace",
+                           "disable_additional_properties", "whitespace_pattern", "backend"})
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex",
+           "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_output(body: Any) -> StructuredOutput | None:
+    """The constraint a request body asks for, or None. Raises a 400 (APIError) for a malformed
+    field or for two fields that both constrain (which one should win is not ours to guess).
+    Only the shape is checked here; StructuredOutputChecker checks that it compiles."""
+    found = structured_output_field(body)
+    return found[1] if found else None
+
+
+def structured_output_field(body: Any) -> tuple[str, StructuredOutput] | None:
+    """structured_output() with the name of the field that asked for it (for error params)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        so = _from_response_format(response_format)
+        if so is not None:
+            found.append(("response_format", so))
+    vllm = getattr(body, "structured_outputs", None)
+    if vllm is not None:
+        found += _from_vllm(vllm)
+    for name, field in _GUIDED.items():
+        value = getattr(body, name, None)
+        if value is not None:
+            found.append((name, _field(field, value, name)))
+    if len(found) > 1:
+        names = " and ".join(f"'{name}'" for name, _ in found)
+        raise APIError.invalid(f"Only one structured output constraint per request; {names} "
+                               "are both set.", param=found[1][0])
+    return found[0] if found else None
+
+
+def _from_response_format(value: Any) -> StructuredOutput | None:
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise APIError.invalid("response_format must be an object with a 'type'", param=param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError.invalid("response_format.json_schema must be an object with the "
+                                   "schema under 'schema'", param="response_format.json_schema")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI allows a named format without a schema: any JSON object
+            return StructuredOutput(json_object=True)
+        # `strict` is honoured either way: the output always follows the schema.
+        return _field("json_schema", schema, "response_format.json_schema.schema")
+    raise APIError.invalid(f"response_format type {kind!r} is not supported; use 'text', "
+                           "'json_object' or 'json_schema'", param="response_format.type")
+
+
+def _from_vllm(value: Any) -> list[tuple[str, StructuredOutput]]:
+    if not isinstance(value, dict):
+        raise APIError.invalid("structured_outputs must be an object", param="structured_outputs")
+    found = []
+    for key, item in value.items():
+        param = f"structured_outputs.{key}"
+        if key in _VLLM_IGNORED:
+            continue
+        if key not in _VLLM_KEYS:
+            raise APIError.invalid(f"structured_outputs key {key!r} is not supported; use one "
+                                   f"of {', '.join(_VLLM_KEYS)}", param=param)
+        if item is None or item is False:
+            continue
+        found.append((param, _field(_VLLM_KEYS[key], item, param)))
+    return found
+
+
+def _field(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as an object or as JSON text
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise APIError.invalid(f"{param} is not valid JSON: {exc}", param=param) from None
+        if not isinstance(value, dict):
+            raise APIError.invalid(f"{param} must be a JSON schema object", param=param)
+        return StructuredOutput(json_schema=json.dumps(value))
+    if kind == "json_object":
+        if value is not True:
+            raise APIError.invalid(f"{param} must be true", param=param)
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise APIError.invalid(f"{param} must be a non-empty list of non-empty strings",
+                                   param=param)
+        return StructuredOutput(choice=tuple(value))
+    if not isinstance(value, str) or not value:
+        raise APIError.invalid(f"{param} must be a non-empty string", param=param)
+    return StructuredOutput(**{kind: value})
+
+
+class StructuredOutputChecker:
+    """Compiles constraints against the gateway's tokenizer (built on first use, about 0.3 s;
+    one per vocabulary size). Thread-safe: called from the gateway's tokenizer threads."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer  # a ModelTokenizer: its tokenizers backend is serialized
+        self._compilers: dict[int, GrammarCompiler] = {}
+        self._lock = threading.Lock()
+
+    def check(self, so: StructuredOutput, vocab_size: int, param: str = "response_format") -> None:
+        with self._lock:
+            compiler = self._compilers.get(vocab_size)
+            if compiler is None:
+                compiler = self._compilers[vocab_size] = GrammarCompiler(
+                    self._tokenizer.backend.to_str(), vocab_size, ())
+        try:
+            compiler.check(so)
+        except GrammarError as exc:
+            raise APIError.invalid(f"Invalid structured output: {exc}", param=param,
+                                   code="invalid_structured_output") from None
