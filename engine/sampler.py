@@ -1,6 +1,7 @@
 """Turns logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
-logprobs. Randomness belongs to the request: the noise for a token is drawn from a generator
-keyed by (seed, position), so batch composition and the worker that samples do not matter."""
+logprobs. Randomness belongs to the request: a sampled token inverts its filtered distribution
+at a uniform keyed by (seed, position) (sampling_draw), so batch composition and the worker that
+samples do not matter. noise_for is the exponential noise the speculative residual draws use."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import Logprobs
+from engine.sampling_draw import draw, uniform_for
 from engine.sampling_params import SamplingParams
 from engine.token_counts import TokenCounts, with_output_tokens
 
@@ -123,12 +125,10 @@ class Sampler:
             subset = [rows[i] for i in random_rows]
             index = torch.tensor(random_rows, device=logits.device)
             temps = torch.tensor([r.params.temperature for r in subset], device=logits.device)
-            probs = _filter(logits[index] / temps.unsqueeze(1), subset)
-            noise = torch.stack(
-                [noise_for(r.seed, r.position, logits.shape[-1], logits.device) for r in subset]
-            )
-            # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
-            tokens[index] = (probs / noise).argmax(dim=-1)
+            scaled = logits if len(subset) == len(rows) else logits[index]
+            drawn = draw(scaled / temps.unsqueeze(1), [r.params for r in subset],
+                         [uniform_for(r.seed, r.position) for r in subset])
+            tokens[index] = torch.tensor(drawn, device=logits.device)
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(rows)
         for at, i in enumerate(asked):

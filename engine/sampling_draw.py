@@ -1,0 +1,137 @@
+"""The draw of sampled rows without a sort of the vocabulary or noise for every token.
+
+A row's token is found by inverting its filtered distribution's CDF at one uniform number
+keyed by (seed, position): exact, and independent of the batch around it like the sampler's
+other randomness. Top-k, top-p and min-p keep only the head of a distribution, so a row that
+uses one is cut to its `topk` candidates first: a few dozen usually hold the kept set, and a
+row whose set reaches past them is tried again with more (up to the whole vocabulary, which is
+the full sort). The kept tokens and their probabilities are those of sampler._filter; only the
+order of tokens with exactly equal probability may differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+DRAW_STREAM = 0xC0F  # separates this uniform from the other streams of one (seed, position)
+# Candidate counts tried in turn for a truncated row; the last is the whole vocabulary.
+_CANDIDATES = (64, 1024)
+_BLOCK = 256  # entries per block of the two-level search over a long row
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from (seed, position): splitmix64 of Python's int-tuple hash, which
+    (unlike a str hash) is the same in every process."""
+    z = (hash((seed, position, DRAW_STREAM)) & _MASK63) + 0x9E3779B97F4A7C15
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+def _truncates(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
+
+
+def draw(scaled: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> list[int]:
+    """Tokens for rows of temperature-scaled (and penalised) logits [rows, vocab], one per
+    row, each from its filtered distribution at its uniform."""
+    tokens = [0] * len(params)
+    full = [i for i, p in enumerate(params) if not _truncates(p)]
+    if full:
+        index = torch.tensor(full)
+        tokens_full = _invert(scaled[index].softmax(-1), [uniforms[i] for i in full])
+        for i, token in zip(full, tokens_full, strict=True):
+            tokens[i] = token
+    pending = [i for i, p in enumerate(params) if _truncates(p)]
+    vocab = scaled.shape[-1]
+    for count in (*_CANDIDATES, vocab):
+        if not pending:
+            break
+        count = min(count, vocab)
+        pending = _draw_truncated(scaled, params, uniforms, pending, count, tokens)
+    return tokens
+
+
+def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
+                    tokens: list[int]) -> list[int]:
+    """Draws the rows whose kept set lies within their `count` most likely tokens (or their
+    top-k, if larger); returns the rows that need more candidates."""
+    vocab = scaled.shape[-1]
+    logits = scaled if len(rows) == scaled.shape[0] else scaled[torch.tensor(rows)]
+    top_ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
+    limited = [k for k in top_ks if k < vocab]
+    width = min(vocab, max(count, max(limited, default=0)))
+    values, ids = logits.topk(width, dim=-1)
+    unlimited = torch.tensor([k == vocab for k in top_ks])
+    if limited:
+        # Top-k keeps every token tied with the k-th (as _filter does): its set ends among the
+        # candidates unless the last candidate ties the k-th, and then more are needed.
+        ks = torch.tensor([min(k, width) for k in top_ks])
+        kth = values.gather(1, (ks - 1).unsqueeze(1))
+        in_top_k = (values >= kth) | unlimited.unsqueeze(1)
+        top_k_inside = (values[:, -1:] < kth).squeeze(1) & ~unlimited
+        lse = values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, keepdim=True)
+        if not all(k < vocab for k in top_ks):
+            lse = torch.where(unlimited.unsqueeze(1), logits.logsumexp(-1, keepdim=True), lse)
+        probs = (values - lse).exp().masked_fill(~in_top_k, 0.0)
+    else:
+        top_k_inside = torch.zeros(len(rows), dtype=torch.bool)
+        probs = (values - logits.logsumexp(-1, keepdim=True)).exp()
+    top_ps = torch.tensor([params[i].top_p for i in rows], dtype=probs.dtype).unsqueeze(1)
+    before = probs.cumsum(-1) - probs  # mass strictly ahead of each candidate
+    keep = (probs > 0) & ((before < top_ps) | (top_ps >= 1.0))
+    min_ps = torch.tensor([params[i].min_p for i in rows], dtype=probs.dtype).unsqueeze(1)
+    keep &= probs >= min_ps * probs[:, :1]
+    # The kept set lies within the candidates when the whole top-k set does, or (without a
+    # top-k) when the last candidate is dropped: every token after it is too, with more mass
+    # ahead and a smaller probability.
+    covered = (top_k_inside | (unlimited & ~keep[:, -1])).tolist()
+    if width == vocab:
+        covered = [True] * len(rows)
+    done = [at for at, ok in enumerate(covered) if ok]
+    if done:
+        at = torch.tensor(done)
+        chosen = _invert(probs[at].masked_fill(~keep[at], 0.0), [uniforms[rows[a]] for a in done])
+        picked = ids[at].gather(1, torch.tensor(chosen).unsqueeze(1)).squeeze(1).tolist()
+        for a, token in zip(done, picked, strict=True):
+            tokens[rows[a]] = token
+    return [rows[at] for at, ok in enumerate(covered) if not ok]
+
+
+def _invert(probs: torch.Tensor, uniforms: Sequence[float]) -> list[int]:
+    """Index of each row's draw: the first whose cumulative mass passes u times the row's total
+    (a zero-probability entry is never it). A long row is searched in two levels, blocks of
+    _BLOCK entries and then one block, so no cumulative sum runs over the whole vocabulary."""
+    rows, width = probs.shape
+    u = torch.tensor(uniforms, dtype=torch.float64)
+    if width <= _BLOCK:
+        cdf = probs.double().cumsum(-1)
+        index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        return _kept(probs, index.clamp(max=width - 1).tolist())
+    pad = -width % _BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, _BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
+    target = (u * block_cdf[:, -1]).unsqueeze(1)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)
+    ahead = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(rows), block.squeeze(1)].double().cumsum(-1)
+    within = torch.searchsorted(inner, target - ahead, right=True).clamp(max=_BLOCK - 1)
+    index = (block * _BLOCK + within).squeeze(1).clamp(max=width - 1)
+    return _kept(probs, index.tolist())
+
+
+def _kept(probs: torch.Tensor, index: list[int]) -> list[int]:
+    """`index`, except that an entry of zero probability (the target rounded to or past a
+    total) becomes the last kept entry before it."""
+    for row, i in enumerate(index):
+        if probs[row, i] <= 0:
+            kept = torch.nonzero(probs[row, : i + 1])
+            index[row] = int(kept.max()) if len(kept) else int(torch.nonzero(probs[row]).min())
+    return index
