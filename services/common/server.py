@@ -61,6 +61,7 @@ class Worker:
         self.receiver = None
         self.senders = None
         self.server: grpc.aio.Server | None = None
+        self.decode_servicer = None  # decode and both roles: drain hands its streams off
         self.port = config.port
         self.metrics = WorkerMetrics(config.role, self.state.worker_id)
         self.metrics.engine_loop = self.engine_loop
@@ -122,9 +123,9 @@ class Worker:
                          PrefillServicer(self.engine_loop, self.senders, cfg.model_name,
                                          self.state, endpoints), self.server)
         if cfg.role in ("decode", "both"):
-            add_servicer(decode_pb2_grpc.add_DecodeServicer_to_server,
-                         DecodeServicer(self.engine_loop, kv_endpoint, self.state,
-                                        cfg.kv_wait_timeout_s, kv_keys=self.kv_keys),
+            self.decode_servicer = DecodeServicer(self.engine_loop, kv_endpoint, self.state,
+                                                  cfg.kv_wait_timeout_s, kv_keys=self.kv_keys)
+            add_servicer(decode_pb2_grpc.add_DecodeServicer_to_server, self.decode_servicer,
                          self.server)
         # With TLS files only the mutual-TLS port exists: a plaintext peer cannot even speak.
         self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
@@ -215,13 +216,23 @@ class Worker:
             self.engine_loop.on_crash()
 
     async def drain_and_stop(self, grace_s: float) -> None:
-        """Stop taking work, finish what is held (up to grace_s), then shut down."""
+        """Stop taking work, finish what is held (up to grace_s), hand the streams still
+        open to the gateway for migration (they end with a status that says so), then shut
+        down. So a drain cuts no stream, however long its generation."""
         self.state.draining = True
         if self.registry is not None:
             await self.registry.deregister(self.state.worker_id)
         deadline = time.monotonic() + grace_s
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if self.decode_servicer is not None and self.engine_loop.healthy:
+            handed_off = self.decode_servicer.hand_off()
+            if handed_off:
+                log.info("drain grace over: %d streams handed off for migration", handed_off)
+            # The streams end on the event loop; give their last messages a moment to leave.
+            hand_off_deadline = time.monotonic() + 2.0
+            while self.decode_servicer.num_open_streams and time.monotonic() < hand_off_deadline:
+                await asyncio.sleep(0.02)
         if self.server is not None:
             await self.server.stop(1.0)
         self.close()

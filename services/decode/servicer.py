@@ -26,6 +26,9 @@ from services.common.malformed import refuse_malformed
 from services.decode.kv_keys import RemoteKVKeys
 
 log = logging.getLogger(__name__)
+# The status detail of a stream the drain hands off; the gateway migrates such a stream.
+DRAIN_HAND_OFF = "worker is draining: the stream is handed off to another worker"
+_HAND_OFF = RequestOutput("", [], finished=False)  # put into a stream's queue by hand_off
 _tracer = tracing.tracer("splitserve.decode")
 
 
@@ -40,6 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv_wait_timeout_s = kv_wait_timeout_s
         # Shared with the worker's KV receiver callbacks, which map transfer keys back.
         self.kv_keys = kv_keys if kv_keys is not None else RemoteKVKeys()
+        self._streams: dict[str, object] = {}  # open Generate streams (event loop only)
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         await refuse_malformed(request, context)
@@ -86,13 +90,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         remote = request.remote_prefill
         if remote and not self.kv_endpoint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no remote KV")
+        resumed = list(request.resumed_output_token_ids)
+        if resumed and remote:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a resumed request (resumed_output_token_ids) is recomputed here; "
+                "remote_prefill must be false")
+        if resumed:
+            span.set_attribute("splitserve.resumed_output_tokens", len(resumed))
 
         def start(engine: LLMEngine):
             if remote:
                 return engine.reserve_remote(rid, prompt, params, priority=request.priority,
                                              cache_salt=request.cache_salt)
             engine.add_request(rid, prompt, params, priority=request.priority,
-                               cache_salt=request.cache_salt)
+                               cache_salt=request.cache_salt, resumed_output_token_ids=resumed)
             return None
 
         try:
@@ -106,6 +118,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         reserved_ns = time.time_ns()
         first_delta = True
+        self._streams[rid] = stream
         try:
             if remote:
                 self.kv_keys.add(rid, num_tokens=len(prompt), num_blocks=len(block_ids))
@@ -119,6 +132,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 # Whatever queued while the last message was written goes out as one message:
                 # a handler slower per message than the engine per step never falls behind.
                 outs = [await stream.get(), *stream.get_ready()]
+                handed_off = any(out is _HAND_OFF for out in outs)
+                if handed_off:
+                    outs = [out for out in outs if out is not _HAND_OFF]
+                if handed_off and not outs:
+                    break
                 if timer is not None:
                     timer.cancel()
                     timer = None
@@ -134,13 +152,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         span.set_attribute("splitserve.cached_prefix_tokens",
                                            out.num_cached_tokens)
                     yield decode_pb2.GenerateResponse(delta=_delta(run, prompt))
+                if handed_off:
+                    break
+            if not finished:  # handed off: what was queued went out first
+                span.add_event("handed_off")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAIN_HAND_OFF)
         finally:
+            self._streams.pop(rid, None)
             if timer is not None:
                 timer.cancel()
             if remote:
                 self.kv_keys.discard(rid)
             if not finished:  # the caller went away or cancelled: free the blocks now
                 self.engine_loop.abort(rid)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    def hand_off(self) -> int:
+        """Drain deadline: end every open stream with UNAVAILABLE (DRAIN_HAND_OFF), which the
+        gateway answers by migrating the request. Returns how many streams there were."""
+        for stream in self._streams.values():
+            stream.queue.put_nowait(_HAND_OFF)
+        return len(self._streams)
 
     def _kv_timed_out(self, request_id: str) -> None:
         log.warning("KV for %s did not arrive in %.1fs; recomputing locally",

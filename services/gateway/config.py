@@ -38,6 +38,10 @@ class GatewayConfig:
     admin_port: int = 0  # 0: --port + 1 (any free port when --port is 0), -1: off
     health_interval_s: float = 1.0
     prefill_timeout_s: float = 120.0
+    # Moves of a stream whose decode worker failed or drained after tokens were sent: another
+    # worker recomputes prompt + tokens so far and the stream goes on unchanged (0: off, the
+    # stream ends with an error event). At most 9 (request ids carry "-moveN").
+    migration_limit: int = 3
     max_body_bytes: int = 8 << 20
     # Edge limits (services/gateway/api/request_limits.py): over one -> 400, before tokenizing.
     max_prompts_per_request: int = 1024  # strings/token lists in a completions `prompt` list
@@ -47,6 +51,7 @@ class GatewayConfig:
     max_stop_token_ids: int = 256
     max_request_id_length: int = 128  # x-request-id / gRPC request_id characters
     tokenizer_threads: int = 2  # chat templates and tokenization run here, off the event loop
+    tool_call_parser: str = "hermes"  # tool-call format (api/tool_parsers); none: tools refused
     # Time bounds (services/gateway/api/deadline.py); 0: none.
     request_timeout_s: float = 600.0  # arrival to last token; a caller may lower it
     stall_timeout_s: float = 90.0  # no token for this long after the first -> error, aborted
@@ -113,6 +118,11 @@ class GatewayConfig:
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if not 0 <= self.migration_limit <= 9:
+            raise ValueError("--migration-limit must be in [0, 9]")
+        from services.gateway.api.tool_parsers import tool_format
+
+        tool_format(self.tool_call_parser)
         if self.log_format not in ("json", "text"):
             raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
@@ -181,6 +191,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                       "the public port (0: --port + 1, or any free port when --port is 0; "
                       "-1: off)",
         "max_body_bytes": "largest request body (e.g. 8MiB)",
+        "migration_limit": "moves of a stream whose decode worker failed or drained after "
+                           "tokens were sent; it continues unchanged on another worker (0: off)",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
                     "tenant (none and no tenants file: no authentication)",
         "tenants_file": "tenants YAML (weights, priorities, quotas; see README)",
@@ -204,6 +216,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                              "gRPC deadline; past it: 504, or an error event mid-stream",
         "stall_timeout_s": "a stream that gets no token for this long after its first ends "
                            "with an error and is aborted on the workers (0: never)",
+        "tool_call_parser": "how tool calls are written and parsed: hermes (<tool_call> JSON, "
+                            "Hermes/Qwen/SmolLM2) or none (requests with tools are refused)",
         "log_format": "json (one object per line) or text",
         "log_prompts": "debug: write prompt text into the access log (true/false)",
         "tls_cert": "PEM certificate chain; with --tls-key and --tls-ca, mutual TLS to the "

@@ -23,6 +23,7 @@ from services.gateway.api.preprocess import ModelLimits, Preprocessor
 from services.gateway.api.request_limits import RequestLimits
 from services.gateway.api.text_stream import TextDelta, stream_text
 from services.gateway.api.tokenizer import ModelTokenizer
+from services.gateway.api.tool_parsers import tool_format
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
 from services.gateway.request_record import RequestObserver, RequestRecord
@@ -43,7 +44,8 @@ class Gateway:
         self.config = config
         self.started = int(time.time())
         self.tokenizer = ModelTokenizer(config.model)
-        self.preprocessor = Preprocessor(self.tokenizer, RequestLimits.from_config(config))
+        self.preprocessor = Preprocessor(self.tokenizer, RequestLimits.from_config(config),
+                                         tool_format(config.tool_call_parser))
         # Chat templates and tokenization (milliseconds per KiB of prompt) run here, so one
         # huge prompt cannot hold up every other stream's writes on the event loop.
         self.tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads,
@@ -68,7 +70,8 @@ class Gateway:
                                          secret) if config.redis_url else None
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
-                                     prefill_timeout_s=config.prefill_timeout_s)
+                                     prefill_timeout_s=config.prefill_timeout_s,
+                                     migration_limit=config.migration_limit)
         self.admission = make_admission(config, self.pool)
         metrics = self.admission.metrics
         metrics.model = config.model_name

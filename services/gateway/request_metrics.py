@@ -1,5 +1,5 @@
 """Prometheus metrics of requests as the gateway serves them: token latencies, end-to-end time,
-outcomes, routing decisions and client disconnects. Admission's own series (TTFT, queue wait,
+outcomes, routing decisions, client disconnects and request migrations. Admission's own series (TTFT, queue wait,
 queue depth, in-flight, tokens per tenant, rejections) live in admission/metrics.py; both share
 one registry, the one `/metrics` serves.
 
@@ -46,3 +46,13 @@ class RequestMetrics:
             "Clients that left before the end of their response, by stage "
             "(queued, before_first_token, after_first_token).",
             ["model", "tenant", "stage"], registry=registry)
+        self.migrations = Counter(
+            "splitserve_gateway_migrations",
+            "Streams moved to another decode worker after tokens were sent, by reason "
+            "(draining, worker_failed, stream_ended).",
+            ["model", "reason"], registry=registry)
+        self.migration_failures = Counter(
+            "splitserve_gateway_migration_failures",
+            "Broken streams that could not move (migration limit reached, no worker left, "
+            "not migratable) and ended with an error, by the reason of the last break.",
+            ["model", "reason"], registry=registry)

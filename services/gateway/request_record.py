@@ -62,6 +62,8 @@ class RequestRecord:
         self.cached_tokens = 0
         self.transfer_bytes = 0
         self.decode_worker = self.prefill_worker = ""
+        self.migrations: list[str] = []  # reasons, one per move of any choice
+        self._migration_spans: list = []  # open "gateway.migration" spans, until resumed
         self.choices: list[_Choice] = []
         self.done = False
         self.span = _tracer.start_span(
@@ -134,6 +136,30 @@ class RequestRecord:
         self.transfer_bytes += kv_bytes
         self.cached_tokens = max(self.cached_tokens, cached_tokens)
 
+    def migrating(self, reason: str, worker: str, move: int, resumed_tokens: int) -> None:
+        self.migrations.append(reason)
+        self.observer.metrics.migrations.labels(self.observer.model, reason).inc()
+        # One span per move, from the break to the first token after it: the client's stall.
+        self._migration_spans.append(_tracer.start_span(
+            "gateway.migration", context=trace.set_span_in_context(self.span),
+            attributes={"splitserve.migration.reason": reason,
+                        "splitserve.migration.from_worker": worker,
+                        "splitserve.migration.move": move,
+                        "splitserve.migration.resumed_tokens": resumed_tokens}))
+
+    def resumed(self) -> None:
+        if self._migration_spans:
+            span = self._migration_spans.pop(0)
+            span.set_attribute("splitserve.migration.to_worker", self.decode_worker)
+            span.end()
+
+    def migration_failed(self, reason: str) -> None:
+        self.observer.metrics.migration_failures.labels(self.observer.model, reason).inc()
+        if self._migration_spans:
+            span = self._migration_spans.pop(0)
+            span.set_status(Status(StatusCode.ERROR, reason))
+            span.end()
+
     # -- the end --------------------------------------------------------------------------
 
     def finish(self, status: int | str, error: BaseException | None = None,
@@ -143,6 +169,9 @@ class RequestRecord:
         if self.done:
             return
         self.done = True
+        for span in self._migration_spans:  # a move still under way when the request ended
+            span.end()
+        self._migration_spans.clear()
         now = time.monotonic()
         outcome, reason = self._outcome(error, cancelled)
         metrics, model = self.observer.metrics, self.observer.model
@@ -165,6 +194,7 @@ class RequestRecord:
                 "splitserve.transfer_bytes": self.transfer_bytes,
                 "splitserve.decode_worker": self.decode_worker,
                 "splitserve.prefill_worker": self.prefill_worker,
+                "splitserve.migrations": len(self.migrations),
                 "splitserve.status": str(status)})
             if outcome == "error":
                 span.set_status(Status(StatusCode.ERROR, reason))
@@ -238,11 +268,15 @@ class RequestRecord:
             "ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(e2e, 6),
             "decode_worker": self.decode_worker or None,
             "prefill_worker": self.prefill_worker or None,
+            "migrations": len(self.migrations),
+            "migration_reasons": ",".join(self.migrations) or None,
             "trace_id": format(trace_id, "032x") if trace_id else None,
             "prompt": self.prompt_text,
         }
-        access_log.info("%s %s %s %s(%s) %d+%d tokens %.3fs", self.api, self.request_id, status,
-                        outcome, reason, self.prompt_tokens, output_tokens, e2e, extra=fields)
+        moved = f" migrated={','.join(self.migrations)}" if self.migrations else ""
+        access_log.info("%s %s %s %s(%s) %d+%d tokens %.3fs%s", self.api, self.request_id,
+                        status, outcome, reason, self.prompt_tokens, output_tokens, e2e, moved,
+                        extra=fields)
 
 
 class _RecordedDispatcher:

@@ -1,6 +1,6 @@
 """The dispatcher against scripted workers over real gRPC: token order without repeats,
-invisible retries before the first token, an error event (never a retry) after it, and
-cancellation of every RPC it opened."""
+invisible retries before the first token, migration (never a retry from scratch) after it, an
+error event past the migration limit, and cancellation of every RPC it opened."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from services.gateway.routing.worker_pool import WorkerPool
 SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=1, logprobs=0)
 
 
-def run(decoders, prefills=(), consume=None):
+def run(decoders, prefills=(), consume=None, migration_limit: int = 3):
     """Run a request through a Dispatcher over these fakes; returns (events, error)."""
 
     async def scenario():
@@ -34,7 +34,8 @@ def run(decoders, prefills=(), consume=None):
                           decode_addresses=[d.address for d in decoders] if prefills else [],
                           both_addresses=[] if prefills else [d.address for d in decoders])
         await pool.poll_once()
-        dispatcher = Dispatcher(ScoringRouter(pool), disaggregated=bool(prefills))
+        dispatcher = Dispatcher(ScoringRouter(pool), disaggregated=bool(prefills),
+                                migration_limit=migration_limit)
         events, error = [], None
         try:
             stream = dispatcher.generate("req", [5, 6, 7], SAMPLING)
@@ -111,9 +112,46 @@ def test_prefill_failure_is_retried_and_the_first_reservation_released(servers):
     assert decode.servicer.cancelled.wait(5), "the first attempt's reservation was not released"
 
 
-def test_failure_after_tokens_is_a_final_error_event_not_a_retry(servers):
+def resumes(token_ids):
+    """A decode worker that takes a migrated request: it streams `token_ids` from the output
+    index after the resumed tokens, as a real worker's resumed request does."""
+
+    def script(request, context, fake):
+        assert not request.remote_prefill, "a migrated request is recomputed on its decoder"
+        start = len(request.resumed_output_token_ids)
+        yield from streams(token_ids, start_index=start)(request, context, fake)
+    return script
+
+
+def test_failure_after_tokens_migrates_with_prompt_and_tokens_so_far(servers):
+    broken = servers(FakeDecode(fails_after([51, 52]), kv_blocks_free=900))  # chosen first
+    healthy = servers(FakeDecode(resumes([53, 54]), kv_blocks_free=100))
+    events, error = run([broken, healthy], [servers(FakePrefill())])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 51, 52, 53, 54]
+    assert events[-1].finish_reason == "length"
+    assert all(e.finish_reason is None for e in events[:-1])
+    moved = healthy.servicer.calls[0]
+    assert list(moved.prompt_token_ids) == [5, 6, 7]
+    assert list(moved.resumed_output_token_ids) == [FIRST_TOKEN, 51, 52]
+    assert moved.sampling.seed == SAMPLING.seed and moved.sampling.max_tokens == 8
+    assert moved.request_id == "req-move1"
+    assert len(broken.servicer.calls) == 1
+
+
+def test_past_the_migration_limit_the_stream_ends_with_an_error_event(servers):
+    only = servers(FakeDecode(fails_after([51])))
+    events, error = run([only], [servers(FakePrefill())], migration_limit=2)
+    assert error is None
+    # Each move's worker streams index 1 again: a repeat, skipped.
+    assert tokens(events) == [FIRST_TOKEN, 51]
+    assert events[-1].finish_reason == "error" and "UNAVAILABLE" in events[-1].error
+    assert len(only.servicer.calls) == 3  # the first attempt and two moves
+
+
+def test_migration_limit_zero_ends_the_stream_with_an_error_event(servers):
     decode = servers(FakeDecode(fails_after([51, 52])))
-    events, error = run([decode], [servers(FakePrefill())])
+    events, error = run([decode], [servers(FakePrefill())], migration_limit=0)
     assert error is None
     assert tokens(events) == [FIRST_TOKEN, 51, 52]
     assert events[-1].finish_reason == "error" and "UNAVAILABLE" in events[-1].error

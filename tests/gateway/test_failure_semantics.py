@@ -23,8 +23,10 @@ def _sse_events(response: httpx.Response) -> list:
 
 
 def test_failure_after_tokens_ends_the_stream_with_an_error(servers, gateway_factory, model):
+    # Migration off: the break after tokens is the end (test_dispatcher.py and
+    # test_request_migration.py cover the move to another worker).
     worker = servers(FakeDecode(fails_after([40, 41, 42], start_index=0), role="both"))
-    gateway = gateway_factory("--worker", worker.address)
+    gateway = gateway_factory("--worker", worker.address, "--migration-limit", "0")
     url = f"http://{gateway.address}"
     with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
             "model": model, "prompt": "hi", "max_tokens": 10, "stream": True}) as response:

@@ -1,5 +1,6 @@
 """Runs one request on the workers and yields its tokens, hiding the flow (disaggregated or
-aggregated), retries before the first token, and cancellation of every RPC it opened.
+aggregated), retries before the first token, migration after it, and cancellation of every
+RPC it opened.
 
 Runs on the gateway's event loop. Closing the generator (client gone, stop string matched,
 slow client cut off) cancels the open Decode.Generate and Prefill.Prefill calls, which makes
@@ -10,6 +11,7 @@ the workers abort the request and free its KV blocks. Nested generators are clos
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -53,6 +55,15 @@ class AttemptObserver(Protocol):
 
     def prefilled(self, kv_bytes: int, cached_tokens: int) -> None: ...
 
+    def migrating(self, reason: str, worker: str, move: int, resumed_tokens: int) -> None:
+        """The stream on `worker` broke after `resumed_tokens` tokens; move `move` starts."""
+
+    def resumed(self) -> None:
+        """The first token after the latest move arrived."""
+
+    def migration_failed(self, reason: str) -> None:
+        """A broken stream could not move (limit reached, nowhere to go): it ends in error."""
+
 
 class _Unobserved:
     grpc_metadata: Sequence[tuple[str, str]] = ()
@@ -61,6 +72,15 @@ class _Unobserved:
         pass
 
     def prefilled(self, kv_bytes: int, cached_tokens: int) -> None:
+        pass
+
+    def migrating(self, reason: str, worker: str, move: int, resumed_tokens: int) -> None:
+        pass
+
+    def resumed(self) -> None:
+        pass
+
+    def migration_failed(self, reason: str) -> None:
         pass
 
 
@@ -81,37 +101,64 @@ class Dispatcher:
     disaggregated: bool = True  # False: never use a prefill worker, whatever the router says
     prefill_timeout_s: float = 120.0
     max_attempts: int = 2  # the first try and one invisible retry before any token is out
+    # Moves of a request whose stream broke after tokens were sent (0: it ends with an error).
+    migration_limit: int = 3
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
         observer: AttemptObserver = _UNOBSERVED, cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
-        """Tokens of one request. Raises APIError if it fails before any token came back;
-        after that a failure is one final event with finish_reason "error". `cache_salt` (the
-        tenant's) goes to both workers and into the router's block hashes."""
+        """Tokens of one request. Raises APIError if it fails before any token came back.
+        After that a broken stream is migrated: another decode worker recomputes prompt plus
+        every token sent so far (same seed, same positions) and the tokens go on from there,
+        up to `migration_limit` moves; past it, one final event with finish_reason "error".
+        `cache_salt` (the tenant's) goes to both workers and into the router's block hashes."""
         tried: set[str] = set()
         last: _AttemptFailed | None = None
-        for attempt in range(self.max_attempts):
-            emitted = False
-            attempt_id = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+        sent: list[int] = []  # every token yielded so far, across attempts
+        attempt = moves = 0
+        while True:
+            resumed = tuple(sent)
+            attempt_id = (f"{request_id}-move{moves}" if resumed
+                          else request_id if attempt == 0 else f"{request_id}-retry{attempt}")
+            if len(resumed) >= sampling.max_tokens:  # broke after its last token
+                yield TokenEvent(finish_reason="length")
+                return
+            awaiting_resume = bool(resumed)
             try:
-                async with aclosing(self._attempt(attempt_id, prompt_token_ids, sampling,
-                                                  tried, attempt, observer,
+                async with aclosing(self._attempt(attempt_id, prompt_token_ids, resumed,
+                                                  sampling, tried, attempt, observer,
                                                   cache_salt)) as events:
                     async for event in events:
-                        emitted = True
+                        if awaiting_resume and event.token_ids:
+                            awaiting_resume = False
+                            observer.resumed()
+                        sent.extend(event.token_ids)
                         yield event
                 return
             except _AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
-                if emitted:
-                    log.warning("request %s failed after tokens were sent: %s %s", request_id,
-                                code.name, failed.error.details())
-                    yield TokenEvent(finish_reason="error",
-                                     error=f"worker {failed.endpoint.address} failed: "
-                                           f"{code.name}: {failed.error.details()}")
-                    return
+                tried.add(failed.endpoint.address)
+                if sent:
+                    reason = _migration_reason(failed.error)
+                    if moves >= self.migration_limit or code in _NOT_ON_THE_WORKER:
+                        log.warning("request %s failed after %d tokens (%s %s); %s", request_id,
+                                    len(sent), code.name, failed.error.details(),
+                                    f"migration limit {self.migration_limit} reached"
+                                    if code not in _NOT_ON_THE_WORKER else "not migratable")
+                        observer.migration_failed(reason)
+                        yield TokenEvent(finish_reason="error",
+                                         error=f"worker {failed.endpoint.address} failed: "
+                                               f"{code.name}: {failed.error.details()}")
+                        return
+                    moves += 1
+                    log.info("request %s: stream on %s broke after %d tokens (%s: %s); "
+                             "migrating (move %d of at most %d)", request_id,
+                             failed.endpoint.address, len(sent), code.name,
+                             failed.error.details(), moves, self.migration_limit)
+                    observer.migrating(reason, failed.endpoint.address, moves, len(sent))
+                    continue
                 if code in _NOT_ON_THE_WORKER:
                     raise from_worker_error(failed.error) from None
                 log.info("request %s attempt %d on %s failed before its first token (%s); %s",
@@ -119,22 +166,36 @@ class Dispatcher:
                          "retrying" if attempt + 1 < self.max_attempts else "giving up")
                 # The retry prefers another worker, but uses the same one if it is the only
                 # one (the health poll and the circuit breaker decide that a worker is gone).
-                tried.add(failed.endpoint.address)
                 last = failed
-        raise from_worker_error(last.error) if last else APIError.overloaded("no worker available")
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise from_worker_error(last.error) from None
+            except APIError as exc:
+                if not sent:
+                    raise
+                # No worker to move to: the stream ends as past the migration limit.
+                observer.migration_failed("no_worker")
+                yield TokenEvent(finish_reason="error", error=f"no worker to migrate to: {exc}")
+                return
 
-    async def _attempt(self, request_id, prompt, sampling, tried, attempt: int,
-                       observer: AttemptObserver, cache_salt: str) -> AsyncIterator[TokenEvent]:
-        route = self.router.route(prompt, sampling.max_tokens, exclude=tried,
+    async def _attempt(self, request_id, prompt, resumed: tuple[int, ...], sampling, tried,
+                       attempt: int, observer: AttemptObserver,
+                       cache_salt: str) -> AsyncIterator[TokenEvent]:
+        """One try on one decode worker. `resumed`: tokens already sent (a migration), which
+        that worker recomputes after the prompt itself: no prefill worker is involved."""
+        tokens = [*prompt, *resumed]
+        route = self.router.route(tokens, sampling.max_tokens - len(resumed), exclude=tried,
                                   cache_salt=cache_salt)
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
+        if resumed:
+            route = dataclasses.replace(route, prefill=None, reason="migration")
         observer.routed(route, attempt)
         decode, prefill = route.decode, route.prefill if self.disaggregated else None
         decode.outstanding += 1
         try:
             if prefill is None:
-                flow = self._aggregated(decode, request_id, prompt, sampling, observer,
+                flow = self._aggregated(decode, request_id, prompt, resumed, sampling, observer,
                                         cache_salt)
             else:
                 flow = self._disaggregated(decode, prefill, request_id, prompt, sampling,
@@ -146,15 +207,20 @@ class Dispatcher:
         finally:
             decode.outstanding -= 1
 
-    async def _aggregated(self, decode, request_id, prompt, sampling,
+    async def _aggregated(self, decode, request_id, prompt, resumed, sampling,
                           observer: AttemptObserver, cache_salt: str) -> AsyncIterator[TokenEvent]:
-        """The decode (or role-both) worker runs the prompt itself."""
+        """The decode (or role-both) worker runs the prompt (and resumed tokens) itself."""
+        if resumed and sampling.HasField("prompt_logprobs"):
+            # The client has them from the first attempt; the worker would score them again.
+            sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
+            sampling.ClearField("prompt_logprobs")
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            remote_prefill=False, cache_salt=cache_salt,
+            remote_prefill=False, cache_salt=cache_salt, resumed_output_token_ids=resumed,
         ), metadata=observer.grpc_metadata)
         try:
-            async with aclosing(_decode_events(call, decode, next_index=0)) as events:
+            async with aclosing(_decode_events(call, decode, next_index=len(resumed),
+                                               resumed=bool(resumed))) as events:
                 async for event in events:
                     yield event
         finally:
@@ -233,9 +299,11 @@ class Dispatcher:
 
 
 async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
-                         pending: asyncio.Future | None = None) -> AsyncIterator[TokenEvent]:
+                         pending: asyncio.Future | None = None,
+                         resumed: bool = False) -> AsyncIterator[TokenEvent]:
     """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has.
-    `pending` is a read already started on the stream; its message comes first."""
+    `pending` is a read already started on the stream; its message comes first. A `resumed`
+    (migrated) stream reports no cached tokens: usage keeps the first attempt's."""
     healthy = False
     while True:
         if pending is not None:
@@ -261,7 +329,8 @@ async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
             logprobs=tuple(convert.logprob_from_pb(lp) for lp in delta.logprobs[skip:]),
             finish_reason=finish,
             prompt_logprobs=_prompt_logprobs(delta.prompt_logprobs),
-            num_cached_tokens=delta.usage.cached_tokens if delta.HasField("usage") else 0,
+            num_cached_tokens=(delta.usage.cached_tokens
+                               if delta.HasField("usage") and not resumed else 0),
             error="the worker failed" if finish == "error" else None,
         )
         if finish is not None:
@@ -280,6 +349,16 @@ def _prompt_logprobs(pbs) -> tuple[Logprobs | None, ...] | None:
     if not pbs:
         return None
     return (None,) + tuple(convert.logprob_from_pb(lp) for lp in pbs[1:])
+
+
+def _migration_reason(error: grpc.aio.AioRpcError) -> str:
+    """Why a stream moves, as a bounded metric label."""
+    details = error.details() or ""
+    if "draining" in details:
+        return "draining"
+    if error.code() == grpc.StatusCode.UNAVAILABLE and "decode stream ended" in details:
+        return "stream_ended"
+    return "worker_failed"
 
 
 def _synthetic_error(details: str,
