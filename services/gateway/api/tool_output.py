@@ -1,0 +1,60 @@
+"""One chat choice's output with tool calls split out of its text: the `delta`s of a stream
+(content, then per call a delta with index, id and name, then one with its arguments) and the
+whole `message` of a response, both from the same incremental parser, so they agree."""
+
+from __future__ import annotations
+
+import uuid
+
+from services.gateway.api.tool_parsers.base import ParsedCall, ParsedPiece
+from services.gateway.api.tools import ToolPlan
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """A choice that made calls and stopped by itself asks for their results."""
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
+class ToolCallStream:
+    """Owned by the task writing one choice's SSE chunks."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._parser = plan.parser()
+        self.num_calls = 0
+
+    def deltas(self, text: str, final: bool) -> list[dict]:
+        pieces = self._parser.push(text)
+        if final:
+            pieces += self._parser.finish()
+        out: list[dict] = []
+        for piece in pieces:
+            if piece.text:
+                out.append({"content": piece.text})
+            for call in piece.calls:
+                out += self._call_deltas(call)
+        return out
+
+    def _call_deltas(self, call: ParsedCall) -> list[dict]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return [{"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]},
+                {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+
+
+def tool_message(plan: ToolPlan, text: str) -> dict:
+    """The assistant message of a whole choice: content (None when there is only calls) and
+    tool_calls."""
+    parser = plan.parser()
+    pieces: list[ParsedPiece] = parser.push(text) + parser.finish()
+    content = "".join(p.text for p in pieces)
+    calls = [c for p in pieces for c in p.calls]
+    message: dict = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    return message

@@ -1,0 +1,54 @@
+"""What every tool-call format provides: the prompt text that teaches a model the tools (for
+chat templates without tool support), the constraint that forces a call, and a streaming
+parser that splits model output into content and calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One call found in the output; `arguments` is a JSON object as a string."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedPiece:
+    """What one push released: content text, then the calls completed after it."""
+
+    text: str = ""
+    calls: tuple[ParsedCall, ...] = ()
+
+
+class ToolCallParser(Protocol):
+    """Incremental: the result does not depend on how the text is split between pushes.
+    Owned by the task streaming one choice."""
+
+    def push(self, text: str) -> list[ParsedPiece]: ...
+
+    def finish(self) -> list[ParsedPiece]: ...
+
+
+class ToolFormat(Protocol):
+    """One model family's tool-call markup."""
+
+    name: str
+
+    def system_prompt(self, tools: list[dict]) -> str:
+        """Text appended to the system message that describes `tools` (OpenAI tool dicts)."""
+
+    def render_calls(self, content: str, calls: list[dict]) -> str:
+        """An assistant turn that made `calls` ({"name", "arguments": parsed JSON})."""
+
+    def render_results(self, results: list[str]) -> str:
+        """One user turn carrying consecutive tool results."""
+
+    def grammar(self, tools: list[dict]) -> str:
+        """A grammar whose every sentence is exactly one well-formed call of one of `tools`,
+        its arguments valid against that tool's parameters schema."""
+
+    def parser(self, tool_names: frozenset[str]) -> ToolCallParser: ...

@@ -1,0 +1,167 @@
+"""The Hermes tool-call parser as a specification: content and calls split out of model text,
+malformed markup passed through as text, the same result however the text is split between
+pushes; the stream deltas and the whole message built from it agree; the grammar that forces a
+call accepts exactly well-formed calls (compiled by llguidance against SmolLM2's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.api.tool_output import ToolCallStream, finish_reason, tool_message
+from services.gateway.api.tool_parsers import tool_format
+from services.gateway.api.tool_parsers.base import ParsedCall
+from services.gateway.api.tool_parsers.hermes import HermesFormat, HermesParser
+from services.gateway.api.tools import tool_plan
+
+NAMES = frozenset({"get_weather", "add"})
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def parse(text: str, splits: list[int] | None = None) -> tuple[str, list[ParsedCall]]:
+    parser = HermesParser(NAMES)
+    cuts = sorted(set(splits or []))
+    pieces = []
+    start = 0
+    for cut in [*cuts, len(text)]:
+        pieces += parser.push(text[start:cut])
+        start = cut
+    pieces += parser.finish()
+    return "".join(p.text for p in pieces), [c for p in pieces for c in p.calls]
+
+
+def test_text_then_a_call_gives_the_text_as_content_and_the_call_parsed():
+    content, calls = parse("Let me look that up.\n" + WEATHER)
+    assert content == "Let me look that up."
+    assert calls == [ParsedCall("get_weather", '{"city": "Paris"}')]
+
+
+def test_several_calls_in_order_with_no_markup_or_whitespace_in_content():
+    content, calls = parse(WEATHER + "\n" + ADD + "\n")
+    assert content == ""
+    assert [c.name for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1].arguments) == {"a": 1, "b": 2}
+
+
+def test_a_json_list_of_calls_in_one_block_is_several_calls():
+    block = ('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+             '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>')
+    assert [c.name for c in parse(block)[1]] == ["add", "get_weather"]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n{not json}\n</tool_call>",
+    '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # no such tool
+    '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>',
+    '<tool_call>\n["add"]\n</tool_call>',
+    "I like <tool_call tags, and < signs.",
+])
+def test_malformed_markup_passes_through_as_text(text):
+    assert parse(text) == (text, [])
+
+
+def test_malformed_block_keeps_the_text_around_it():
+    text = "Hi there\n<tool_call>oops</tool_call> and on."
+    assert parse(text) == (text, [])
+
+
+def test_an_unclosed_call_at_the_end_is_a_call_if_its_json_is_whole():
+    content, calls = parse('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert (content, [c.name for c in calls]) == ("", ["add"])
+    cut = '<tool_call>\n{"name": "add", "argu'
+    assert parse(cut) == (cut, [])
+
+
+def test_arguments_written_as_a_json_string_are_read_as_the_object():
+    block = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+    assert parse(block)[1] == [ParsedCall("add", '{"a": 1, "b": 2}')]
+
+
+TEXTS = ["Sure.\n" + WEATHER, WEATHER + "\n" + ADD, "a <tool b\n\n" + ADD + " tail",
+         "x<tool_call>bad</tool_call>\n" + WEATHER + "\n\n", "plain text  \n", "<tool_ca"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_the_result_does_not_depend_on_how_the_text_arrives(text, splits):
+    assert parse(text, [s % (len(text) + 1) for s in splits]) == parse(text)
+
+
+def test_stream_deltas_assemble_to_the_whole_message():
+    plan = tool_plan(TOOLS, "auto", HermesFormat())
+    text = "Checking.\n" + WEATHER + "\n" + ADD
+    stream = ToolCallStream(plan)
+    deltas = []
+    for i in range(0, len(text), 7):
+        deltas += stream.deltas(text[i:i + 7], final=False)
+    deltas += stream.deltas("", final=True)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            if "id" in tc:  # the first delta of a call carries index, id, type and name
+                assert tc["type"] == "function" and entry == {"name": "", "arguments": ""}
+                entry["name"] = tc["function"]["name"]
+            entry["arguments"] += tc["function"].get("arguments", "")
+    message = tool_message(plan, text)
+    assert content == message["content"] == "Checking."
+    assert [calls[i] for i in sorted(calls)] == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in message["tool_calls"]]
+    assert all(c["id"].startswith("call_") for c in message["tool_calls"])
+    assert finish_reason("stop", stream.num_calls) == "tool_calls"
+    assert finish_reason("length", stream.num_calls) == "length"
+
+
+def test_a_message_with_only_calls_has_null_content():
+    message = tool_message(tool_plan(TOOLS, "required", HermesFormat()), WEATHER)
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    assert tool_message(tool_plan(TOOLS, "auto", HermesFormat()), "")["content"] == ""
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(smollm2_dir):
+    return llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text())
+
+
+def _accepts(llg_tokenizer, smollm2_dir, grammar: str, text: str) -> bool:
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    matcher = llguidance.LLMatcher(llg_tokenizer, llguidance.grammar_from("lark", grammar),
+                                   log_level=0)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_the_forced_call_grammar_accepts_only_a_valid_call_of_the_named_tool(llg_tokenizer,
+                                                                               smollm2_dir):
+    named = tool_plan(TOOLS, {"type": "function", "function": {"name": "add"}}, HermesFormat())
+    grammar = named.grammar()
+    assert _accepts(llg_tokenizer, smollm2_dir, grammar, ADD)
+    assert not _accepts(llg_tokenizer, smollm2_dir, grammar, WEATHER)  # another tool
+    assert not _accepts(llg_tokenizer, smollm2_dir, grammar, ADD.replace("1", '"1"'))  # type
+    assert not _accepts(llg_tokenizer, smollm2_dir, grammar, ADD.replace(', "b": 2', ""))
+    either = tool_plan(TOOLS, "required", HermesFormat()).grammar()
+    assert _accepts(llg_tokenizer, smollm2_dir, either, WEATHER)
+    assert _accepts(llg_tokenizer, smollm2_dir, either, ADD)
+    assert not _accepts(llg_tokenizer, smollm2_dir, either, "Sure! " + ADD)
+
+
+def test_tool_call_parser_names_are_checked():
+    assert isinstance(tool_format("hermes"), HermesFormat)
+    assert tool_format("none") is None
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, none"):
+        tool_format("mistral")
