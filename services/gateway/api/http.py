@@ -61,12 +61,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _generate(gateway, request, CompletionRequest,
-                               gateway.preprocessor.completion, CompletionFormat)
+                               lambda *args: (gateway.preprocessor.completion(*args), {}),
+                               CompletionFormat)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _generate(gateway, request, ChatCompletionRequest,
-                               gateway.preprocessor.chat, ChatFormat)
+        def chat(*args):
+            specs, tools = gateway.preprocessor.chat_with_tools(*args)
+            return specs, {"tools": tools}
+
+        return await _generate(gateway, request, ChatCompletionRequest, chat, ChatFormat)
 
     return app
 
@@ -152,8 +156,8 @@ def create_admin_app(gateway: Gateway) -> FastAPI:
 async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
                     format_type) -> Response:
     """One completions or chat completions request: authenticate, parse, check the model,
-    turn it into generation specs with `preprocess`, serve them in `format_type`; all of it
-    within the request's deadline."""
+    turn it into generation specs (and `format_type`'s options) with `preprocess`, serve them
+    in `format_type`; all of it within the request's deadline."""
     record, bad_id = _begin(gateway, request)
     try:
         if bad_id is not None:
@@ -165,10 +169,11 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         body = await deadline.within(_read_body(request, config.max_body_bytes),
                                      "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
-        req, specs = await deadline.within(gateway.off_loop(
+        req, (specs, format_options) = await deadline.within(gateway.off_loop(
             len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
             gateway.limits()), "tokenizing")
-        fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage)
+        fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
+                          **format_options)
         return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
                             deadline)
     except BaseException as exc:

@@ -9,11 +9,13 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.gateway.api.request_limits import RequestLimits
 from services.gateway.api.structured import StructuredOutputChecker, structured_output_field
 from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
+from services.gateway.api.tool_parsers.base import ToolFormat
+from services.gateway.api.tools import ToolPlan, template_messages, tool_plan
 from services.gateway.errors import APIError
 from services.gateway.generation_spec import GenerationSpec
 
@@ -35,9 +37,11 @@ class Preprocessor:
     """Stateless apart from the read-only tokenizer and limits; runs in the gateway's
     tokenizer threads (Gateway.off_loop), so a huge prompt never blocks the event loop."""
 
-    def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits,
+                 tool_format: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.request_limits = request_limits
+        self.tool_format = tool_format  # --tool-call-parser; None: tool calling off
         self.structured = StructuredOutputChecker(tokenizer)
 
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
@@ -59,14 +63,21 @@ class Preprocessor:
         return specs
 
     def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        return self.chat_with_tools(request_id, req, limits)[0]
+
+    def chat_with_tools(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits,
+                        ) -> tuple[list[GenerationSpec], ToolPlan | None]:
+        """chat(), and the request's tools for parsing the output (None: no tool calling)."""
         if not req.messages:
             raise APIError.invalid("messages must contain at least one message", param="messages")
         self.request_limits.check_batch(1, req.n)
         self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        plan = tool_plan(req.tools, req.tool_choice, self.tool_format)
+        native = self.tokenizer.template_renders_tools
+        messages = template_messages(req.messages, self.tool_format, plan, native)
         try:
-            prompt_ids = self.tokenizer.encode_chat(messages)
+            prompt_ids = self.tokenizer.encode_chat(
+                messages, tools=plan.openai_tools() if plan is not None and native else None)
         except ChatTemplateError as exc:
             raise APIError.invalid(str(exc), param="messages") from None
         self._check_prompt(prompt_ids, limits, param="messages")
@@ -81,7 +92,20 @@ class Preprocessor:
             max_tokens = max(1, limits.max_model_len - len(prompt_ids))
         params = self._params(req, max_tokens, len(prompt_ids), limits,
                               logprobs=top if req.logprobs else None, prompt_logprobs=None)
-        return self._choices(request_id, 0, prompt_ids, params, req, None)
+        if plan is not None and plan.constrained:
+            params = self._force_tool_call(plan, params, limits)
+        return self._choices(request_id, 0, prompt_ids, params, req, None), plan
+
+    def _force_tool_call(self, plan: ToolPlan, params: SamplingParams,
+                         limits: ModelLimits) -> SamplingParams:
+        """tool_choice required / named: the output is constrained to one well-formed call."""
+        if params.structured_output is not None:
+            raise APIError.invalid("tool_choice forces a tool call, which a structured output "
+                                   "constraint would contradict; send one of them",
+                                   param="tool_choice")
+        so = StructuredOutput(grammar=plan.grammar())
+        self.structured.check(so, limits.vocab_size, param="tools")
+        return dataclasses.replace(params, structured_output=so)
 
     def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop: Sequence[str], limits: ModelLimits) -> GenerationSpec:

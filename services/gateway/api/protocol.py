@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from engine.sampling_params import SamplingParams
 from services.gateway.api.request_limits import MAX_N
+from services.gateway.api.tools import TOOL_CHOICE_SCHEMA, TOOLS_SCHEMA
 from services.gateway.api.unsupported_fields import refuse_unsupported
 from services.gateway.errors import APIError
 
@@ -95,11 +96,13 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Refused unless empty (unsupported_fields.REFUSED_IN_MESSAGES).
+    # Checked by api/tools.py: an assistant's calls, and the call a tool message answers.
     tool_calls: JsonValue = None
+    tool_call_id: str | None = None
+    # Refused unless empty (unsupported_fields.REFUSED_IN_MESSAGES).
     function_call: JsonValue = None
     audio: JsonValue = None
 
@@ -116,11 +119,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = _doc(minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
-    parallel_tool_calls: JsonValue = None  # accepted: without tools it changes nothing
+    parallel_tool_calls: JsonValue = None  # accepted: a forced call is one call anyway
     prediction: JsonValue = None  # accepted: a latency hint, the output is the same
+    # Checked by api/tools.py (a 400 names what is wrong).
+    tools: JsonValue = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
+    tool_choice: JsonValue = Field(default=None, json_schema_extra=TOOL_CHOICE_SCHEMA)
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
-    tools: JsonValue = None
-    tool_choice: JsonValue = None
     functions: JsonValue = None
     function_call: JsonValue = None
     reasoning_effort: JsonValue = None

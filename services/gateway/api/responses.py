@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from engine.outputs import Logprobs
 from services.gateway.api.text_stream import TextDelta
 from services.gateway.api.tokenizer import ModelTokenizer
+from services.gateway.api.tool_output import ToolCallStream, finish_reason, tool_message
+from services.gateway.api.tools import ToolPlan
 from services.gateway.generation_spec import GenerationSpec
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity
@@ -90,6 +92,10 @@ class _Format:
             body["usage"] = None
         return body
 
+    def chunks(self, delta: TextDelta) -> list[dict]:
+        chunk = self.chunk(delta)
+        return [] if chunk is None else [chunk]
+
     def usage_chunk(self, usage_body: dict) -> dict:
         body = self._envelope([], chunk=True)
         body["usage"] = usage_body
@@ -100,9 +106,33 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """With a ToolPlan, tool calls are parsed out of each choice's text (api/tool_output)."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+
+    def __init__(self, *args, tools: ToolPlan | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
+
+    def chunks(self, delta: TextDelta) -> list[dict]:
+        if self.tools is None:
+            return super().chunks(delta)
+        stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self.tools))
+        deltas = stream.deltas(delta.text, final=delta.finish_reason is not None)
+        finish = finish_reason(delta.finish_reason, stream.num_calls)
+        if not deltas and not delta.logprobs and finish is None:
+            return []
+        if not deltas:
+            deltas = [{} if finish is not None else {"content": ""}]
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.index)
+        return [self._envelope([{"index": delta.index, "delta": d,
+                                 "logprobs": logprobs if k == 0 else None,
+                                 "finish_reason": finish if k == len(deltas) - 1 else None}],
+                               chunk=True)
+                for k, d in enumerate(deltas)]
 
     def role_chunk(self, index: int) -> dict:
         return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -118,14 +148,20 @@ class ChatFormat(_Format):
         return self._envelope([choice], chunk=True)
 
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
-        body = self._envelope([
-            {"index": c.index,
-             "message": {"role": "assistant", "content": "".join(c.text)},
-             "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
-             "finish_reason": c.finish_reason}
-            for c in choices], chunk=False)
+        body = self._envelope([self._choice(c) for c in choices], chunk=False)
         body["usage"] = usage_body
         return body
+
+    def _choice(self, c: ChoiceResult) -> dict:
+        text = "".join(c.text)
+        if self.tools is None:
+            message, finish = {"role": "assistant", "content": text}, c.finish_reason
+        else:
+            message = tool_message(self.tools, text)
+            finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())))
+        return {"index": c.index, "message": message,
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
+                "finish_reason": finish}
 
     def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
         if self.specs[index].logprobs is None:

@@ -99,8 +99,7 @@ async def sse_events(
             if item is _END:
                 remaining -= 1
                 continue
-            chunk = fmt.chunk(item)
-            if chunk is not None:
+            for chunk in fmt.chunks(item):
                 yield encode_sse(chunk)
             if item.finish_reason is not None:
                 completion_tokens += item.num_output_tokens

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
@@ -34,6 +35,9 @@ class ModelTokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self._template = _compile_template(template) if template else None
+        # Templates with tool support read a `tools` variable (Qwen2.5, Llama 3.1, Hermes);
+        # for the others api/tools.py writes the tools and calls into plain messages.
+        self.template_renders_tools = bool(template) and _reads_tools(template)
         self._byte_level = _uses_byte_level(self.backend.decoder)
         self._token_bytes: dict[int, bytes] = {}
 
@@ -52,20 +56,22 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                **self._special_token_strings(),
+                **self._special_token_strings(), **extra,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes the special tokens itself; adding them again would double BOS.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI logprobs' `bytes`)."""
@@ -107,6 +113,14 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
                                                                   ensure_ascii=False)
     return env.from_string(source)
+
+
+def _reads_tools(source: str) -> bool:
+    try:
+        return "tools" in meta.find_undeclared_variables(
+            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source))
+    except jinja2.TemplateSyntaxError:
+        return False
 
 
 def _uses_byte_level(decoder) -> bool:

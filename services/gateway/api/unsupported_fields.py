@@ -1,7 +1,8 @@
 """Request fields of the OpenAI API (and vLLM's extensions to it) that would change what is
 generated and that splitserve does not implement: refused by name with a 400, so a client never
-gets a 200 with unconstrained output it did not ask for. A value that changes nothing (`tools:
-[]`, `tool_choice: "none"`, `logit_bias: {}`, `best_of` equal to `n`, ...) is accepted, and is what the OpenAPI document offers."""
+gets a 200 with unconstrained output it did not ask for. A value that changes nothing
+(`functions: []`, `logit_bias: {}`, `best_of` equal to `n`, ...) is accepted, and is what the
+OpenAPI document offers. (`tools` and `tool_choice` are implemented: api/tools.py.)"""
 
 from __future__ import annotations
 
@@ -56,8 +57,6 @@ _TEXT_MODALITY = NoOp(lambda value, body: value is None or value == ["text"],
 # name -> (what it would do, the values that change nothing). Both endpoints unless listed
 # in CHAT_ONLY or COMPLETIONS_ONLY.
 REFUSED: dict[str, tuple[str, NoOp]] = {
-    "tools": ("tool calling", _EMPTY),
-    "tool_choice": ("tool calling", _one_of("none", "auto")),
     "functions": ("function calling", _EMPTY),
     "function_call": ("function calling", _one_of("none", "auto")),
     "logit_bias": ("logit biases", _ZERO_BIASES),
@@ -83,14 +82,13 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "chat_template_kwargs": ("chat template arguments", _EMPTY),
     "documents": ("documents in the chat template", _EMPTY),
 }
-CHAT_ONLY = frozenset({"tools", "tool_choice", "functions", "function_call", "reasoning_effort",
+CHAT_ONLY = frozenset({"functions", "function_call", "reasoning_effort",
                        "web_search_options", "audio", "modalities", "add_generation_prompt",
                        "continue_final_message", "chat_template", "chat_template_kwargs",
                        "documents"})
 COMPLETIONS_ONLY = frozenset({"best_of", "suffix"})
 # In a chat message: what it would put into the prompt that the chat template here drops.
 REFUSED_IN_MESSAGES: dict[str, tuple[str, NoOp]] = {
-    "tool_calls": ("tool calls in the conversation", _EMPTY),
     "function_call": ("function calls in the conversation", _ABSENT),
     "audio": ("audio in the conversation", _ABSENT),
 }
