@@ -11,13 +11,9 @@ from gateway_processes import worker_stats
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 # (endpoint, field, a value that would change the output)
 REFUSED = [
-    (CHAT, "tools", [TOOL]),
-    (CHAT, "tool_choice", "required"),
-    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "logit_bias", {"50": 100}),
@@ -74,15 +70,15 @@ def test_a_field_that_would_change_the_output_is_refused_by_name(disagg_stack, t
     assert worker_stats(disagg_stack.decode.address).steps == before, "it reached a worker"
 
 
-def test_tool_calls_in_a_chat_message_are_refused_with_their_path(disagg_stack, tiny_llama_dir):
+def test_a_function_call_in_a_chat_message_is_refused_with_its_path(disagg_stack, tiny_llama_dir):
+    # (tool_calls in messages are served: tests/gateway/test_tool_requests.py)
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "f", "arguments": "{}"}}]}]
+                 "function_call": {"name": "f", "arguments": "{}"}}]
     response = httpx.post(disagg_stack.url + CHAT, timeout=30, json={
         "model": tiny_llama_dir.name, "messages": messages, "max_tokens": 2})
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "messages.1.tool_calls"
+    assert response.json()["error"]["param"] == "messages.1.function_call"
 
 
 @pytest.mark.parametrize(("endpoint", "extra"), ACCEPTED,
