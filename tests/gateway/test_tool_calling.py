@@ -1,0 +1,153 @@
+"""Tool calling end to end: the real gateway, prefill and decode workers on SmolLM2-135M, and
+the openai SDK. A forced call (tool_choice required or named) is always a well-formed call whose
+arguments fit the function's schema; a streamed call assembles to the same call as the
+non-streamed one; tool results are accepted in the conversation; no markup leaks into content."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from gateway_processes import Stack, openai_client, start_gateway, start_worker
+
+from services.gateway.api.protocol import ChatCompletionRequest
+from services.gateway.api.tokenizer import ModelTokenizer
+from services.gateway.api.tool_parsers.hermes import HermesFormat
+from services.gateway.api.tools import template_messages, tool_plan
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                   "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 1000},
+                                  "b": {"type": "integer", "minimum": 0, "maximum": 1000}}}}}
+TOOLS = [WEATHER, ADD]
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+MAX_TOKENS = 72  # the longest call these schemas allow is about 55 tokens
+
+
+@pytest.fixture(scope="module")
+def smollm2_stack(smollm2_dir) -> Iterator[Stack]:
+    prefill = start_worker(smollm2_dir, "prefill")
+    decode = start_worker(smollm2_dir, "decode")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        gateway = start_gateway(smollm2_dir, "--prefill", prefill.address, "--decode",
+                                decode.address)
+        try:
+            yield Stack(gateway, decode, prefill)
+        finally:
+            gateway.stop()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_stack):
+    return openai_client(smollm2_stack.url)
+
+
+def _valid_arguments(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return (set(args) == {"city", "unit"} and isinstance(args["city"], str)
+                and len(args["city"]) <= 16 and args["unit"] in ("celsius", "fahrenheit"))
+    return (set(args) == {"a", "b"} and all(
+        type(args[k]) is int and 0 <= args[k] <= 1000 for k in "ab"))
+
+
+def _streamed(client, model: str, **kwargs) -> tuple[str | None, list[dict], str]:
+    """content, calls and finish_reason of a stream, assembled as the SDK does, checking that
+    every call starts with index, id, type and name and goes on with argument fragments only."""
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                assert "<tool_call" not in delta.content and "</tool" not in delta.content
+                content = (content or "") + delta.content
+            for tc in delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function" and tc.function.name, tc
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name,
+                                       "arguments": tc.function.arguments or ""}
+                else:
+                    assert tc.id is None and tc.function.name is None, tc
+                    calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _calls(message) -> list[dict]:
+    return [{"name": c.function.name, "arguments": c.function.arguments}
+            for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_a_streamed_tool_call_assembles_to_the_non_streamed_call(client, smollm2_dir,
+                                                                 sampling):
+    request = dict(messages=QUESTION, tools=TOOLS, tool_choice="required",
+                   max_tokens=MAX_TOKENS, **sampling)
+    whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
+    content, calls, finish = _streamed(client, smollm2_dir.name, **request)
+    assert whole.finish_reason == finish == "tool_calls"
+    assert whole.message.content is None and content is None
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == _calls(
+        whole.message)
+    assert len(calls) == 1 and _valid_arguments(calls[0]["name"], calls[0]["arguments"])
+    assert calls[0]["id"].startswith("call_") and whole.message.tool_calls[0].id != calls[0]["id"]
+
+
+@pytest.mark.parametrize(("choice", "seeds"), [("required", 4), ("add", 2), ("get_weather", 2)])
+def test_required_and_named_tool_choices_always_yield_a_valid_call(client, smollm2_dir, choice,
+                                                                   seeds):
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                       "function": {"name": choice}}
+    for seed in range(seeds):
+        result = client.chat.completions.create(
+            model=smollm2_dir.name, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed).choices[0]
+        assert result.finish_reason == "tool_calls", (seed, result)
+        (call,) = _calls(result.message)
+        assert choice == "required" or call["name"] == choice
+        assert _valid_arguments(call["name"], call["arguments"]), (seed, call)
+
+
+def test_the_sdk_reply_and_a_tool_result_go_back_into_the_conversation(client, smollm2_dir):
+    reply = client.chat.completions.create(
+        model=smollm2_dir.name, messages=QUESTION, tools=TOOLS, max_tokens=MAX_TOKENS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0).choices[0].message
+    call = reply.tool_calls[0]
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 22}'}
+    answer = client.chat.completions.create(  # the SDK's own message object, sent back as is
+        model=smollm2_dir.name, messages=[*QUESTION, reply, result], tools=TOOLS,
+        max_tokens=8, temperature=0)
+    assert "<tool_call" not in (answer.choices[0].message.content or "")
+    # The prompt is that conversation, with the call and its result, as the template renders it.
+    conversation = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.function.arguments}}]}, result]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": conversation,
+                                                "tools": TOOLS})
+    plan = tool_plan(req.tools, req.tool_choice, HermesFormat())
+    prompt = ModelTokenizer(smollm2_dir).encode_chat(
+        template_messages(req.messages, HermesFormat(), plan, False))
+    assert answer.usage.prompt_tokens == len(prompt)
+
+
+def test_auto_answers_in_text_the_same_streamed_and_not(client, smollm2_dir):
+    request = dict(messages=[{"role": "user", "content": "Say hello in French."}], tools=TOOLS,
+                   tool_choice="auto", max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
+    content, calls, finish = _streamed(client, smollm2_dir.name, **request)
+    assert (content, calls, finish) == (whole.message.content, _calls(whole.message),
+                                        whole.finish_reason)
