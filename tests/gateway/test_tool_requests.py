@@ -103,6 +103,10 @@ BAD = [
      "tools.0.function.parameters.properties.x.type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "required": "x"}}}]}, "tools.0.function.parameters.required"),
+    # A schema the grammar engine cannot compile, even where no call is forced (auto).
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}]},
+     "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),

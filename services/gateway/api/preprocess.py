@@ -92,20 +92,25 @@ class Preprocessor:
             max_tokens = max(1, limits.max_model_len - len(prompt_ids))
         params = self._params(req, max_tokens, len(prompt_ids), limits,
                               logprobs=top if req.logprobs else None, prompt_logprobs=None)
-        if plan is not None and plan.constrained:
-            params = self._force_tool_call(plan, params, limits)
+        if plan is not None:
+            params = self._tool_constraint(plan, params, limits)
         return self._choices(request_id, 0, prompt_ids, params, req, None), plan
 
-    def _force_tool_call(self, plan: ToolPlan, params: SamplingParams,
+    def _tool_constraint(self, plan: ToolPlan, params: SamplingParams,
                          limits: ModelLimits) -> SamplingParams:
-        """tool_choice required / named: the output is constrained to one well-formed call."""
+        """Every tool's schema must compile (a 400 otherwise, whatever tool_choice says);
+        required / named choices constrain the output to one well-formed call."""
+        any_call = StructuredOutput(grammar=plan.grammar(forced_only=False))
+        self.structured.check(any_call, limits.vocab_size, param="tools")
+        if not plan.constrained:
+            return params
         if params.structured_output is not None:
             raise APIError.invalid("tool_choice forces a tool call, which a structured output "
                                    "constraint would contradict; send one of them",
                                    param="tool_choice")
-        so = StructuredOutput(grammar=plan.grammar())
-        self.structured.check(so, limits.vocab_size, param="tools")
-        return dataclasses.replace(params, structured_output=so)
+        forced = StructuredOutput(grammar=plan.grammar()) if plan.forced else any_call
+        self.structured.check(forced, limits.vocab_size, param="tools")
+        return dataclasses.replace(params, structured_output=forced)
 
     def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop: Sequence[str], limits: ModelLimits) -> GenerationSpec:

@@ -68,9 +68,10 @@ class ToolPlan:
     def openai_tools(self) -> list[dict]:
         return [{"type": "function", "function": t.as_dict()} for t in self.tools]
 
-    def grammar(self) -> str:
-        """The constraint of `required` (one call of any tool) or a named choice (of that one)."""
-        chosen = [t for t in self.tools if self.forced in (None, t.name)]
+    def grammar(self, forced_only: bool = True) -> str:
+        """The constraint of `required` (one call of any tool) or a named choice (of that one;
+        of any tool with `forced_only` false)."""
+        chosen = [t for t in self.tools if not forced_only or self.forced in (None, t.name)]
         return self.format.grammar([t.as_dict() for t in chosen])
 
     def parser(self) -> ToolCallParser:
