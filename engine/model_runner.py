@@ -20,6 +20,8 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
+from engine.structured.masks import GrammarMasks, MaskRow, StepMasks
+from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups
@@ -37,6 +39,7 @@ class CachedRequestState:
     params: SamplingParams
     prompt_logprobs: list[Logprobs | None] | None = None
     penalty_counts: TokenCounts = field(default_factory=TokenCounts)  # over token_ids
+    grammar: GrammarState | None = None  # structured output: follows the output tokens
 
 
 def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
@@ -83,6 +86,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, CachedRequestState] = {}
+        self.grammar_masks: GrammarMasks | None = None  # built for the first constrained request
+        self._constrained: set[str] = set()  # requests with a grammar (empty: no mask work)
 
     def _use_native_decode(self) -> bool:
         choice = self.config.cpu_attention
@@ -157,6 +162,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids | sched.preempted_request_ids:
             self.requests.pop(rid, None)
+            self._constrained.discard(rid)
         for new in sched.new_requests:
             # Prompt logprobs go out with the first sampled token at the latest, so a request
             # back from preemption with output tokens already has them: don't score it again.
@@ -173,6 +179,13 @@ class ModelRunner:
                 params=new.sampling_params,
                 prompt_logprobs=[None] if wants_prompt_logprobs else None,
             )
+            if new.sampling_params.structured_output is not None:
+                # Replaying the outputs so far restores the grammar after a hand-off from a
+                # prefill worker, a preemption's recompute or a migration alike.
+                self.requests[new.request_id].grammar = self._grammar_masks().new_state(
+                    new.sampling_params.structured_output,
+                    new.token_ids[new.num_prompt_tokens :], new.request_id)
+                self._constrained.add(new.request_id)
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
             del state.block_ids[diff.num_kept_blocks :]  # the scheduler's trim, if any
@@ -263,6 +276,8 @@ class ModelRunner:
             native_decode=self.native_decode,
             native_prefill=self.native_prefill,
         )
+        # Masks are computed from the grammar states alone: fill them while the forward runs.
+        masks = self._start_masks(sample_rows, verify_rows, spec) if self._constrained else None
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -272,13 +287,16 @@ class ModelRunner:
         for rid, n in order:
             self.requests[rid].num_computed_tokens += n
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else {}
-        verified = self._verify(hidden, verify_rows, spec, draft_probs) if verify_rows else ({}, {})
+        verified = (self._verify(hidden, verify_rows, spec, draft_probs, masks) if verify_rows
+                    else ({}, {}))
         if not sample_rows:
             return ModelRunnerOutput(
                 sampled_token_ids=verified[0], logprobs=verified[1], prompt_logprobs=prompt_lps
             )
 
         logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        if masks is not None:
+            masks.apply(logits, first_row=sum(n for _, _, n in verify_rows))
         rows = []
         for rid, _ in sample_rows:
             state = self.requests[rid]
@@ -297,6 +315,8 @@ class ModelRunner:
         out_logprobs: dict[str, list[Logprobs]] = verified[1]
         for (rid, _), token, lp in zip(sample_rows, tokens, logprobs, strict=False):
             self.requests[rid].token_ids.append(token)
+            if self.requests[rid].grammar is not None:
+                self.requests[rid].grammar.accept([token])
             sampled[rid] = [token]
             if lp is not None:
                 out_logprobs[rid] = [lp]
@@ -304,13 +324,17 @@ class ModelRunner:
             sampled_token_ids=sampled, logprobs=out_logprobs, prompt_logprobs=prompt_lps
         )
 
-    def _verify(self, hidden, verify_rows, spec, draft_probs):
+    def _verify(self, hidden, verify_rows, spec, draft_probs, masks: StepMasks | None):
         """Score each verifying request's [last token, proposals...] and keep the accepted
-        run plus the target's own next token. The block table is left as it is: the
+        run plus the target's own next token. Under a grammar each position's logits are
+        masked given the proposals before it, so a proposal outside the grammar has target
+        probability 0 and is rejected. The block table is left as it is: the
         scheduler releases the rejected proposals' slots and says so in the request's next
         CachedRequestData; until then nothing here reads the table."""
         index = [row for _, row0, n in verify_rows for row in range(row0, row0 + n)]
         logits = self.model.compute_logits(hidden[index])
+        if masks is not None:
+            masks.apply(logits, first_row=0)
         items = []
         for rid, _, _ in verify_rows:
             state = self.requests[rid]
@@ -327,10 +351,31 @@ class ModelRunner:
             state = self.requests[rid]
             state.num_computed_tokens -= n - len(tokens)
             state.token_ids.extend(tokens)
+            if state.grammar is not None:
+                state.grammar.accept(tokens)
             sampled[rid] = tokens
             if lps:
                 out_logprobs[rid] = lps
         return sampled, out_logprobs
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if self.grammar_masks is None:
+            self.grammar_masks = GrammarMasks(self.model_config.path, self.model_config.vocab_size,
+                                              self.model_config.eos_token_ids)
+        return self.grammar_masks
+
+    def _start_masks(self, sample_rows, verify_rows, spec) -> StepMasks | None:
+        """Mask rows in the order the logits are computed: verifications, then samples."""
+        rows, at = [], 0
+        for rid, _, n in verify_rows:
+            if (grammar := self.requests[rid].grammar) is not None:
+                rows.append(MaskRow(grammar, at, spec[rid]))
+            at += n
+        for rid, _ in sample_rows:
+            if (grammar := self.requests[rid].grammar) is not None:
+                rows.append(MaskRow(grammar, at))
+            at += 1
+        return self.grammar_masks.start(rows) if rows else None
 
     def _prompt_logprobs(self, hidden, prompt_rows) -> dict[str, list[Logprobs | None]]:
         """Logprobs of each prompt token given the ones before it (completions' echo)."""

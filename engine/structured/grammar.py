@@ -38,7 +38,10 @@ def grammar_for(so: StructuredOutput) -> str:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise GrammarError("the JSON schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema cannot be read: {exc}") from None
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT_SCHEMA,
                                                              overrides=JSON_OPTIONS)
@@ -78,8 +81,12 @@ class GrammarCompiler:
             so.validate()
         except ValueError as exc:
             raise GrammarError(str(exc)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar_for(so), self.tokenizer, limits=LIMITS)
+        grammar = grammar_for(so)
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer, limits=LIMITS)
+        except (ValueError, RuntimeError) as exc:  # API-level refusals (e.g. a malformed spec)
+            is_error, messages = True, [str(exc)]
         if is_error:
             raise GrammarError(f"the {_NAMES[so.kind]} cannot be compiled: {messages[0]}")
 

@@ -1,0 +1,183 @@
+"""Structured outputs end to end: the openai SDK against the real gateway and a disaggregated
+pair of SmolLM2-135M workers (every answer's first token is sampled on the prefill worker under
+the grammar and the decode worker continues it). chat.completions.parse returns the parsed
+object; regex and choice hold on 100 sampled generations; a bad schema is a 400 that names it."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from gateway_processes import Stack, openai_client, start_gateway, start_worker, worker_stats
+from openai.lib._parsing._completions import type_to_response_format_param
+from pydantic import BaseModel, Field
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    user = "user"
+    guest = "guest"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=24)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    role: Role
+    address: Address
+
+
+class Sky(enum.StrEnum):
+    sunny = "sunny"
+    cloudy = "cloudy"
+    rain = "rain"
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=24)
+    celsius: float = Field(ge=-50, le=60)
+    sky: Sky
+
+
+class Item(BaseModel):
+    name: str = Field(max_length=16)
+    count: int = Field(ge=1, le=9)
+
+
+class Inventory(BaseModel):
+    items: list[Item] = Field(min_length=1, max_length=3)
+
+
+SCHEMAS = [
+    (Person, "Describe a fictional person: name, age, role, and address with city and zip."),
+    (Forecast, "Give today's weather forecast for Paris as JSON."),
+    (Inventory, "List up to three fruits in a basket with their counts."),
+]
+REGEX = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_stack(smollm2_dir) -> Iterator[Stack]:
+    # 104 requests at once need more KV than the tests' default 256 blocks.
+    prefill = start_worker(smollm2_dir, "prefill", "--num-kv-blocks", "1024")
+    decode = start_worker(smollm2_dir, "decode", "--num-kv-blocks", "1024")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        # The 100-generation tests send 13 requests of n=8 at once: admission's TTFT target
+        # would refuse some (it protects latency, which these tests do not measure).
+        gateway = start_gateway(smollm2_dir, "--prefill", prefill.address, "--decode",
+                                decode.address, "--ttft-target-s", "0")
+        try:
+            yield Stack(gateway, decode, prefill)
+        finally:
+            gateway.stop()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_stack):
+    return openai_client(smollm2_stack.url)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize(("model", "question"), SCHEMAS, ids=[m.__name__ for m, _ in SCHEMAS])
+def test_parse_returns_the_pydantic_object(client, smollm2_dir, model, question):
+    completion = client.chat.completions.parse(
+        model=smollm2_dir.name, messages=ask(question), response_format=model,
+        max_tokens=120, temperature=0.0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, model), choice.message.content
+    assert model.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_sampled_answers_follow_the_schema_streamed_or_not(client, smollm2_dir):
+    kw = {"model": smollm2_dir.name, "messages": ask(SCHEMAS[0][1]), "max_tokens": 120,
+          "temperature": 1.0, "seed": 11,
+          # what parse() sends for Person
+          "response_format": type_to_response_format_param(Person)}
+    whole = client.chat.completions.create(**kw)
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**kw, stream=True)
+                       if chunk.choices)
+    assert streamed == whole.choices[0].message.content
+    Person.model_validate_json(streamed)
+
+
+def test_json_object_mode_answers_a_json_object(client, smollm2_dir):
+    completion = client.chat.completions.create(
+        model=smollm2_dir.name, messages=ask("Reply in JSON with your name."), max_tokens=80,
+        temperature=0.0, response_format={"type": "json_object"})
+    choice = completion.choices[0]
+    if choice.finish_reason == "stop":  # `length` may cut an object short, as OpenAI's does
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.message.content.startswith("{")
+
+
+def _sampled(client, smollm2_dir, extra: dict, prompts: int) -> list[tuple[str, str]]:
+    def one(i: int):
+        completion = client.chat.completions.create(
+            model=smollm2_dir.name, messages=ask(f"Review number {i}: the film was long."),
+            max_tokens=16, temperature=1.0, seed=i, n=8, extra_body=extra)
+        return [(c.message.content, c.finish_reason) for c in completion.choices]
+    with ThreadPoolExecutor(prompts) as pool:
+        return [answer for answers in pool.map(one, range(prompts)) for answer in answers]
+
+
+def test_regex_holds_on_100_sampled_generations(client, smollm2_dir):
+    answers = _sampled(client, smollm2_dir, {"structured_outputs": {"regex": REGEX}}, 13)
+    assert len(answers) == 104
+    for text, finish in answers:
+        assert finish == "stop" and re.fullmatch(REGEX, text), (text, finish)
+    assert len({text for text, _ in answers}) > 10  # sampled, not one forced answer
+
+
+def test_choice_holds_on_100_sampled_generations(client, smollm2_dir):
+    answers = _sampled(client, smollm2_dir, {"guided_choice": CHOICES}, 13)
+    assert len(answers) == 104
+    assert all(text in CHOICES and finish == "stop" for text, finish in answers), answers
+    assert len({text for text, _ in answers}) > 1
+
+
+def test_completions_take_a_guided_regex(smollm2_stack, smollm2_dir):
+    completion = openai_client(smollm2_stack.url).completions.create(
+        model=smollm2_dir.name, prompt="The year the war ended:", max_tokens=8,
+        temperature=0.0, extra_body={"guided_regex": "[12][0-9]{3}"})
+    assert re.fullmatch("[12][0-9]{3}", completion.choices[0].text)
+
+
+@pytest.mark.parametrize(("extra", "param", "problem"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}}},
+     "response_format", "frob"),
+    ({"guided_regex": "([0-9]"}, "guided_regex", "regex"),
+    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar",
+     "missing_rule"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "Only one"),
+])
+def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, smollm2_stack, smollm2_dir,
+                                                             extra, param, problem):
+    before = worker_stats(smollm2_stack.prefill.address, role="prefill").steps
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=smollm2_dir.name, messages=ask("hi"),
+                                       max_tokens=4, extra_body=extra)
+    error = caught.value.body
+    assert error["param"] == param and problem in error["message"], error
+    assert worker_stats(smollm2_stack.prefill.address, role="prefill").steps == before
