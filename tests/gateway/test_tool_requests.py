@@ -11,11 +11,14 @@ import shutil
 import httpx
 import pytest
 from gateway_processes import worker_stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.api.protocol import ChatCompletionRequest
 from services.gateway.api.tokenizer import ModelTokenizer
 from services.gateway.api.tool_parsers.hermes import HermesFormat
 from services.gateway.api.tools import template_messages, tool_plan
+from services.gateway.errors import APIError
 
 CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {
@@ -158,3 +161,25 @@ def test_a_gateway_with_tool_calling_off_refuses_tools(gateway_factory, disagg_w
     assert response.json()["error"]["code"] == "unsupported_parameter"
     body["tool_choice"] = "none"  # asks for no tool calling: served
     assert httpx.post(f"http://{gateway.address}{CHAT}", json=body, timeout=30).status_code == 200
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(["type", "function", "name", "parameters",
+                                                        "properties", "required", "id",
+                                                        "arguments", "x"]), inner, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tools=_JSON, tool_choice=_JSON, calls=_JSON)
+def test_any_json_in_the_tool_fields_is_a_plan_or_a_400(tools, tool_choice, calls):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c", "content": "r"}]
+    req = _request(messages=messages)
+    try:
+        plan = tool_plan(tools, tool_choice, HermesFormat())
+        template_messages(req.messages, HermesFormat(), plan, native=False)
+    except APIError as exc:
+        assert exc.status == 400 and exc.body()["error"]["param"]
