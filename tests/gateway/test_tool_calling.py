@@ -77,10 +77,11 @@ def _streamed(client, model: str, **kwargs) -> tuple[str | None, list[dict], str
                 if tc.index not in calls:
                     assert tc.id and tc.type == "function" and tc.function.name, tc
                     calls[tc.index] = {"id": tc.id, "name": tc.function.name,
-                                       "arguments": tc.function.arguments or ""}
+                                       "arguments": tc.function.arguments or "", "fragments": 0}
                 else:
                     assert tc.id is None and tc.function.name is None, tc
                     calls[tc.index]["arguments"] += tc.function.arguments or ""
+                    calls[tc.index]["fragments"] += 1
             finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -103,6 +104,7 @@ def test_a_streamed_tool_call_assembles_to_the_non_streamed_call(client, smollm2
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == _calls(
         whole.message)
     assert len(calls) == 1 and _valid_arguments(calls[0]["name"], calls[0]["arguments"])
+    assert calls[0]["fragments"] > 1, "a forced call's arguments stream as they are generated"
     assert calls[0]["id"].startswith("call_") and whole.message.tool_calls[0].id != calls[0]["id"]
 
 

@@ -98,31 +98,78 @@ def test_the_result_does_not_depend_on_how_the_text_arrives(text, splits):
     assert parse(text, [s % (len(text) + 1) for s in splits]) == parse(text)
 
 
-def test_stream_deltas_assemble_to_the_whole_message():
-    plan = tool_plan(TOOLS, "auto", HermesFormat())
-    text = "Checking.\n" + WEATHER + "\n" + ADD
-    stream = ToolCallStream(plan)
-    deltas = []
-    for i in range(0, len(text), 7):
-        deltas += stream.deltas(text[i:i + 7], final=False)
-    deltas += stream.deltas("", final=True)
+def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """content and calls from stream deltas, as the openai SDK accumulates them; checks that a
+    call's first delta carries index, id, type and name, and the later ones arguments only."""
     content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, dict] = {}
     for d in deltas:
         for tc in d.get("tool_calls", []):
-            entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            if "id" in tc:  # the first delta of a call carries index, id, type and name
-                assert tc["type"] == "function" and entry == {"name": "", "arguments": ""}
-                entry["name"] = tc["function"]["name"]
-            entry["arguments"] += tc["function"].get("arguments", "")
-    message = tool_message(plan, text)
-    assert content == message["content"] == "Checking."
-    assert [calls[i] for i in sorted(calls)] == [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-        for c in message["tool_calls"]]
-    assert all(c["id"].startswith("call_") for c in message["tool_calls"])
+            if "id" in tc:
+                assert tc["index"] not in calls and tc["type"] == "function"
+                assert tc["id"].startswith("call_") and tc["function"]["arguments"] == ""
+                calls[tc["index"]] = {"name": tc["function"]["name"], "arguments": ""}
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def _stream(plan, text: str, cuts: list[int]) -> list[dict]:
+    stream = ToolCallStream(plan)
+    deltas, start = [], 0
+    for cut in sorted(set(cuts)):
+        deltas += stream.deltas(text[start:cut], final=False)
+        start = cut
+    return deltas + stream.deltas(text[start:], final=True)
+
+
+def _message_parts(message: dict) -> tuple[str, list[dict]]:
+    return message["content"] or "", [{"name": c["function"]["name"],
+                                       "arguments": c["function"]["arguments"]}
+                                      for c in message.get("tool_calls", [])]
+
+
+FORCED_TEXTS = [WEATHER, ADD, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": '
+                '"}"}}}\n</tool_call>', '<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Pa', '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}']
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([("auto", t) for t in TEXTS] + [("required", t) for t in FORCED_TEXTS]),
+       st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_stream_deltas_assemble_to_the_whole_message(case, cuts):
+    choice, text = case
+    plan = tool_plan(TOOLS, choice, HermesFormat())
+    deltas = _stream(plan, text, [c % (len(text) + 1) for c in cuts])
+    assert _assemble(deltas) == _message_parts(tool_message(plan, text))
+
+
+def test_a_forced_call_streams_its_arguments_as_they_are_generated():
+    plan = tool_plan(TOOLS, "required", HermesFormat())
+    stream = ToolCallStream(plan)
+    assert stream.deltas('<tool_call>\n{"name": "add", "argu', final=False) == []
+    start, first = stream.deltas('ments": {"a": 1', final=False)
+    assert start["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert first == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1'}}]}
+    # Whitespace and a "}" that may close the call wait for what follows them.
+    (second,) = stream.deltas(", ", final=False)
+    assert second["tool_calls"][0]["function"]["arguments"] == ","
+    third = stream.deltas('"b": 2}', final=False)
+    assert third == [{"tool_calls": [{"index": 0, "function": {"arguments": ' "b": 2'}}]}]
+    rest = stream.deltas('}\n</tool_call>', final=True)
+    assert _assemble([start, first, second, *third, *rest])[1] == [
+        {"name": "add", "arguments": '{"a": 1, "b": 2}'}]
     assert finish_reason("stop", stream.num_calls) == "tool_calls"
     assert finish_reason("length", stream.num_calls) == "length"
+
+
+def test_a_forced_call_cut_short_keeps_what_there_is_of_its_arguments():
+    plan = tool_plan(TOOLS, "required", HermesFormat())
+    message = tool_message(plan, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                    "arguments": '{"city": "Pa'}
 
 
 def test_a_message_with_only_calls_has_null_content():

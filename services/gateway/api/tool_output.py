@@ -1,6 +1,6 @@
 """One chat choice's output with tool calls split out of its text: the `delta`s of a stream
-(content, then per call a delta with index, id and name, then one with its arguments) and the
-whole `message` of a response, both from the same incremental parser, so they agree."""
+(content, then per call a delta with index, id and name, then fragments of its arguments) and
+the whole `message` of a response, both from the same incremental parser, so they agree."""
 
 from __future__ import annotations
 
@@ -35,14 +35,21 @@ class ToolCallStream:
             if piece.text:
                 out.append({"content": piece.text})
             for call in piece.calls:
-                out += self._call_deltas(call)
+                out += [self._start(call.name), self._arguments(call.arguments)]
+            if piece.call_start is not None:
+                out.append(self._start(piece.call_start))
+            if piece.arguments:
+                out.append(self._arguments(piece.arguments))
         return out
 
-    def _call_deltas(self, call: ParsedCall) -> list[dict]:
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        return [{"tool_calls": [{"index": index, "id": call_id(), "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]},
-                {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+    def _start(self, name: str) -> dict:
+        self.num_calls += 1
+        return {"tool_calls": [{"index": self.num_calls - 1, "id": call_id(), "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _arguments(self, fragment: str) -> dict:
+        return {"tool_calls": [{"index": self.num_calls - 1,
+                                "function": {"arguments": fragment}}]}
 
 
 def tool_message(plan: ToolPlan, text: str) -> dict:
@@ -51,7 +58,13 @@ def tool_message(plan: ToolPlan, text: str) -> dict:
     parser = plan.parser()
     pieces: list[ParsedPiece] = parser.push(text) + parser.finish()
     content = "".join(p.text for p in pieces)
-    calls = [c for p in pieces for c in p.calls]
+    calls: list[ParsedCall] = []
+    for piece in pieces:
+        calls += piece.calls
+        if piece.call_start is not None:
+            calls.append(ParsedCall(piece.call_start, ""))
+        if piece.arguments:
+            calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + piece.arguments)
     message: dict = {"role": "assistant", "content": content if content or not calls else None}
     if calls:
         message["tool_calls"] = [{"id": call_id(), "type": "function",

@@ -75,7 +75,8 @@ class ToolPlan:
         return self.format.grammar([t.as_dict() for t in chosen])
 
     def parser(self) -> ToolCallParser:
-        return self.format.parser(self.names)
+        # A forced call is well-formed by construction: its arguments stream as they come.
+        return self.format.parser(self.names, stream_calls=self.constrained)
 
 
 def tool_plan(tools: Any, tool_choice: Any, tool_format: ToolFormat | None) -> ToolPlan | None:

@@ -18,10 +18,14 @@ class ParsedCall:
 
 @dataclass(frozen=True)
 class ParsedPiece:
-    """What one push released: content text, then the calls completed after it."""
+    """What one push released: content text, then the calls completed after it. A call whose
+    shape a grammar guarantees (a forced call) is instead streamed as it is generated: a piece
+    with `call_start` (its name), then pieces with fragments of its `arguments` JSON text."""
 
     text: str = ""
     calls: tuple[ParsedCall, ...] = ()
+    call_start: str | None = None
+    arguments: str = ""
 
 
 class ToolCallParser(Protocol):
@@ -51,4 +55,6 @@ class ToolFormat(Protocol):
         """A grammar whose every sentence is exactly one well-formed call of one of `tools`,
         its arguments valid against that tool's parameters schema."""
 
-    def parser(self, tool_names: frozenset[str]) -> ToolCallParser: ...
+    def parser(self, tool_names: frozenset[str], stream_calls: bool) -> ToolCallParser:
+        """`stream_calls`: the output is constrained to well-formed calls, so their arguments
+        may be released as they come (otherwise a call is released once it is complete)."""

@@ -5,10 +5,14 @@ results returned inside <tool_response></tool_response>."""
 from __future__ import annotations
 
 import json
+import re
 
 from services.gateway.api.tool_parsers.base import ParsedCall, ParsedPiece
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The start of a call as the forcing grammar writes it; the arguments follow.
+_STREAMED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*'
+                            r'"arguments"\s*:\s*(?=\S)')
 
 
 class HermesFormat:
@@ -44,17 +48,22 @@ class HermesFormat:
         return (f"start: {json.dumps(OPEN)} \"\\n\" call \"\\n\" {json.dumps(CLOSE)}\n"
                 f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
 
-    def parser(self, tool_names: frozenset[str]) -> HermesParser:
-        return HermesParser(tool_names)
+    def parser(self, tool_names: frozenset[str], stream_calls: bool = False) -> HermesParser:
+        return HermesParser(tool_names, stream_calls)
 
 
 class HermesParser:
     """Content passes through as it comes, except what may be the start of a call tag and
     trailing whitespace (dropped before a call, released before more content). A block that is
-    not a JSON call of a known tool passes through as text, tags and all."""
+    not a JSON call of a known tool passes through as text, tags and all. With `stream_calls`
+    a call that starts `{"name": "f", "arguments": ` streams its arguments' text as it comes
+    (all but a last `}`, which may close the call, and the whitespace before it)."""
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
+    def __init__(self, tool_names: frozenset[str], stream_calls: bool = False) -> None:
         self.tool_names = tool_names
+        self.stream_calls = stream_calls
+        self._args_start: int | None = None  # streaming a call: where its arguments begin
+        self._args_sent = 0  # characters of them released
         self._held = ""  # text mode: unreleased tail; call mode: the call body so far
         self._in_call = False
         self._gap = ""  # whitespace dropped before the current call (kept if it is not one)
@@ -66,10 +75,16 @@ class HermesParser:
         while True:
             if self._in_call:
                 end = buffer.find(CLOSE)
+                if self.stream_calls:
+                    out += self._stream_arguments(buffer if end < 0 else buffer[:end],
+                                                  final=end >= 0, closed=True)
                 if end < 0:
                     self._held = buffer
                     return out
-                out.append(self._end_call(buffer[:end], closed=True))
+                if self._args_start is None:
+                    out.append(self._end_call(buffer[:end], closed=True))
+                else:
+                    self._end_streamed_call()
                 buffer = buffer[end + len(CLOSE):]
                 continue
             start = buffer.find(OPEN)
@@ -89,6 +104,10 @@ class HermesParser:
 
     def finish(self) -> list[ParsedPiece]:
         held, self._held = self._held, ""
+        if self._in_call and self._args_start is not None:  # cut short (max_tokens, stop)
+            out = self._stream_arguments(held, final=True, closed=False)
+            self._end_streamed_call()
+            return out
         if self._in_call:
             return [self._end_call(held, closed=False)]
         # Whitespace after a call ends nothing; before any call it is content.
@@ -104,6 +123,31 @@ class HermesParser:
             return ParsedPiece(text=self._gap + OPEN + body + (CLOSE if closed else ""))
         self.num_calls += len(calls)
         return ParsedPiece(calls=calls)
+
+    def _stream_arguments(self, body: str, final: bool, closed: bool) -> list[ParsedPiece]:
+        out: list[ParsedPiece] = []
+        if self._args_start is None:
+            head = _STREAMED_HEAD.match(body)
+            if head is None or head.group(1) not in self.tool_names:
+                return out  # not (yet) that shape: parsed whole when it ends
+            self._args_start, self._args_sent = head.end(), 0
+            out.append(ParsedPiece(call_start=head.group(1)))
+        region = body[self._args_start:]
+        if final and not closed:
+            arguments = _cut_arguments(region)
+        else:  # the last "}" may be the one that closes the call
+            brace = region.rfind("}")
+            arguments = (region[:brace] if brace >= 0 else region).rstrip()
+        if len(arguments) > self._args_sent:
+            out.append(ParsedPiece(arguments=arguments[self._args_sent:]))
+            self._args_sent = len(arguments)
+        return out
+
+    def _end_streamed_call(self) -> None:
+        self._in_call = False
+        self._held = ""
+        self._args_start = None
+        self.num_calls += 1
 
     def _parse_calls(self, body: str) -> tuple[ParsedCall, ...]:
         """One call, or a JSON list of them (SmolLM2's own way); all or nothing."""
@@ -126,6 +170,16 @@ class HermesParser:
         if not isinstance(arguments, dict):
             return None
         return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _cut_arguments(region: str) -> str:
+    """The arguments of a call that ended without its closing tag: their JSON where it is
+    whole, else all there is."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(region)
+    except ValueError:
+        return region.rstrip()
+    return region[:end]
 
 
 def _held_tail(buffer: str) -> int:
