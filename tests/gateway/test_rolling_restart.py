@@ -1,11 +1,13 @@
 """Rolling restarts under steady load lose no request: each worker in turn gets SIGTERM
 (it deregisters, refuses new work, finishes what it holds, exits 0) and a replacement joins
 through Redis; the gateway stops routing to the leaving one and retries the few requests that
-raced its departure before their first token. A gateway's own SIGTERM lets its open streams
-finish before it exits."""
+raced its departure before their first token. Streams longer than a decoder's drain grace are
+handed off and migrate unchanged. A gateway's own SIGTERM lets its open streams finish before
+it exits."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -13,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from registry_cluster import routable, stream_completion, wait_until
+from registry_cluster import Cluster, routable, stream_completion, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,3 +98,71 @@ def test_gateway_sigterm_finishes_open_streams_then_exits(cluster, tiny_llama_di
         results = [s.result() for s in streams]
     assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * 3
     assert gateway.process.wait(30) == 0, gateway.output()
+
+
+def _long_stream(url: str, model: str, i: int) -> tuple[int, str, str | None, str | None]:
+    """A greedy stream of 450 tokens: (status, text, finish_reason, error). Greedy: seeded
+    sampling on this flat random model can flip a token at the float32 noise between batch
+    compositions even with no restart (README, Request migration)."""
+    body = {"model": model, "prompt": [(i * 31 + j) % 500 + 3 for j in range(12 + i)],
+            "max_tokens": 450, "ignore_eos": True, "stream": True, "temperature": 0}
+    text, finish, error = "", None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    error = event["error"]["message"]
+                    continue
+                text += event["choices"][0]["text"]
+                finish = event["choices"][0]["finish_reason"] or finish
+        return response.status_code, text, finish, error
+
+
+def test_rolling_restart_of_decoders_under_long_generations_alters_no_stream(redis_server,
+                                                                             tiny_llama_dir):
+    """Generations outlive the decoders' 0.2 s drain grace, so each drain hands streams off:
+    every stream completes with the text it has undisturbed. float32: in bfloat16 a request's
+    tokens may depend on its batch. Prefill workers' drains are the test above."""
+    cluster = Cluster(tiny_llama_dir, redis_server, ("--num-kv-blocks", "512", "--dtype",
+                                                     "float32", "--drain-grace-s", "0.2"))
+    try:
+        cluster.start(p1="prefill", d1="decode", d2="decode")
+        gateway = cluster.gateway()
+        url, model = f"http://{gateway.address}", tiny_llama_dir.name
+        wait_until(lambda: len(routable(gateway)) == 3, what="three workers routable")
+        with ThreadPoolExecutor(4) as pool:
+            reference = list(pool.map(lambda i: _long_stream(url, model, i), range(4)))
+        assert all(r[0] == 200 and r[2] == "length" and r[3] is None for r in reference)
+        results: list[tuple[int, tuple]] = []
+        stop = threading.Event()
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                results.append((i, _long_stream(url, model, i)))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            for name in ("d1", "d2"):
+                wait_until(lambda name=name: cluster.workers[name].health().stats.running,
+                           what=f"streams on {name}", interval=0.02)
+                old = cluster.stop(name, signal.SIGTERM)
+                assert old.process.returncode == 0, old.output
+                # Read from its pipe by a thread: the last lines may come just after the exit.
+                wait_until(lambda old=old: "handed off for migration" in old.output, timeout=5,
+                           what=f"{name} handing its streams off")
+                cluster.start(**{f"{name}-new": "decode"})
+                new = cluster.workers[f"{name}-new"]
+                wait_until(lambda new=new: new.address in routable(gateway), timeout=10,
+                           what=f"the replacement of {name} routable")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        altered = [(i, r) for i, r in results if r != reference[i]]
+        assert not altered, f"{len(altered)} of {len(results)} streams failed or changed"
+        assert len(results) >= 8
+    finally:
+        cluster.close()
