@@ -108,19 +108,23 @@ def test_a_streamed_tool_call_assembles_to_the_non_streamed_call(client, smollm2
     assert calls[0]["id"].startswith("call_") and whole.message.tool_calls[0].id != calls[0]["id"]
 
 
-@pytest.mark.parametrize(("choice", "seeds"), [("required", 4), ("add", 2), ("get_weather", 2)])
+@pytest.mark.parametrize(("choice", "n"), [("required", 6), ("add", 3), ("get_weather", 3)])
 def test_required_and_named_tool_choices_always_yield_a_valid_call(client, smollm2_dir, choice,
-                                                                   seeds):
+                                                                   n):
     tool_choice = choice if choice == "required" else {"type": "function",
                                                        "function": {"name": choice}}
-    for seed in range(seeds):
-        result = client.chat.completions.create(
-            model=smollm2_dir.name, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed).choices[0]
-        assert result.finish_reason == "tool_calls", (seed, result)
-        (call,) = _calls(result.message)
+    # n choices sample with seeds 5, 6, ... (one batch on the decode worker)
+    result = client.chat.completions.create(
+        model=smollm2_dir.name, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+        max_tokens=MAX_TOKENS, temperature=1.0, seed=5, n=n)
+    assert len(result.choices) == n
+    for choice_result in result.choices:
+        assert choice_result.finish_reason == "tool_calls", choice_result
+        (call,) = _calls(choice_result.message)
         assert choice == "required" or call["name"] == choice
-        assert _valid_arguments(call["name"], call["arguments"]), (seed, call)
+        assert _valid_arguments(call["name"], call["arguments"]), call
+    if choice == "required":  # sampling reaches both tools, or at least different arguments
+        assert len({json.dumps(_calls(c.message)) for c in result.choices}) > 1
 
 
 def test_the_sdk_reply_and_a_tool_result_go_back_into_the_conversation(client, smollm2_dir):
