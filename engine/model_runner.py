@@ -20,7 +20,7 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
-from engine.structured.masks import GrammarMasks, MaskRow, StepMasks
+from engine.structured.masks import GrammarMasks, MaskGroup, MaskRow, StepMasks
 from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
@@ -296,7 +296,7 @@ class ModelRunner:
 
         logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
         if masks is not None:
-            masks.apply(logits, first_row=sum(n for _, _, n in verify_rows))
+            masks.apply(logits, "sample")
         rows = []
         for rid, _ in sample_rows:
             state = self.requests[rid]
@@ -334,7 +334,7 @@ class ModelRunner:
         index = [row for _, row0, n in verify_rows for row in range(row0, row0 + n)]
         logits = self.model.compute_logits(hidden[index])
         if masks is not None:
-            masks.apply(logits, first_row=0)
+            masks.apply(logits, "verify")
         items = []
         for rid, _, _ in verify_rows:
             state = self.requests[rid]
@@ -365,17 +365,20 @@ class ModelRunner:
         return self.grammar_masks
 
     def _start_masks(self, sample_rows, verify_rows, spec) -> StepMasks | None:
-        """Mask rows in the order the logits are computed: verifications, then samples."""
-        rows, at = [], 0
+        """Masks for the rows of the two logits tensors: verifications' and samples'."""
+        verify, at = MaskGroup(sum(n for _, _, n in verify_rows), []), 0
         for rid, _, n in verify_rows:
             if (grammar := self.requests[rid].grammar) is not None:
-                rows.append(MaskRow(grammar, at, spec[rid]))
+                verify.rows.append(MaskRow(grammar, at, spec[rid]))
             at += n
-        for rid, _ in sample_rows:
+        sample = MaskGroup(len(sample_rows), [])
+        for at, (rid, _) in enumerate(sample_rows):
             if (grammar := self.requests[rid].grammar) is not None:
-                rows.append(MaskRow(grammar, at))
-            at += 1
-        return self.grammar_masks.start(rows) if rows else None
+                sample.rows.append(MaskRow(grammar, at))
+        if not verify.rows and not sample.rows:
+            return None
+        return self.grammar_masks.start({"verify": verify, "sample": sample}, self.dtype,
+                                        self.device)
 
     def _prompt_logprobs(self, hidden, prompt_rows) -> dict[str, list[Logprobs | None]]:
         """Logprobs of each prompt token given the ones before it (completions' echo)."""

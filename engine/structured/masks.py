@@ -1,6 +1,7 @@
-"""The per-step token bitmask of constrained requests: filled by llguidance on a helper thread
-while the forward runs (it needs only the grammar states, not the logits), then applied to the
-logits in one vectorized masked_fill. Steps without a constrained request never get here."""
+"""The per-step token masks of constrained requests: llguidance's bitmask, unpacked into an
+additive bias (0 or -inf per token), all built on a helper thread while the forward runs (it
+needs only the grammar states, not the logits); the step then pays one vectorized add on the
+logits. Steps without a constrained request never get here."""
 
 from __future__ import annotations
 
@@ -18,8 +19,26 @@ from engine.structured.grammar import GrammarCompiler
 from engine.structured.state import GrammarState
 
 # bit b of byte k of a little-endian int32 word w allows token 32 w + 8 k + b (llguidance's
-# layout); one lookup turns each mask byte into its 8 booleans.
+# layout); one lookup (an embedding of the 256 byte values) turns each byte into 8 biases.
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+
+
+_BIAS_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def bias_from_bitmask(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bias: 0 where allowed, else -inf."""
+    table = _BIAS_TABLES.get(dtype)
+    if table is None:  # [256, 8]: the biases of a byte's 8 tokens (a benign race: same value)
+        table = _BIAS_TABLES[dtype] = torch.zeros(_BYTE_BITS.shape, dtype=dtype).masked_fill_(
+            ~_BYTE_BITS, float("-inf"))
+    bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table)
+    return bias.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def _signed_bit(bit: int) -> int:
+    """1 << bit as an int32 value (bit 31 is the sign)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 @dataclass
@@ -28,40 +47,36 @@ class MaskRow:
     already before it in this step (the row after proposal i sees proposals 0..i)."""
 
     state: GrammarState
-    row: int  # index among the step's constrained-candidate logit rows
+    row: int  # the first of its rows in its group's logits
     proposals: Sequence[int] = ()
 
 
+@dataclass
+class MaskGroup:
+    """The constrained rows of one logits tensor of the step (verifications, or samples)."""
+
+    num_rows: int  # rows of that logits tensor, constrained or not
+    rows: list[MaskRow]
+
+
 class StepMasks:
-    """The bitmask of one step, being filled. `apply` waits for it (normally done long before
-    the forward is)."""
+    """The masks of one step, being built on the mask thread as additive biases (0 or -inf)
+    in the logits' dtype, so the step itself pays one add. `apply` waits for them (normally
+    done long before the forward is)."""
 
-    def __init__(self, future: Future, rows: list[int], eos: Sequence[int], vocab: int) -> None:
+    def __init__(self, future: Future) -> None:
         self._future = future
-        self.rows = rows  # every logit row the bitmask covers, in bitmask order
-        self._eos = list(eos)
-        self._vocab = vocab
 
-    def apply(self, logits: torch.Tensor, first_row: int) -> None:
-        """Mask `logits`, which hold the step's candidate rows [first_row, first_row + len)."""
-        bitmask = self._future.result()
-        last = first_row + logits.shape[0]
-        picked = [i for i, r in enumerate(self.rows) if first_row <= r < last]
-        if not picked:
+    def apply(self, logits: torch.Tensor, group: str) -> None:
+        built = self._future.result().get(group)
+        if built is None:
             return
-        index = [self.rows[i] - first_row for i in picked]
-        words = bitmask[picked] if len(picked) < len(self.rows) else bitmask
-        allowed = _BYTE_BITS[words.view(torch.uint8).long()].view(len(picked), -1)
-        allowed = allowed[:, : logits.shape[1]].to(logits.device, non_blocking=True)
-        # A row with nothing allowed (a failed state's mask) would be all -inf: offer EOS.
-        empty = ~allowed.any(dim=1)
-        if empty.any():
-            allowed[empty.nonzero().squeeze(1).unsqueeze(1), torch.tensor(self._eos)] = True
-        if len(index) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
+        index, bias = built
+        bias = bias if bias.dtype == logits.dtype else bias.to(logits.dtype)
+        if index is None:
+            logits.add_(bias)
         else:
-            at = torch.tensor(index, device=logits.device)
-            logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
+            logits.index_add_(0, index, bias)
 
 
 class GrammarMasks:
@@ -85,11 +100,28 @@ class GrammarMasks:
                   request_id: str) -> GrammarState:
         return GrammarState(self.compiler, so, output_token_ids, request_id)
 
-    def start(self, rows: list[MaskRow]) -> StepMasks:
-        """Begin filling the masks of `rows` (call before the forward)."""
-        logit_rows = [r.row + i for r in rows for i in range(len(r.proposals) + 1)]
-        future = self._thread.submit(self._fill, rows)
-        return StepMasks(future, logit_rows, self.eos, self.vocab_size)
+    def start(self, groups: dict[str, MaskGroup], dtype: torch.dtype,
+              device: torch.device) -> StepMasks:
+        """Begin building the masks of `groups` (call before the forward)."""
+        return StepMasks(self._thread.submit(self._build, groups, dtype, device))
+
+    def _build(self, groups: dict[str, MaskGroup], dtype: torch.dtype, device: torch.device):
+        built = {}
+        for name, group in groups.items():
+            if not group.rows:
+                continue
+            bitmask = self._fill(group.rows)
+            # A row with nothing allowed (a failed state's) would be all -inf: offer EOS.
+            for row in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():
+                for token in self.eos:
+                    bitmask[row, token // 32] |= _signed_bit(token % 32)
+            bias = bias_from_bitmask(bitmask, self.vocab_size, dtype)
+            rows = [r.row + i for r in group.rows for i in range(len(r.proposals) + 1)]
+            index = None
+            if rows != list(range(group.num_rows)):
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+            built[name] = (index, bias.to(device, non_blocking=True))
+        return built
 
     def _fill(self, rows: list[MaskRow]) -> torch.Tensor:
         bitmask = torch.full((sum(len(r.proposals) + 1 for r in rows), self._words), -1,
@@ -97,7 +129,7 @@ class GrammarMasks:
         live, drafts, at = [], [], 0
         for r in rows:
             if r.state.failed is not None:
-                bitmask[at : at + len(r.proposals) + 1] = 0  # apply() offers EOS only
+                bitmask[at : at + len(r.proposals) + 1] = 0  # EOS only (_build)
             elif r.proposals:
                 drafts.append((r.state.matcher, at, list(r.proposals)))
             else:

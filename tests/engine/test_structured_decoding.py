@@ -9,11 +9,13 @@ import json
 import re
 
 import pytest
+import torch
 from engine_harness import assert_no_leak, drive, make_engine, random_prompts
 from spec_decode_harness import ScriptedProposer, drive_checked, spec_engine
 from tokenizers import Tokenizer
 
 from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.structured.masks import bias_from_bitmask
 
 REGEX = "[0-9]{3}-[a-z]{2,4}"
 CHOICES = ("alpha", "beta", "gamma delta")
@@ -192,3 +194,17 @@ def test_requests_without_a_constraint_build_no_grammar(tiny_llama_dir):
     engine.add_request("r", random_prompts([8], seed=13)[0], SamplingParams(max_tokens=8))
     drive(engine)
     assert engine.runner.grammar_masks is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bias_allows_exactly_the_tokens_of_the_bitmask(dtype):
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (3, 4), dtype=torch.int64, generator=generator)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = -1  # all allowed (bit 31 is the sign)
+    bias = bias_from_bitmask(bitmask, 120, dtype)  # 120 of the 128 bits are tokens
+    assert bias.shape == (3, 120) and bias.dtype == dtype
+    for row in range(3):
+        for token in range(120):
+            allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+            assert bias[row, token].item() == (0.0 if allowed else float("-inf")), (row, token)
