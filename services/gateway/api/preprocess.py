@@ -5,6 +5,7 @@ size limits (request_limits) are checked before the prompt is tokenized."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,14 +35,19 @@ class ModelLimits:
 
 
 class Preprocessor:
-    """Stateless apart from the read-only tokenizer and limits; runs in the gateway's
-    tokenizer threads (Gateway.off_loop), so a huge prompt never blocks the event loop."""
+    """Stateless apart from the read-only tokenizer and limits (and a cache of tool grammars
+    that compiled); runs in the gateway's tokenizer threads (Gateway.off_loop), so a huge
+    prompt never blocks the event loop."""
 
     def __init__(self, tokenizer: ModelTokenizer, request_limits: RequestLimits,
                  tool_format: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.request_limits = request_limits
         self.tool_format = tool_format  # --tool-call-parser; None: tool calling off
+        # Clients send the same tools with every turn: a grammar that compiled once is not
+        # compiled again (1-3 ms each). lru_cache is thread-safe; a failure is not cached.
+        self._check_tools = functools.lru_cache(maxsize=256)(
+            lambda so, vocab_size: self.structured.check(so, vocab_size, param="tools"))
         self.structured = StructuredOutputChecker(tokenizer)
 
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
@@ -101,7 +107,7 @@ class Preprocessor:
         """Every tool's schema must compile (a 400 otherwise, whatever tool_choice says);
         required / named choices constrain the output to one well-formed call."""
         any_call = StructuredOutput(grammar=plan.grammar(forced_only=False))
-        self.structured.check(any_call, limits.vocab_size, param="tools")
+        self._check_tools(any_call, limits.vocab_size)
         if not plan.constrained:
             return params
         if params.structured_output is not None:
@@ -109,7 +115,7 @@ class Preprocessor:
                                    "constraint would contradict; send one of them",
                                    param="tool_choice")
         forced = StructuredOutput(grammar=plan.grammar()) if plan.forced else any_call
-        self.structured.check(forced, limits.vocab_size, param="tools")
+        self._check_tools(forced, limits.vocab_size)
         return dataclasses.replace(params, structured_output=forced)
 
     def token_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
