@@ -37,22 +37,39 @@ class SamplingRow:
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
+    """Penalties of one row, in place on its logits [vocab]."""
+    _apply_penalties_to_rows(logits[None], [row], [0])
+
+def _penalty_counts(row: SamplingRow, vocab: int, device: torch.device):
     counts = row.counts if row.counts is not None else TokenCounts()
-    counts.update(row.token_ids, row.num_prompt_tokens, logits.shape[-1], logits.device)
+    counts.update(row.token_ids, row.num_prompt_tokens, vocab, device)
     output, seen = counts.output, counts.seen
     if row.pending_token_ids:
         output, seen = with_output_tokens(output, seen, row.pending_token_ids)
-    # Only the seen (output) entries are touched: on a long vocabulary that is about twice as
-    # fast as arithmetic on every logit, and the values are those of counting from scratch.
-    if p.repetition_penalty != 1.0:
-        ids = seen.nonzero().squeeze(1)
-        values = logits[ids]
-        logits[ids] = torch.where(values > 0, values / p.repetition_penalty,
-                                  values * p.repetition_penalty)
-    if p.presence_penalty or p.frequency_penalty:
-        ids = output.nonzero().squeeze(1)
-        logits[ids] -= p.frequency_penalty * output[ids] + p.presence_penalty
+    return output, seen
+
+
+def _apply_penalties_to_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                             index: Sequence[int]) -> None:
+    """Penalties of rows[j] on logits[index[j]], in place, for all of them in a few batched ops
+    (no per-row lookup of the seen ids). A row's neutral penalty (1.0 or 0) leaves its logits
+    bit for bit as they were: x / 1.0, x * 1.0 and x - 0.0 are x."""
+    vocab, device = logits.shape[-1], logits.device
+    counted = [_penalty_counts(row, vocab, device) for row in rows]
+    output = torch.stack([c[0] for c in counted])
+    seen = torch.stack([c[1] for c in counted])
+    at = torch.tensor(list(index), device=device)
+    sub = logits[at]
+
+    def column(values):
+        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+
+    rep = column([r.params.repetition_penalty for r in rows])
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    frequency = column([r.params.frequency_penalty for r in rows])
+    presence = column([r.params.presence_penalty for r in rows])
+    sub -= frequency * output + presence * (output > 0)
+    logits[at] = sub
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -91,9 +108,9 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """The distribution each (non-greedy) row's token is drawn from: penalties, temperature,
     then top-k/top-p/min-p, as float32 [rows, vocab]. Speculative verification needs it whole."""
     logits = logits.float().clone()
-    for i, row in enumerate(rows):
-        if row.params.needs_penalties:
-            _apply_penalties(logits[i], row)
+    penalised = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if penalised:
+        _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
     temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
     return _filter(logits / temps.unsqueeze(1), rows)
 
@@ -114,13 +131,15 @@ class Sampler:
         raw_logprobs = None
         if asked:
             raw_logprobs = (logits if len(asked) == len(rows) else logits[asked]).log_softmax(-1)
-        if any(r.params.needs_penalties for r in rows):
+        penalised = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if penalised:
             logits = logits.clone()
-            for i, row in enumerate(rows):
-                if row.params.needs_penalties:
-                    _apply_penalties(logits[i], row)
-        tokens = logits.argmax(dim=-1)
+            _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(random_rows) < len(rows):
+            tokens = logits.argmax(dim=-1)
+        else:  # no greedy row: skip a pass over the logits
+            tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
         if random_rows:
             subset = [rows[i] for i in random_rows]
             index = torch.tensor(random_rows, device=logits.device)
@@ -131,9 +150,31 @@ class Sampler:
             tokens[index] = torch.tensor(drawn, device=logits.device)
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(rows)
-        for at, i in enumerate(asked):
-            logprobs[i] = top_logprobs(raw_logprobs[at], token_list[i], rows[i].params.logprobs)
+        if asked:
+            found = batch_logprobs(raw_logprobs, [token_list[i] for i in asked],
+                                   [rows[i].params.logprobs for i in asked])
+            for i, one in zip(asked, found, strict=True):
+                logprobs[i] = one
         return token_list, logprobs
+
+
+def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
+                   ns: Sequence[int]) -> list[Logprobs]:
+    """top_logprobs for each row of [rows, vocab] logprobs at once: one gather, one count of
+    the better tokens, one topk for the largest n asked."""
+    device = row_logprobs.device
+    chosen = row_logprobs.gather(1, torch.tensor(list(tokens), device=device).unsqueeze(1))
+    ranks = ((row_logprobs > chosen).sum(-1) + 1).tolist()
+    most = max(ns)
+    top_values = top_ids = None
+    if most:
+        values, ids = row_logprobs.topk(most, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out = []
+    for j, (logprob, rank, n) in enumerate(zip(chosen.squeeze(1).tolist(), ranks, ns, strict=True)):
+        top = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else {}
+        out.append(Logprobs(logprob=logprob, rank=rank, top=top))
+    return out
 
 
 def top_logprobs(row_logprobs: torch.Tensor, token: int, n: int) -> Logprobs:

@@ -301,3 +301,31 @@ def test_the_noise_for_a_seed_and_position_is_the_same_in_another_process():
         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": "123"},
     ).stdout
     assert out.strip() == str(noise_for(2024, 17, 8, torch.device("cpu")).tolist())
+
+
+def test_penalties_and_logprobs_in_a_batch_equal_each_row_alone():
+    from engine.sampler import sampling_probs
+
+    generator = torch.Generator().manual_seed(3)
+    vocab = 500
+    logits = torch.randn(5, vocab, generator=generator) * 2
+    history = torch.randint(0, vocab, (5, 40), generator=generator).tolist()
+    params = [
+        dict(temperature=0.9, repetition_penalty=1.3, logprobs=3),
+        dict(temperature=0.9),
+        dict(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4, logprobs=0),
+        dict(temperature=0.0, repetition_penalty=0.8, frequency_penalty=1.0, logprobs=5),
+        dict(temperature=0.7, top_p=0.9, presence_penalty=-0.5),
+    ]
+    rows = [row(seed=i, position=40, token_ids=history[i], num_prompt_tokens=25, **p)
+            for i, p in enumerate(params)]
+    together = sampling_probs(logits, rows)
+    tokens, logprobs = Sampler()(logits, rows)
+    for i, r in enumerate(rows):
+        if r.params.temperature > 0:
+            # (a neighbour's top-p renormalises every row: equal to rounding, not bit for bit)
+            assert torch.allclose(together[i], sampling_probs(logits[i:i + 1], [r])[0],
+                                  rtol=1e-6, atol=0), i
+        alone_tokens, alone_logprobs = Sampler()(logits[i:i + 1], [r])
+        assert tokens[i] == alone_tokens[0] and logprobs[i] == alone_logprobs[0], i
+    assert logprobs[1] is None and logprobs[2].top == {} and len(logprobs[3].top) == 5
