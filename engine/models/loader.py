@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,10 +56,12 @@ def iterate_weights(path: Path, shard_reads: bool = False) -> Iterator[tuple[str
 
 
 def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The parameters are made in `dtype` on `device` and filled from the checkpoint one tensor
+    at a time: no float32 copy of the model is built first, so weight memory peaks at the
+    model's size in `dtype` (plus one checkpoint tensor)."""
     model_cls = resolve_model_class(config.architecture)
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         model = model_cls(config)
-    model.to(dtype=dtype)
     loaded = model.load_weights(iterate_weights(Path(config.path), shard_reads=get_tp().size > 1))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
@@ -67,3 +70,15 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     if missing:
         raise ValueError(f"checkpoint {config.path} lacks weights for: {sorted(missing)[:8]}")
     return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Floating tensors made without a dtype are `dtype` inside (the layers' parameters); the
+    layers that need float32 (rotary tables) ask for it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
