@@ -63,27 +63,33 @@ def _valid_arguments(name: str, arguments: str) -> bool:
         type(args[k]) is int and 0 <= args[k] <= 1000 for k in "ab"))
 
 
-def _streamed(client, model: str, **kwargs) -> tuple[str | None, list[dict], str]:
-    """content, calls and finish_reason of a stream, assembled as the SDK does, checking that
-    every call starts with index, id, type and name and goes on with argument fragments only."""
-    content, calls, finish = None, {}, None
+def _streamed(client, model: str, **kwargs) -> dict[int, tuple[str | None, list[dict], str]]:
+    """Per choice: content, calls and finish_reason of a stream, assembled as the SDK does,
+    checking that every call starts with index, id, type and name and goes on with argument
+    fragments only."""
+    content: dict[int, str | None] = {}
+    calls: dict[int, dict[int, dict]] = {}
+    finish: dict[int, str] = {}
     for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
         for choice in chunk.choices:
-            delta = choice.delta
+            delta, i = choice.delta, choice.index
+            content.setdefault(i, None)
             if delta.content:
                 assert "<tool_call" not in delta.content and "</tool" not in delta.content
-                content = (content or "") + delta.content
+                content[i] = (content[i] or "") + delta.content
             for tc in delta.tool_calls or []:
-                if tc.index not in calls:
+                mine = calls.setdefault(i, {})
+                if tc.index not in mine:
                     assert tc.id and tc.type == "function" and tc.function.name, tc
-                    calls[tc.index] = {"id": tc.id, "name": tc.function.name,
-                                       "arguments": tc.function.arguments or "", "fragments": 0}
+                    mine[tc.index] = {"id": tc.id, "name": tc.function.name,
+                                      "arguments": tc.function.arguments or "", "fragments": 0}
                 else:
                     assert tc.id is None and tc.function.name is None, tc
-                    calls[tc.index]["arguments"] += tc.function.arguments or ""
-                    calls[tc.index]["fragments"] += 1
-            finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
+                    mine[tc.index]["arguments"] += tc.function.arguments or ""
+                    mine[tc.index]["fragments"] += 1
+            finish[i] = choice.finish_reason or finish.get(i)
+    return {i: (content[i], [calls.get(i, {})[k] for k in sorted(calls.get(i, {}))], finish[i])
+            for i in content}
 
 
 def _calls(message) -> list[dict]:
@@ -91,21 +97,26 @@ def _calls(message) -> list[dict]:
             for c in message.tool_calls or []]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0},
+                                      {"temperature": 1.0, "seed": 11, "n": 3}],
+                         ids=["greedy", "seeded-n3"])
 def test_a_streamed_tool_call_assembles_to_the_non_streamed_call(client, smollm2_dir,
                                                                  sampling):
     request = dict(messages=QUESTION, tools=TOOLS, tool_choice="required",
                    max_tokens=MAX_TOKENS, **sampling)
-    whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
-    content, calls, finish = _streamed(client, smollm2_dir.name, **request)
-    assert whole.finish_reason == finish == "tool_calls"
-    assert whole.message.content is None and content is None
-    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == _calls(
-        whole.message)
-    assert len(calls) == 1 and _valid_arguments(calls[0]["name"], calls[0]["arguments"])
-    assert calls[0]["fragments"] > 1, "a forced call's arguments stream as they are generated"
-    assert calls[0]["id"].startswith("call_") and whole.message.tool_calls[0].id != calls[0]["id"]
+    whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices
+    streamed = _streamed(client, smollm2_dir.name, **request)
+    assert sorted(streamed) == [c.index for c in whole] == list(range(sampling.get("n", 1)))
+    for choice in whole:
+        content, calls, finish = streamed[choice.index]
+        assert choice.finish_reason == finish == "tool_calls"
+        assert choice.message.content is None and content is None
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == _calls(
+            choice.message)
+        assert len(calls) == 1 and _valid_arguments(calls[0]["name"], calls[0]["arguments"])
+        assert calls[0]["fragments"] > 1, "a forced call's arguments stream as generated"
+        assert calls[0]["id"].startswith("call_")
+        assert choice.message.tool_calls[0].id != calls[0]["id"]
 
 
 @pytest.mark.parametrize(("choice", "n"), [("required", 6), ("add", 3), ("get_weather", 3)])
@@ -154,6 +165,5 @@ def test_auto_answers_in_text_the_same_streamed_and_not(client, smollm2_dir):
     request = dict(messages=[{"role": "user", "content": "Say hello in French."}], tools=TOOLS,
                    tool_choice="auto", max_tokens=16, temperature=0)
     whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
-    content, calls, finish = _streamed(client, smollm2_dir.name, **request)
-    assert (content, calls, finish) == (whole.message.content, _calls(whole.message),
-                                        whole.finish_reason)
+    assert _streamed(client, smollm2_dir.name, **request) == {
+        0: (whole.message.content, _calls(whole.message), whole.finish_reason)}
