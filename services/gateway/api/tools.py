@@ -84,7 +84,7 @@ def tool_plan(tools: Any, tool_choice: Any, tool_format: ToolFormat | None) -> T
     choice, forced = _choice(tool_choice)
     if tools is None or tools == []:
         if choice in ("required", "function"):
-            raise APIError.invalid(f"tool_choice {_describe(tool_choice)} needs `tools`",
+            raise APIError.invalid(f"tool_choice {json.dumps(tool_choice)} needs `tools`",
                                    param="tool_choice")
         return None
     parsed = _tools(tools)
@@ -171,10 +171,6 @@ def _choice(value: Any) -> tuple[str, str | None]:
             return "function", function["name"]
     raise APIError.invalid('tool_choice must be "none", "auto", "required" or {"type": '
                            '"function", "function": {"name": ...}}', param="tool_choice")
-
-
-def _describe(tool_choice: Any) -> str:
-    return json.dumps(tool_choice)
 
 
 def _tools(tools: Any) -> tuple[FunctionTool, ...]:
