@@ -21,8 +21,6 @@ from engine.structured.state import GrammarState
 # bit b of byte k of a little-endian int32 word w allows token 32 w + 8 k + b (llguidance's
 # layout); one lookup (an embedding of the 256 byte values) turns each byte into 8 biases.
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
-
-
 _BIAS_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -141,6 +139,3 @@ class GrammarMasks:
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
                 self._executor, drafts, bitmask)
         return bitmask
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=False)
