@@ -69,3 +69,13 @@ def render_scenario(name: str) -> Rendered:
 def pod_templates(rendered: Rendered) -> list[tuple[dict, dict]]:
     """(workload, pod template) for every Deployment."""
     return [(d, d["spec"]["template"]) for d in rendered.of_kind("Deployment")]
+
+
+def worker_deployments(rendered: Rendered) -> dict[str, str]:
+    """Worker Deployment name -> its --role: prefill and decode, or the one role-both pool."""
+    workers = {}
+    for deployment, pod in pod_templates(rendered):
+        args = pod["spec"]["containers"][0]["args"]
+        if args[:1] == ["worker"]:
+            workers[deployment["metadata"]["name"]] = args[args.index("--role") + 1]
+    return workers

@@ -24,6 +24,7 @@ ACCEPTED = {
     "CKV_K8S_43",  # image digest: set per deployment (image.digest), unknown to the chart
     "CKV_K8S_35",  # secrets as env: the processes' configuration interface is the environment
     "CKV_K8S_38",  # service account token: the autoscaler is the one pod that calls the API
+    "CKV_K8S_25",  # added capability: IPC_LOCK on the workers only, with rdma.enabled
     "CKV_DOCKER_2",  # HEALTHCHECK: Kubernetes probes each process; the command differs by role
     "CKV_DOCKER_9",  # apt: gcc and libc headers for Triton in the cuda variant
 }

@@ -6,7 +6,15 @@ from __future__ import annotations
 import base64
 
 import pytest
-from chart_render import NAMESPACE, RELEASE, SCENARIOS, Rendered, pod_templates, render_scenario
+from chart_render import (
+    NAMESPACE,
+    RELEASE,
+    SCENARIOS,
+    Rendered,
+    pod_templates,
+    render_scenario,
+    worker_deployments,
+)
 
 FULLNAME = f"{RELEASE}-splitserve"
 WORKERS = (f"{FULLNAME}-prefill", f"{FULLNAME}-decode")
@@ -90,7 +98,7 @@ def test_services_select_one_deployment_and_target_its_ports(scenario: str) -> N
         ports = container_ports(rendered.get("Deployment", name)["spec"]["template"])
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in ports, f"{name}: no container port {port['targetPort']}"
-    for worker in WORKERS:
+    for worker in worker_deployments(rendered):
         assert rendered.get("Service", worker)["spec"]["clusterIP"] == "None"
 
 
@@ -102,9 +110,10 @@ def test_disruption_budgets_cover_the_gateway_and_both_pools(scenario: str) -> N
         selected = pods_selected(rendered, pdb["spec"]["selector"])
         assert len(selected) == 1, pdb["metadata"]["name"]
         covered[selected[0]] = pdb["spec"]
-    assert set(covered) == set(SERVING)
+    workers = worker_deployments(rendered)
+    assert set(covered) == {f"{FULLNAME}-gateway", *workers}
     assert covered[f"{FULLNAME}-gateway"]["minAvailable"] == 1
-    for worker in WORKERS:
+    for worker in workers:
         assert covered[worker]["maxUnavailable"] == 1
 
 
@@ -115,6 +124,7 @@ def test_probes_hit_ports_and_paths_the_containers_serve(scenario: str) -> None:
         f"{FULLNAME}-gateway": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-prefill": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-decode": ("metrics", "/health", "/ready"),
+        f"{FULLNAME}-worker": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-autoscaler": ("http", "/health", "/ready"),
     }
     for deployment, pod in pod_templates(rendered):
@@ -150,8 +160,12 @@ def test_startup_probe_allows_the_configured_model_load_time() -> None:
 @scenarios
 def test_workers_are_configured_for_their_role_and_ports(scenario: str) -> None:
     rendered = render_scenario(scenario)
-    for role in ("prefill", "decode"):
-        pod = rendered.get("Deployment", f"{FULLNAME}-{role}")["spec"]["template"]
+    aggregated = SCENARIOS[scenario].get("mode") == "aggregated"
+    expected = {f"{FULLNAME}-worker": "both"} if aggregated else {
+        f"{FULLNAME}-prefill": "prefill", f"{FULLNAME}-decode": "decode"}
+    assert worker_deployments(rendered) == expected
+    for name, role in expected.items():
+        pod = rendered.get("Deployment", name)["spec"]["template"]
         container = pod["spec"]["containers"][0]
         ports = container_ports(pod)
         assert container["command"] == ["splitserve"]
@@ -206,7 +220,7 @@ def test_every_mount_has_a_volume_and_every_reference_resolves(scenario: str) ->
 @scenarios
 def test_rollouts_never_reduce_serving_capacity(scenario: str) -> None:
     rendered = render_scenario(scenario)
-    for name in SERVING:
+    for name in (f"{FULLNAME}-gateway", *worker_deployments(rendered)):
         deployment = rendered.get("Deployment", name)
         assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         pod = deployment["spec"]["template"]["spec"]
@@ -220,7 +234,7 @@ def test_replicas_are_left_to_the_scaler_that_owns_the_pools(scenario: str) -> N
     scaled = values.get("autoscaler", {}).get("enabled", True) or any(
         values.get(k, {}).get("enabled") for k in ("hpa", "keda"))
     rendered = render_scenario(scenario)
-    for worker in WORKERS:
+    for worker in worker_deployments(rendered):
         assert ("replicas" in rendered.get("Deployment", worker)["spec"]) is not scaled
     assert "replicas" in rendered.get("Deployment", f"{FULLNAME}-gateway")["spec"]
 
@@ -231,7 +245,7 @@ def test_scalers_target_exactly_the_two_worker_deployments(scenario: str) -> Non
     for kind in ("HorizontalPodAutoscaler", "ScaledObject"):
         targets = sorted(o["spec"]["scaleTargetRef"]["name"] for o in rendered.of_kind(kind))
         if targets:
-            assert targets == sorted(WORKERS)
+            assert targets == sorted(worker_deployments(rendered))
             for target in targets:
                 assert rendered.get("Deployment", target)
 
@@ -270,16 +284,25 @@ def test_only_the_autoscaler_mounts_an_api_token(scenario: str) -> None:
 @scenarios
 def test_gpus_are_requested_by_workers_only(scenario: str) -> None:
     rendered = render_scenario(scenario)
-    expected = {"default": (1, 1), "hpa": (1, 2), "keda": (1, 1), "cpu": (0, 0)}[scenario]
-    for worker, gpus in zip(WORKERS, expected, strict=True):
-        resources = main_container(rendered, worker)["resources"]
+    expected = {
+        "default": {"prefill": 1, "decode": 1}, "hpa": {"prefill": 1, "decode": 2},
+        "keda": {"prefill": 1, "decode": 1}, "cpu": {"prefill": 0, "decode": 0},
+        "gpu-disaggregated-rdma": {"prefill": 2, "decode": 2},
+        "gpu-disaggregated-tcp": {"prefill": 2, "decode": 2}, "gpu-aggregated": {"worker": 2},
+    }[scenario]
+    assert set(worker_deployments(rendered)) == {f"{FULLNAME}-{c}" for c in expected}
+    for component, gpus in expected.items():
+        container = main_container(rendered, f"{FULLNAME}-{component}")
+        resources = container["resources"]
         if gpus:
             assert resources["requests"]["nvidia.com/gpu"] == gpus
             assert resources["limits"]["nvidia.com/gpu"] == gpus
         else:
             assert "nvidia.com/gpu" not in resources["requests"] | resources["limits"]
+        # Every GPU of the pod runs a tensor-parallel rank (hpa's decode.gpus: 2 is TP 2).
+        assert env_value(container, "SPLITSERVE_TENSOR_PARALLEL_SIZE") == str(max(gpus, 1))
     for deployment, pod in pod_templates(rendered):
-        if deployment["metadata"]["name"] not in WORKERS:
+        if deployment["metadata"]["name"] not in worker_deployments(rendered):
             for container in pod["spec"]["containers"]:
                 assert "nvidia.com/gpu" not in str(container["resources"])
 
@@ -311,6 +334,11 @@ def test_network_policies_open_ports_that_exist(scenario: str) -> None:
             for peer in rule.get("from", []):
                 if "podSelector" in peer and "namespaceSelector" not in peer:
                     assert pods_selected(rendered, peer["podSelector"]), policy["metadata"]["name"]
+    if SCENARIOS[scenario].get("mode") == "aggregated":
+        # No KV crosses pods: workers take nothing from each other.
+        policy = rendered.get("NetworkPolicy", f"{FULLNAME}-worker")
+        assert all("ports" in rule for rule in policy["spec"]["ingress"])
+        return
     # Workers accept KV channels from each other on any port (torch.distributed's ephemeral ones).
     decode = rendered.get("NetworkPolicy", WORKERS[1])
     peers = [r for r in decode["spec"]["ingress"] if "ports" not in r]

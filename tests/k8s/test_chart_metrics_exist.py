@@ -26,7 +26,11 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 def extra_scenarios() -> dict[str, dict]:
     """Scenarios whose queries the ci/ files do not reach (HPA on a pool of role both, etc.)."""
-    return {}
+    return {"aggregated-hpa": {"mode": "aggregated", "autoscaler": {"enabled": False},
+                               "hpa": {"enabled": True}},
+            "aggregated-keda-dashboard": {"mode": "aggregated", "autoscaler": {"enabled": False},
+                                          "keda": {"enabled": True},
+                                          "metrics": {"dashboard": {"enabled": True}}}}
 
 
 def rendered_scenarios() -> list[Rendered]:
@@ -144,7 +148,7 @@ def test_hpa_metrics_are_per_pod_gauges_of_the_pool_they_scale(exported) -> None
             assert samples.get(name) == 1, (rendered.scenario, role, name)
             seen.append((role, name))
     assert {("prefill", "splitserve_worker_queued_prefill_tokens"),
-            ("decode", "splitserve_kv_usage_ratio")} <= set(seen)
+            ("decode", "splitserve_kv_usage_ratio"), ("both", "splitserve_kv_usage_ratio")} <= set(seen)
 
 
 def test_name_collection_finds_a_name_no_process_exports() -> None:

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 
 import pytest
-from chart_render import RELEASE, SCENARIOS, render_scenario
+from chart_render import RELEASE, SCENARIOS, render_scenario, worker_deployments
 
 FULLNAME = f"{RELEASE}-splitserve"
 # Interfaces the chart is designed for but the process does not read yet (drop them when it does).
@@ -51,8 +51,9 @@ def container(scenario: str, component: str) -> dict:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_worker_settings_are_worker_options(scenario: str) -> None:
     known = worker_env_names()
-    for role in ("prefill", "decode"):
-        worker = container(scenario, role)
+    for name, role in worker_deployments(render_scenario(scenario)).items():
+        worker = render_scenario(scenario).get("Deployment", name)["spec"]["template"]["spec"][
+            "containers"][0]
         assert chart_settings(worker) - known <= PENDING["worker"], role
         parsed = worker_parser().parse_args(worker["args"][1:])
         assert parsed.role == role

@@ -11,7 +11,7 @@ import base64
 import grpc
 import helm_python as helm
 import pytest
-from chart_render import RELEASE, SCENARIOS, render, render_scenario
+from chart_render import RELEASE, SCENARIOS, render, render_scenario, worker_deployments
 from splitserve.v1 import common_pb2, decode_pb2_grpc
 
 from services.common.security import TLSFiles, sync_channel
@@ -45,7 +45,9 @@ def _mounted_file(pod: dict, path: str) -> tuple[str, str]:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_pod_reads_tls_and_the_cluster_secret_from_rendered_secrets(scenario: str) -> None:
     rendered = render_scenario(scenario)
-    for component in PODS:
+    components = ["gateway"] + [name.removeprefix(f"{FULLNAME}-")
+                                for name in worker_deployments(rendered)]
+    for component in components:
         pod = _pod(rendered, component)
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         for name, path in FILES.items():

@@ -169,10 +169,32 @@ checkov.io/skipN: "CHECK_ID=reason". Pass (dict "root" $ "component" "gateway").
 {{- if $secretEnv -}}
 {{- $skips = append $skips "CKV_K8S_35=splitserve processes read REDIS_URL and SPLITSERVE_GATEWAY_API_KEYS from the environment (their configuration interface); the values come from a Secret by reference and never appear in the manifest" -}}
 {{- end -}}
+{{- if and $v.rdma.enabled (has .component (list "prefill" "decode")) -}}
+{{- $skips = append $skips "CKV_K8S_25=rdma.enabled adds IPC_LOCK to the prefill and decode workers alone: RDMA registers pinned memory for NCCL's KV transfer; every other capability stays dropped" -}}
+{{- end -}}
 {{- if eq .component "autoscaler" -}}
 {{- $skips = append $skips "CKV_K8S_38=The autoscaler calls the API server to get and patch deployments/scale of the two worker Deployments; its Role grants nothing else" -}}
 {{- end -}}
 {{- range $i, $skip := $skips }}
 checkov.io/skip{{ add1 $i }}: {{ $skip | quote }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The worker pools of .Values.mode, as a JSON list: disaggregated runs a prefill and a decode pool;
+aggregated runs one pool of role-both workers named "-worker", configured by .Values.aggregated
+and scaled (hpa, keda) by the decode settings, since decode's KV bounds what it serves.
+*/}}
+{{- define "splitserve.workerPools" -}}
+{{- if eq .Values.mode "aggregated" -}}
+[{"component": "worker", "role": "both", "values": "aggregated", "scaler": "decode"}]
+{{- else -}}
+[{"component": "prefill", "role": "prefill", "values": "prefill", "scaler": "prefill"}, {"component": "decode", "role": "decode", "values": "decode", "scaler": "decode"}]
+{{- end -}}
+{{- end -}}
+
+{{/* Tensor-parallel ranks of a pool's worker: tensorParallelSize, or 0 for one per GPU. */}}
+{{- define "splitserve.tensorParallelSize" -}}
+{{- $tp := int (default 0 .tensorParallelSize) -}}
+{{- if eq $tp 0 -}}{{- max 1 (int .gpus) -}}{{- else -}}{{- $tp -}}{{- end -}}
 {{- end -}}

@@ -1,0 +1,164 @@
+"""The chart's GPU deployment shapes: mode disaggregated or aggregated, tensor parallelism checked
+against GPUs per pod at render time, the rdma block on exactly the workers that move KV, and the
+per-pool blocks (securityContext, runtimeClassName, extra env/volumes, init containers, /dev/shm).
+Strict schema, kubernetes-validate, helm lint and checkov run over the ci/gpu-* examples in the
+other modules of this folder; this one checks what each block renders and refuses."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import pytest
+from chart_render import CHART_DIR, RELEASE, SCENARIOS, render, render_scenario, worker_deployments
+
+FULLNAME = f"{RELEASE}-splitserve"
+AGGREGATED = {"mode": "aggregated", "autoscaler": {"enabled": False}}
+
+
+def pod_spec(rendered, component: str) -> dict:
+    return rendered.get("Deployment", f"{FULLNAME}-{component}")["spec"]["template"]["spec"]
+
+
+def worker_container(rendered, component: str) -> dict:
+    return pod_spec(rendered, component)["containers"][0]
+
+
+def env(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def render_error(values: dict) -> str:
+    with pytest.raises(helm.HelmError) as caught:
+        render(values)
+    return str(caught.value)
+
+
+def test_aggregated_mode_runs_one_role_both_pool_and_no_prefill() -> None:
+    rendered = render({**AGGREGATED, "aggregated": {"replicas": 3}})
+    assert worker_deployments(rendered) == {f"{FULLNAME}-worker": "both"}
+    names = {o["metadata"]["name"] for o in rendered.objects}
+    assert not {n for n in names if n.endswith(("-prefill", "-decode"))}
+    container = worker_container(rendered, "worker")
+    assert container["args"] == ["worker", "--role", "both"]
+    # No KV crosses pods: no rendezvous port.
+    assert {p["name"] for p in container["ports"]} == {"grpc", "metrics"}
+    deployment = rendered.get("Deployment", f"{FULLNAME}-worker")
+    assert deployment["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("scaler", ["hpa", "keda"])
+def test_aggregated_pool_scales_on_the_decode_settings(scaler: str) -> None:
+    rendered = render({**AGGREGATED, scaler: {"enabled": True}})
+    kind = "HorizontalPodAutoscaler" if scaler == "hpa" else "ScaledObject"
+    (obj,) = rendered.of_kind(kind)
+    assert obj["spec"]["scaleTargetRef"]["name"] == f"{FULLNAME}-worker"
+    assert "splitserve_kv_usage_ratio" in str(obj) or "splitserve_kv_blocks_used" in str(obj)
+
+
+def test_aggregated_refuses_the_builtin_autoscaler_and_rdma() -> None:
+    message = render_error({"mode": "aggregated"})
+    assert "built-in autoscaler cannot size" in message and "autoscaler.enabled=false" in message
+    message = render_error({**AGGREGATED, "rdma": {"enabled": True}})
+    assert "set rdma.enabled=false" in message
+
+
+def test_tensor_parallel_size_follows_gpus_or_must_equal_them() -> None:
+    rendered = render({"decode": {"gpus": 4}, "prefill": {"gpus": 2, "tensorParallelSize": 2}})
+    assert env(worker_container(rendered, "decode"))["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "4"
+    assert env(worker_container(rendered, "prefill"))["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    message = render_error({"decode": {"gpus": 2, "tensorParallelSize": 1}})
+    assert "decode.tensorParallelSize=1 but decode.gpus=2" in message
+    message = render_error({**AGGREGATED, "aggregated": {"gpus": 8, "tensorParallelSize": 4}})
+    assert "aggregated.tensorParallelSize=4 but aggregated.gpus=8" in message
+
+
+def test_rdma_reaches_only_the_workers_that_move_kv() -> None:
+    rendered = render({"rdma": {"enabled": True, "resourceName": "rdma/ib", "devicesPerPod": 2}})
+    for role in ("prefill", "decode"):
+        container = worker_container(rendered, role)
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                                "add": ["IPC_LOCK"]}
+        assert container["resources"]["limits"]["rdma/ib"] == 2
+        assert container["resources"]["requests"]["rdma/ib"] == 2
+        assert env(container)["NCCL_IB_DISABLE"] == "0"
+        assert env(container)["NCCL_SOCKET_IFNAME"] == "eth0"
+    for component in ("gateway", "autoscaler"):
+        container = worker_container(rendered, component)
+        assert "add" not in container["securityContext"]["capabilities"]
+        assert "rdma/ib" not in str(container["resources"])
+        assert not any(name.startswith("NCCL_") for name in env(container))
+    plain = render({})
+    for role in ("prefill", "decode"):
+        container = worker_container(plain, role)
+        assert "add" not in container["securityContext"]["capabilities"]
+        assert not any(name.startswith("NCCL_") for name in env(container))
+
+
+def test_per_pool_blocks_land_on_their_pool_only() -> None:
+    init = {"name": "fetch", "image": "busybox@sha256:" + "0" * 64, "command": ["true"]}
+    values = {"decode": {
+        "securityContext": {"runAsUser": 20002},
+        "runtimeClassName": "nvidia",
+        "initContainers": [init],
+        "extraVolumes": [{"name": "cache", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+        "extraEnv": [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}],
+        "shmSize": "16Gi",
+    }}
+    rendered = render(values)
+    decode, prefill = pod_spec(rendered, "decode"), pod_spec(rendered, "prefill")
+    context = decode["containers"][0]["securityContext"]
+    assert context["runAsUser"] == 20002 and context["capabilities"] == {"drop": ["ALL"]}
+    assert context["readOnlyRootFilesystem"] is True  # merged over the shared one, not replaced
+    assert decode["runtimeClassName"] == "nvidia" and decode["initContainers"] == [init]
+    assert {"name": "cache", "emptyDir": {}} in decode["volumes"]
+    assert {"name": "cache", "mountPath": "/cache"} in decode["containers"][0]["volumeMounts"]
+    host_ip = [e for e in decode["containers"][0]["env"] if e["name"] == "HOST_IP"]
+    assert host_ip == values["decode"]["extraEnv"]
+    shm = {v["name"]: v for v in decode["volumes"]}["dshm"]["emptyDir"]
+    assert shm == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert {v["name"]: v for v in prefill["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "2Gi"
+    assert prefill["containers"][0]["securityContext"]["runAsUser"] == 10001
+    for key in ("runtimeClassName", "initContainers"):
+        assert key not in prefill
+    assert "cache" not in {v["name"] for v in prefill["volumes"]}
+
+
+@pytest.mark.parametrize(
+    "values, where",
+    [
+        ({"mode": "split"}, "/mode"),
+        ({"decode": {"tensorParallelSize": -1}}, "/decode/tensorParallelSize"),
+        ({"prefill": {"extraVolumes": [{"emptyDir": {}}]}}, "/prefill/extraVolumes/0"),
+        ({"decode": {"initContainers": [{"name": "x"}]}}, "/decode/initContainers/0"),
+        ({"rdma": {"enable": True}}, "/rdma"),
+        ({"aggregated": {"shmSize": "lots"}}, "/aggregated/shmSize"),
+        ({"hpa": {"decode": {"metric": {"name": "m", "target": {"type": "Value", "value": "1"}}}}},
+         "/hpa/decode/metric/target"),
+    ],
+)
+def test_schema_rejects_bad_gpu_values_and_names_the_key(values: dict, where: str) -> None:
+    with helm.Chart.load(CHART_DIR) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    assert where in str(caught.value)
+
+
+@pytest.mark.parametrize("scenario", ["gpu-disaggregated-rdma", "gpu-disaggregated-tcp",
+                                      "gpu-aggregated"])
+def test_gpu_examples_fill_eight_gpus_behind_a_gateway_pair(scenario: str) -> None:
+    rendered = render_scenario(scenario)
+    assert rendered.get("Deployment", f"{FULLNAME}-gateway")["spec"]["replicas"] == 2
+    total = 0
+    for name in worker_deployments(rendered):
+        deployment = rendered.get("Deployment", name)
+        component = name.removeprefix(f"{FULLNAME}-")
+        values = SCENARIOS[scenario]["aggregated" if component == "worker" else component]
+        replicas = deployment["spec"].get("replicas", values["replicas"])
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert env(container)["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == str(gpus)
+        total += replicas * gpus
+    assert total == 8
+    rdma = SCENARIOS[scenario].get("rdma", {}).get("enabled", False)
+    capabilities = [worker_container(rendered, n.removeprefix(f"{FULLNAME}-"))["securityContext"]
+                    ["capabilities"].get("add") for n in worker_deployments(rendered)]
+    assert capabilities == [["IPC_LOCK"]] * 2 if rdma else all(c is None for c in capabilities)
