@@ -68,9 +68,11 @@ CHOICES = ["positive", "negative", "neutral"]
 
 @pytest.fixture(scope="module")
 def smollm2_stack(smollm2_dir) -> Iterator[Stack]:
-    # 104 requests at once need more KV than the tests' default 256 blocks.
-    prefill = start_worker(smollm2_dir, "prefill", "--num-kv-blocks", "1024")
-    decode = start_worker(smollm2_dir, "decode", "--num-kv-blocks", "1024")
+    # 104 requests at once need more KV than the tests' default 256 blocks; the shipped dtype
+    # (what a user runs; bfloat16 where the CPU has it) keeps those batches to seconds.
+    flags = ("--num-kv-blocks", "1024")
+    prefill = start_worker(smollm2_dir, "prefill", *flags, shipped_dtype=True)
+    decode = start_worker(smollm2_dir, "decode", *flags, shipped_dtype=True)
     try:
         prefill.wait_ready()
         decode.wait_ready()
