@@ -65,7 +65,8 @@ def test_a_failure_after_output_is_a_final_error_message_not_a_retryable_status(
         servers, gateway_factory):
     """UNAVAILABLE would invite a standard retry policy to replay text already delivered:
     the call ends OK after a last message with FINISH_REASON_ERROR and the error, as an SSE
-    stream ends with its error event."""
+    stream ends with its error event. Before that the stream migrates, as over HTTP: each
+    move resumes from the tokens delivered, up to --migration-limit (3) moves."""
     worker = servers(FakeDecode(fails_after([40, 41, 42], start_index=0), role="both"))
     gateway = gateway_factory("--worker", worker.address)
     responses = _generate(gateway.field("grpc"), text="hi", sampling=_greedy(10))
@@ -73,7 +74,9 @@ def test_a_failure_after_output_is_a_final_error_message_not_a_retryable_status(
     last = responses[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
     assert "UNAVAILABLE" in last.error and last.usage.completion_tokens == 3
-    assert len(worker.servicer.calls) == 1  # never silently restarted
+    calls = worker.servicer.calls
+    assert len(calls) == 4  # the first attempt and three moves, never a restart from scratch
+    assert all(list(c.resumed_output_token_ids) == [40, 41, 42] for c in calls[1:])
 
 
 def test_a_failure_before_output_keeps_its_status_code(servers, gateway_factory):
