@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.autoscaler.actuators import worker_load
 from services.common.registry import WorkerInfo
 from splitserve_cli.processes import WorkerProcess, free_port, start_worker
 
@@ -60,7 +61,7 @@ class LocalActuator:
             for _ in range(replicas - len(live)):
                 self._start(role)
             if len(live) > replicas:
-                load = {info.worker_id: _load(info) for info in workers}
+                load = {info.worker_id: worker_load(info) for info in workers}
                 # Drain the idlest ready workers; a worker still starting is the cheapest to stop.
                 live.sort(key=lambda w: (w.state != "starting", load.get(w.worker_id, 0.0)))
                 for worker in live[: len(live) - replicas]:
@@ -135,9 +136,3 @@ class LocalActuator:
             else:
                 log.error("%s worker %s died (code %d)", worker.role, worker.worker_id, code)
                 worker.state = "failed"
-
-
-def _load(info: WorkerInfo) -> float:
-    stats = info.stats
-    return float(stats.get("running", 0) + stats.get("waiting", 0) + stats.get("waiting_for_kv", 0)
-                 + stats.get("queued_prefill_tokens", 0) / 1000)

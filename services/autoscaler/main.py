@@ -31,6 +31,9 @@ def build(config: AutoscalerConfig):
     from services.autoscaler.sources import PrometheusSource, RegistrySource
 
     profile = HardwareProfile.load(config.profile_path)
+    log.info("profile %s: %s on %s (%s), worker start-up %.1f s", config.profile_path,
+             profile.model, profile.device, profile.host, config.startup_s if config.startup_s >= 0
+             else profile.startup_s)
     if not config.profile:
         log.warning("no --profile: using the bundled %s profile (%s, %s); capacity numbers are "
                     "only right on that hardware", profile.model, profile.device, profile.host)

@@ -193,8 +193,9 @@ def test_workers_are_configured_for_their_role_and_ports(scenario: str) -> None:
 @scenarios
 def test_every_mount_has_a_volume_and_every_reference_resolves(scenario: str) -> None:
     rendered = render_scenario(scenario)
-    configmaps = rendered.names("ConfigMap")
     values = SCENARIOS[scenario]
+    configmaps = rendered.names("ConfigMap") | (
+        {values.get("autoscaler", {}).get("profile", {}).get("existingConfigMap")} - {None, ""})
     operator_secrets = {values.get("redis", {}).get("external", {}).get("existingSecret"),
                         values.get("gateway", {}).get("apiKeys", {}).get("existingSecret")}
     secrets = rendered.names("Secret") | (operator_secrets - {None, ""})
@@ -256,7 +257,8 @@ def test_autoscaler_rbac_names_only_the_worker_deployments() -> None:
     (role,) = rendered.of_kind("Role")
     assert role["metadata"]["name"] == name
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
-                              "resourceNames": list(WORKERS), "verbs": ["get", "patch"]}]
+                              "resourceNames": list(WORKERS), "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
     assert rendered.of_kind("ClusterRole") == [] and rendered.of_kind("ClusterRoleBinding") == []
     binding = rendered.get("RoleBinding", name)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
