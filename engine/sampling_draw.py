@@ -92,7 +92,9 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
     # The kept set lies within the candidates when the whole top-k set does, or (without a
     # top-k) when the last candidate is dropped: every token after it is too, with more mass
     # ahead and a smaller probability.
-    covered = (top_k_inside | (unlimited & ~keep[:, -1])).tolist()
+    # A candidate list that reaches masked tokens (-inf: a grammar's mask) holds every token
+    # with a probability.
+    covered = (top_k_inside | (unlimited & ~keep[:, -1]) | values[:, -1].isneginf()).tolist()
     if width == vocab:
         covered = [True] * len(rows)
     done = [at for at, ok in enumerate(covered) if ok]

@@ -31,6 +31,10 @@ def _logits(kind: str, vocab: int) -> torch.Tensor:
         logits = torch.randn(vocab, generator=generator) - 5
         logits[200:300] = 3.0
         return logits
+    if kind == "masked":  # a grammar's mask: 10 tokens allowed, the rest -inf
+        logits = torch.full((vocab,), float("-inf"))
+        logits[100:110] = torch.randn(10, generator=generator)
+        return logits
     raise ValueError(kind)
 
 
@@ -45,6 +49,9 @@ CASES = [
     ("flat", dict(temperature=1.0, min_p=0.9)),
     ("ties", dict(temperature=1.0, top_k=10)),
     ("ties", dict(temperature=1.0, top_k=10, top_p=0.5)),
+    ("masked", dict(temperature=1.0, top_k=50)),
+    ("masked", dict(temperature=0.8, top_p=0.95)),
+    ("masked", dict(temperature=1.0)),
 ]
 
 
@@ -94,3 +101,20 @@ def test_the_uniform_is_in_range_and_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert float(out.stdout) == uniform_for(2024, 17)
+
+
+def test_a_masked_row_is_drawn_from_its_first_candidates_not_a_sort_of_the_vocabulary():
+    from torch.overrides import TorchFunctionMode
+
+    class TopkWidths(TorchFunctionMode):
+        widths: list[int] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "topk":
+                self.widths.append(args[1] if len(args) > 1 else kwargs["k"])
+            return func(*args, **(kwargs or {}))
+
+    vocab = 3000
+    with TopkWidths() as recorded:
+        draw(_logits("masked", vocab)[None], [SamplingParams(max_tokens=1, top_k=50)], [0.5])
+    assert recorded.widths == [64]
