@@ -108,25 +108,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- .Values.model.volume.pvc.claimName -}}
 {{- end -}}
 
-{{- define "splitserve.modelVolume" -}}
-- name: model
-{{- if eq .Values.model.volume.type "hostPath" }}
-  hostPath:
-    path: {{ .Values.model.volume.hostPath.path }}
-    type: {{ .Values.model.volume.hostPath.type }}
-{{- else }}
-  persistentVolumeClaim:
-    claimName: {{ include "splitserve.modelClaimName" . }}
-    readOnly: true
-{{- end }}
-{{- end -}}
-
-{{- define "splitserve.modelVolumeMount" -}}
-- name: model
-  mountPath: {{ .Values.model.mountPath }}
-  readOnly: true
-{{- end -}}
-
 {{/* The scalers that size the worker pools; at most one may be enabled (see validate.yaml). */}}
 {{- define "splitserve.enabledScalers" -}}
 {{- $on := list -}}
