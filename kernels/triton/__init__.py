@@ -1,0 +1,1 @@
+"""Triton attention kernels for CUDA, each held to its torch reference in kernels/attention.py."""
