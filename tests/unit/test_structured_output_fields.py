@@ -14,6 +14,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from services.common import convert
+from services.gateway.api.preprocess import ModelLimits, Preprocessor
+from services.gateway.api.request_limits import RequestLimits
 from services.gateway.api.structured import (
     StructuredOutputChecker,
     structured_output,
@@ -126,3 +128,17 @@ def test_no_constraint_stays_none_across_protobuf():
 def test_sampling_params_refuse_a_structured_output_without_exactly_one_kind(so):
     with pytest.raises(ValueError, match="structured_output"):
         SamplingParams(structured_output=so).validate(100)
+
+
+def test_the_grpc_front_door_checks_the_constraint_it_is_given(checker):
+    """Preprocessor.token_prompt (the gateway's gRPC Generate) compiles a SamplingParams'
+    constraint too; a good one passes through untouched."""
+    preprocessor = Preprocessor(ModelTokenizer(SMOLLM2), RequestLimits())
+    limits = ModelLimits(vocab_size=49152, max_model_len=2048)
+    bad = SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="(a"))
+    with pytest.raises(APIError) as caught:
+        preprocessor.token_prompt("r", [1, 2, 3], bad, (), limits)
+    assert caught.value.param == "sampling.structured_output"
+    good = SamplingParams(max_tokens=4, structured_output=StructuredOutput(choice=("a", "b")))
+    spec = preprocessor.token_prompt("r", [1, 2, 3], good, (), limits)
+    assert spec.params.structured_output == good.structured_output
