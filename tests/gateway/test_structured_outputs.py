@@ -182,4 +182,5 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, smollm2_sta
                                        max_tokens=4, extra_body=extra)
     error = caught.value.body
     assert error["param"] == param and problem in error["message"], error
+    assert error["code"] == (None if problem == "Only one" else "invalid_structured_output")
     assert worker_stats(smollm2_stack.prefill.address, role="prefill").steps == before
