@@ -208,3 +208,22 @@ def test_the_bias_allows_exactly_the_tokens_of_the_bitmask(dtype):
         for token in range(120):
             allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
             assert bias[row, token].item() == (0.0 if allowed else float("-inf")), (row, token)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_follow_the_same_grammar(tiny_llama_dir, decode):
+    """Every rank keeps its own copy of the tokens it feeds the model, so every rank must mask
+    alike; with two ranks the constrained output equals one rank's."""
+    prompts = dict(zip("ab", random_prompts([6, 11], seed=14), strict=True))
+    results = {}
+    for tp in (1, 2):
+        engine = make_engine(tiny_llama_dir, tensor_parallel_size=tp, num_threads=1)
+        try:
+            for rid, prompt in prompts.items():
+                engine.add_request(rid, prompt, sampled(JSON, seed=4))
+            results[tp] = {rid: c.token_ids for rid, c in drive(engine).items()}
+        finally:
+            engine.close()
+    assert results[2] == results[1]
+    for tokens in results[1].values():
+        assert_follows_schema(decode(tokens))
