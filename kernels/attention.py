@@ -8,6 +8,7 @@ sliding window (window > 0) lets each query see only the `window` latest keys, i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,9 @@ class AttentionMetadata:
     # Prefill rows through torch.ops.splitserve_cpu.prefill_attention (kernels/cpu): bfloat16
     # on a CPU with AVX-512 BF16, head_dim a multiple of 16 (ModelRunner decides once).
     native_prefill: bool = False
+    # ATTENTION_BACKENDS: "triton" runs kernels/triton (decode and prefill rows reading the
+    # paged cache in place); "torch" this module; "auto": triton on CUDA when it imports.
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,27 @@ def plan_decode_groups(
         groups.append(DecodeGroup(start, end, tables, lens, longest, mask))
         start = end
     return groups
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def uses_triton(backend: str, device: torch.device) -> bool:
+    """Whether a step on `device` with this attention backend runs the Triton kernels."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (choose auto, torch or triton)")
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and triton_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import kernels.triton.paged_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def store_kv(
@@ -207,6 +232,14 @@ def paged_attention(
     (the last `window` keys of it when window > 0).
     query: [tokens, heads, D]; key/value: [tokens, kv_heads, D] -> [tokens, heads, D]."""
     store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    if uses_triton(meta.attention_backend, query.device):
+        from kernels.triton.paged_attention import triton_paged_attention  # needs triton
+
+        return triton_paged_attention(
+            query, k_cache, v_cache, meta.num_decode_tokens, meta.decode_block_tables,
+            meta.decode_seq_lens, meta.decode_max_seq_len, meta.prefill_seqs,
+            meta.prefill_block_tables, scale, window,
+        )
     num_decode = meta.num_decode_tokens
     groups = meta.decode_groups
     if not meta.prefill_seqs and (groups is None or len(groups) == 1):

@@ -134,10 +134,12 @@ def triton_paged_decode_attention(
     window: int = 0,
     num_splits: int | None = None,
     block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.attention.paged_decode_attention (query [B, heads, D] ->
-    [B, heads, D]; seq_lens None: every context is max_seq_len long). num_splits / block_n
-    override the split-K factor and the tokens per tile (tests use them on small shapes)."""
+    [B, heads, D]; seq_lens None: every context is max_seq_len long), written into `out` when
+    given (a [B, heads, D] view whose head_dim is contiguous). num_splits / block_n override
+    the split-K factor and the tokens per tile (tests use them on small shapes)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
@@ -145,7 +147,8 @@ def triton_paged_decode_attention(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
     query = query.contiguous()
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if batch == 0:
         return out
     if seq_lens is None:

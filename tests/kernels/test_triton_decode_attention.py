@@ -1,22 +1,16 @@
 """Triton paged decode attention against the torch reference (kernels/attention.py).
 
 Without CUDA the kernels run under Triton's interpreter on small shapes (TRITON_INTERPRET=1,
-set before the kernel module is imported); the `gpu` tests run the same checks compiled on
+set in conftest.py); the `gpu` tests run the same checks compiled on
 CUDA at real sizes and are skipped here.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Before triton is imported, and left set: triton.jit and each launch read it (the rest of
-# the suite runs no Triton kernel on CPU).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # TRITON_INTERPRET is set in conftest.py without CUDA
 
 from kernels.attention import paged_decode_attention  # noqa: E402
 from kernels.triton.decode_attention import (  # noqa: E402
