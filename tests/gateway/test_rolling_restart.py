@@ -121,11 +121,12 @@ def _long_stream(url: str, model: str, i: int) -> tuple[int, str, str | None, st
 
 def test_rolling_restart_of_decoders_under_long_generations_alters_no_stream(redis_server,
                                                                              tiny_llama_dir):
-    """Generations outlive the decoders' 0.2 s drain grace, so each drain hands streams off:
-    every stream completes with the text it has undisturbed. float32: in bfloat16 a request's
+    """Generations outlive the decoders' drain grace (0 s here, so that every drain surely
+    hands streams off; test_request_migration.py drains with a 1 s grace): every stream
+    completes with the text it has undisturbed. float32: in bfloat16 a request's
     tokens may depend on its batch. Prefill workers' drains are the test above."""
     cluster = Cluster(tiny_llama_dir, redis_server, ("--num-kv-blocks", "512", "--dtype",
-                                                     "float32", "--drain-grace-s", "0.2"))
+                                                     "float32", "--drain-grace-s", "0"))
     try:
         cluster.start(p1="prefill", d1="decode", d2="decode")
         gateway = cluster.gateway()
