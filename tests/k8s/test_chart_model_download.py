@@ -58,6 +58,16 @@ def test_huggingface_download_runs_first_in_every_serving_pod() -> None:
         "model-download", "after"]
 
 
+def test_the_gateway_fetches_the_tokenizer_but_no_weights() -> None:
+    for values in (HF, {"model": {"download": {"enabled": True, "source": "s3",
+                                               "s3": {"uri": "s3://models/m/"}}}}):
+        for name, pod in pods(render(values)).items():
+            command = pod["initContainers"][0]["command"]
+            skips_weights = ("--exclude" in command if command[0] == "aws"
+                             else "*.safetensors" not in command)
+            assert skips_weights is name.endswith("-gateway"), (name, command)
+
+
 def test_the_rendered_hf_command_is_one_the_real_hf_cli_accepts(tmp_path: Path) -> None:
     hf = shutil.which("hf", path=str(Path(sys.executable).parent)) or shutil.which("hf")
     if hf is None:
@@ -81,8 +91,10 @@ def test_s3_download_syncs_into_the_shared_claim_with_a_credentials_file() -> No
     rendered = render_scenario("gpu-disaggregated-rdma")
     for name, pod in pods(rendered).items():
         first = pod["initContainers"][0]
+        tokenizer_only = ["--exclude", "*.safetensors"] if name.endswith("-gateway") else []
         assert first["command"] == ["aws", "s3", "sync", "s3://models/Llama-3.1-8B-Instruct/",
                                     "/models/Llama-3.1-8B-Instruct", "--only-show-errors",
+                                    *tokenizer_only,
                                     "--endpoint-url", "http://minio.storage.svc:9000"], name
         assert first["image"].startswith("amazon/aws-cli:2.27.50@sha256:")
         env = {e["name"]: e["value"] for e in first["env"]}

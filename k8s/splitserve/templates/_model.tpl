@@ -49,7 +49,10 @@ the gateway or worker starts. Secrets reach it as files, never as environment va
 {{- end }}
 {{- end -}}
 
+{{/* Pass (dict "root" $ "weights" true); the gateway passes weights false (tokenizer only). */}}
 {{- define "splitserve.modelDownloadInitContainer" -}}
+{{- $weights := .weights -}}
+{{- with .root -}}
 {{- $d := .Values.model.download -}}
 {{- if $d.enabled }}
 - name: model-download
@@ -65,8 +68,10 @@ the gateway or worker starts. Secrets reach it as files, never as environment va
     - --local-dir
     - {{ .Values.model.path | quote }}
     {{- range $d.huggingface.include }}
+    {{- if or $weights (ne . "*.safetensors") }}
     - --include
     - {{ . | quote }}
+    {{- end }}
     {{- end }}
   env:
     # The image serves offline (HF_HUB_OFFLINE=1); only this container reaches the hub.
@@ -92,6 +97,10 @@ the gateway or worker starts. Secrets reach it as files, never as environment va
     - {{ $d.s3.uri | quote }}
     - {{ .Values.model.path | quote }}
     - --only-show-errors
+    {{- if not $weights }}
+    - --exclude
+    - "*.safetensors"
+    {{- end }}
     {{- with $d.s3.endpointUrl }}
     - --endpoint-url
     - {{ . | quote }}
@@ -122,6 +131,7 @@ the gateway or worker starts. Secrets reach it as files, never as environment va
       mountPath: /etc/splitserve/model-download
       readOnly: true
     {{- end }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
