@@ -174,6 +174,9 @@ class EngineConfig:
     # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),
     # "torch" runs the modules; "auto": cpp wherever it applies (one rank, Llama family).
     cpu_fused_decode: str = "auto"
+    # Attention kernels (kernels/attention.py uses_triton): "triton" runs kernels/triton, reading
+    # the paged cache in place; "torch" the reference; "auto": triton on CUDA when it imports.
+    attention_backend: str = "auto"
     # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
     tensor_parallel_size: int = 1
 

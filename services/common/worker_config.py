@@ -13,6 +13,7 @@ from engine.distributed import check_tensor_parallel_size
 from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
+from kernels.attention import ATTENTION_BACKENDS
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
 from services.prefill.kv_endpoints import parse_allow_list
@@ -60,6 +61,8 @@ class WorkerConfig:
     small_step_threads: int = 0
     # Processes (ranks) the model is split across; each owns the KV cache of its heads.
     tensor_parallel_size: int = 1
+    # auto | torch | triton (kernels/attention.py): auto runs the Triton kernels on CUDA.
+    attention_backend: str = "auto"
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -111,6 +114,9 @@ class WorkerConfig:
             raise ValueError("--max-unread-outputs must be >= 1")
         if self.step_timeout_s < 0:
             raise ValueError("--step-timeout-s must be >= 0 (0 turns the step watchdog off)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         self._check_speculative()
         self.tls.check()
         if self.cluster_secret_file:
@@ -191,6 +197,7 @@ class WorkerConfig:
             num_threads=self.num_threads or None,
             small_step_threads=self.small_step_threads or None,
             tensor_parallel_size=self.tensor_parallel_size,
+            attention_backend=self.attention_backend,
             speculative=self.speculative_config(),
         )
 
@@ -231,6 +238,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("tensor_parallel_size", 1)),
                         help="split the model across this many ranks, one process each "
                              "(NCCL on GPU, gloo on CPU); prefill and decode must match")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                        default=_env("attention_backend", "auto"),
+                        help="attention kernels: triton (kernels/triton, CUDA), torch (the "
+                             "reference), auto: triton on CUDA when it imports")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
@@ -319,6 +330,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         num_threads=args.num_threads,
         small_step_threads=args.small_step_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,

@@ -1,0 +1,47 @@
+"""--attention-backend on a worker: parsed, validated with a clear error, carried into the
+engine's configuration (kernels/attention.py uses_triton reads the same three names)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.worker_config import (
+    WorkerConfig,
+    add_worker_arguments,
+    worker_config_from_args,
+)
+
+
+@pytest.fixture
+def parse(tiny_llama_dir):
+    def parse(*argv: str) -> WorkerConfig:
+        parser = argparse.ArgumentParser()
+        add_worker_arguments(parser, role="decode")
+        args = parser.parse_args(["--model", str(tiny_llama_dir), *argv])
+        return worker_config_from_args(args, "decode")
+
+    return parse
+
+
+def test_attention_backend_defaults_to_auto(parse):
+    assert parse().engine_config().attention_backend == "auto"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_backend_flag_reaches_the_engine_config(parse, backend):
+    assert parse("--attention-backend", backend).engine_config().attention_backend == backend
+
+
+def test_attention_backend_env(parse, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_ATTENTION_BACKEND", "torch")
+    assert parse().attention_backend == "torch"
+
+
+def test_unknown_attention_backend_is_refused_clearly(parse, tiny_llama_dir, capsys):
+    with pytest.raises(SystemExit):
+        parse("--attention-backend", "flash")
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--attention-backend 'flash' is not one of auto"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), attention_backend="flash")
