@@ -57,7 +57,8 @@ class LLMEngine:
         if config.speculative.enabled:
             config.speculative.validate()
             self.speculator = Speculator(config.speculative, build_proposer(
-                config.speculative, config, self.model_config, self.runner, self.kv.num_blocks))
+                config.speculative, config, self.model_config, self.runner, self.kv.num_blocks),
+                grammar_prefix=self.runner.grammar_prefix)
         self._held: dict[str, Request] = {}  # prefill role: finished, KV not yet copied out
         self._rng = random.Random(config.seed)
         self._tokenizer = None

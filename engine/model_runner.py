@@ -20,7 +20,7 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
-from engine.structured.masks import GrammarMasks, MaskGroup, MaskRow, StepMasks
+from engine.structured.masks import GrammarMasks, StepMasks
 from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
@@ -277,7 +277,10 @@ class ModelRunner:
             native_prefill=self.native_prefill,
         )
         # Masks are computed from the grammar states alone: fill them while the forward runs.
-        masks = self._start_masks(sample_rows, verify_rows, spec) if self._constrained else None
+        masks = self.grammar_masks.start_step(
+            [(self.requests[rid].grammar, spec[rid]) for rid, _, _ in verify_rows],
+            [self.requests[rid].grammar for rid, _ in sample_rows], self.dtype, self.device,
+        ) if self._constrained else None
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -358,27 +361,17 @@ class ModelRunner:
                 out_logprobs[rid] = lps
         return sampled, out_logprobs
 
+    def grammar_prefix(self, request_id: str, token_ids: list[int]) -> int | None:
+        """How many of `token_ids` (proposals after the request's tokens) its grammar accepts;
+        None without a grammar here (unconstrained, or not yet seen by this runner)."""
+        state = self.requests.get(request_id)
+        return None if state is None or state.grammar is None else state.grammar.valid_prefix(token_ids)
+
     def _grammar_masks(self) -> GrammarMasks:
         if self.grammar_masks is None:
             self.grammar_masks = GrammarMasks(self.model_config.path, self.model_config.vocab_size,
                                               self.model_config.eos_token_ids)
         return self.grammar_masks
-
-    def _start_masks(self, sample_rows, verify_rows, spec) -> StepMasks | None:
-        """Masks for the rows of the two logits tensors: verifications' and samples'."""
-        verify, at = MaskGroup(sum(n for _, _, n in verify_rows), []), 0
-        for rid, _, n in verify_rows:
-            if (grammar := self.requests[rid].grammar) is not None:
-                verify.rows.append(MaskRow(grammar, at, spec[rid]))
-            at += n
-        sample = MaskGroup(len(sample_rows), [])
-        for at, (rid, _) in enumerate(sample_rows):
-            if (grammar := self.requests[rid].grammar) is not None:
-                sample.rows.append(MaskRow(grammar, at))
-        if not verify.rows and not sample.rows:
-            return None
-        return self.grammar_masks.start({"verify": verify, "sample": sample}, self.dtype,
-                                        self.device)
 
     def _prompt_logprobs(self, hidden, prompt_rows) -> dict[str, list[Logprobs | None]]:
         """Logprobs of each prompt token given the ones before it (completions' echo)."""

@@ -6,7 +6,7 @@ Owned by the engine thread, like the LLMEngine that holds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.config import EngineConfig, ModelConfig
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -36,9 +36,13 @@ class Speculator:
     """The proposer, the policy (k per request, the batch gate) and the counters that
     engine.stats() exports as spec_*; LLMEngine.step calls propose, then observe."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 grammar_prefix: Callable[[str, Sequence[int]], int | None] | None = None) -> None:
+        """`grammar_prefix(request_id, tokens)`: how many of a constrained request's proposed
+        tokens its grammar accepts (None: unconstrained); ModelRunner.grammar_prefix."""
         self.config = config
         self.proposer = proposer
+        self.grammar_prefix = grammar_prefix
         self.k = AdaptiveK(config.num_speculative_tokens, config.adaptive_k)
         self.gate = BatchGate(config.max_batch_size, config.adaptive_batch)
         self.num_proposed_tokens = 0  # scheduled for verification
@@ -67,7 +71,26 @@ class Speculator:
                 wanted[request.request_id] = k
         if not wanted:
             return None
-        return self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
+        proposals = self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
+        if self.grammar_prefix is not None:
+            self._cut_at_the_grammar(proposals)
+        return proposals
+
+    def _cut_at_the_grammar(self, proposals: Proposals) -> None:
+        """A proposal its request's grammar rejects would be rejected in verification anyway
+        (the target's logits are masked there): cut it, and what follows, before it takes a
+        slot in the forward."""
+        for rid, tokens in list(proposals.token_ids.items()):
+            keep = self.grammar_prefix(rid, tokens)
+            if keep is None or keep >= len(tokens):
+                continue
+            if keep == 0:
+                del proposals.token_ids[rid]
+                proposals.draft_probs.pop(rid, None)
+                continue
+            proposals.token_ids[rid] = tokens[:keep]
+            if rid in proposals.draft_probs:
+                proposals.draft_probs[rid] = proposals.draft_probs[rid][:keep]
 
     def _budget(self, request: Request) -> int:
         params = request.sampling_params

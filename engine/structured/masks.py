@@ -98,6 +98,23 @@ class GrammarMasks:
                   request_id: str) -> GrammarState:
         return GrammarState(self.compiler, so, output_token_ids, request_id)
 
+    def start_step(self, verify: list[tuple[GrammarState | None, Sequence[int]]],
+                   sample: list[GrammarState | None], dtype: torch.dtype,
+                   device: torch.device) -> StepMasks | None:
+        """Begin the masks of a step's two logits tensors: the verifications' rows (each
+        request's [last token, proposals...]) and the samples' (one per request); None
+        (unconstrained) states are left alone. None when nothing in the step is constrained."""
+        verify_group, at = MaskGroup(sum(len(p) + 1 for _, p in verify), []), 0
+        for state, proposals in verify:
+            if state is not None:
+                verify_group.rows.append(MaskRow(state, at, proposals))
+            at += len(proposals) + 1
+        sample_group = MaskGroup(len(sample), [MaskRow(state, at) for at, state
+                                               in enumerate(sample) if state is not None])
+        if not verify_group.rows and not sample_group.rows:
+            return None
+        return self.start({"verify": verify_group, "sample": sample_group}, dtype, device)
+
     def start(self, groups: dict[str, MaskGroup], dtype: torch.dtype,
               device: torch.device) -> StepMasks:
         """Begin building the masks of `groups` (call before the forward)."""

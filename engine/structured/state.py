@@ -41,6 +41,13 @@ class GrammarState:
             if not self.matcher.consume_token(token):
                 self._fail(f"token {token} is outside the grammar")
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, if they came next, the grammar accepts (the state is left
+        as it is)."""
+        if self.failed is not None or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(list(token_ids))
+
     def _fail(self, reason: str) -> None:
         # llguidance's error text ends in a dump of the parser state: keep its first line.
         error = self.matcher.get_error().split("\n", 1)[0]

@@ -162,11 +162,13 @@ def test_resumed_outputs_outside_the_grammar_end_the_request_instead_of_failing_
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_speculative_proposals_outside_the_grammar_are_rejected(tiny_llama_dir, decode,
-                                                                temperature):
+def test_speculative_proposals_outside_the_grammar_never_reach_the_output(tiny_llama_dir, decode,
+                                                                          temperature):
     """The proposer offers the model's unconstrained continuation, which the target accepts
-    whole when verification ignores the grammar; under it the output is exactly the
-    non-speculative constrained one."""
+    whole when verification ignores the grammar. Under the grammar the output is exactly the
+    non-speculative constrained one, both when the speculator cuts proposals at the grammar
+    before scheduling them and when it does not (verification masks them then), and cutting
+    schedules fewer proposals."""
     prompts = dict(zip("ab", random_prompts([6, 10], seed=12), strict=True))
     free = SamplingParams(max_tokens=60, temperature=temperature, seed=3, ignore_eos=True)
     params = SamplingParams(max_tokens=60, temperature=temperature, seed=3, structured_output=JSON)
@@ -177,14 +179,19 @@ def test_speculative_proposals_outside_the_grammar_are_rejected(tiny_llama_dir, 
     proposals = {rid: c.token_ids for rid, c in drive(unconstrained).items()}
     reference = {rid: c.token_ids for rid, c in drive(constrained).items()}
 
-    engine = spec_engine(tiny_llama_dir, k=4)
-    engine.speculator.proposer = ScriptedProposer(proposals, lambda rid, i: False,
-                                                  vocab=engine.model_config.vocab_size)
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    results = drive_checked(engine)
-    assert engine.stats()["spec_proposed_tokens"] > 0
-    assert {rid: c.token_ids for rid, c in results.items()} == reference
+    proposed = {}
+    for cut in (True, False):
+        engine = spec_engine(tiny_llama_dir, k=4)
+        engine.speculator.proposer = ScriptedProposer(proposals, lambda rid, i: False,
+                                                      vocab=engine.model_config.vocab_size)
+        if not cut:
+            engine.speculator.grammar_prefix = None
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+        results = drive_checked(engine)
+        assert {rid: c.token_ids for rid, c in results.items()} == reference, cut
+        proposed[cut] = engine.stats()["spec_proposed_tokens"]
+    assert 0 < proposed[True] < proposed[False]
     for tokens in reference.values():
         assert_follows_schema(decode(tokens))
 
