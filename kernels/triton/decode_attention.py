@@ -37,9 +37,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(seq_len - window, 0)
+    # tl.where, not an `if`: a branch may not turn the constant 0 into a tensor when compiled
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Split boundaries on BLOCK_N multiples of the visible range [lo, seq_len).
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     begin = lo + split * per_split
@@ -146,7 +145,7 @@ def triton_paged_decode_attention(
         raise ValueError(f"{num_heads} query heads do not share {kv_heads} KV heads evenly")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
-    query = query.contiguous()
+    query, block_tables = query.contiguous(), block_tables.contiguous()
     if out is None:
         out = torch.empty_like(query)
     if batch == 0:
@@ -158,7 +157,9 @@ def triton_paged_decode_attention(
     splits = num_splits or num_decode_splits(max_seq_len, window)
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {splits}")
-    block_n = block_n or 64
+    # the broadcast product holds GROUP_PAD x block_n x DIM_PAD floats: about 16k per program
+    group_pad = triton.next_power_of_2(group)
+    block_n = block_n or min(64, max(16, 16384 // (group_pad * dim_pad)))
     if splits > 1:
         part_max = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
@@ -175,7 +176,7 @@ def triton_paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
     )

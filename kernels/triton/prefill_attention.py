@@ -57,9 +57,8 @@ def _prefill_kernel(
 
     first = tile * BLOCK_M
     last = tl.minimum(first + BLOCK_M, q_len) - 1
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(cached + first - window + 1, 0)
+    # tl.where, not an `if`: a branch may not turn the constant 0 into a tensor when compiled
+    lo = tl.where(window > 0, tl.maximum(cached + first - window + 1, 0), 0)
     hi = tl.where(first < q_len, cached + last + 1, lo)  # an empty tile reads nothing
 
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
@@ -118,7 +117,7 @@ def triton_prefill_attention(
     queries) per sequence, as AttentionMetadata.prefill_seqs; block_tables: [len(seqs),
     blocks] (0-padded); the new tokens' K/V must already be in the cache (store_kv). Rows of
     `out` outside the seqs are left as they are. rows / block_n override the tile (tests)."""
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {kv_heads} KV heads evenly")
@@ -129,6 +128,7 @@ def triton_prefill_attention(
     if not seqs:
         return out
     device = query.device
+    block_tables = block_tables.contiguous()
     starts, q_lens, ctx_lens = (torch.tensor(col, dtype=torch.int32, device=device)
                                 for col in zip(*seqs, strict=True))
     group = num_heads // kv_heads
@@ -148,6 +148,6 @@ def triton_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n or BLOCK_N,
-        UPCAST=upcast, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        UPCAST=upcast, PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
     return out
