@@ -37,7 +37,6 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    # tl.where, not an `if`: a branch may not turn the constant 0 into a tensor when compiled
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Split boundaries on BLOCK_N multiples of the visible range [lo, seq_len).
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N

@@ -57,7 +57,6 @@ def _prefill_kernel(
 
     first = tile * BLOCK_M
     last = tl.minimum(first + BLOCK_M, q_len) - 1
-    # tl.where, not an `if`: a branch may not turn the constant 0 into a tensor when compiled
     lo = tl.where(window > 0, tl.maximum(cached + first - window + 1, 0), 0)
     hi = tl.where(first < q_len, cached + last + 1, lo)  # an empty tile reads nothing
 

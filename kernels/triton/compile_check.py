@@ -1,0 +1,85 @@
+"""Compile the Triton attention kernels ahead of time for a CUDA architecture, on any machine:
+triton's wheel brings ptxas, so a CPU-only host checks that they build to cubin for a GPU.
+
+    python -m kernels.triton.compile_check [--arch 90] [--all]
+Needs TRITON_INTERPRET unset (the interpreter replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton import decode_attention, prefill_attention
+
+HEAD_DIM = 128
+BLOCK_SIZE = 16
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Every argument not named is an int32 (lengths, strides) except scale, a float."""
+    types = {"scale": "fp32", **pointers}
+    return {name: "constexpr" if name in constexprs else types.get(name, "i32")
+            for name in fn.arg_names}
+
+
+def variants(dtype: str, full: bool) -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, pointer types, constexprs) of the shapes a Llama of head_dim 128 uses."""
+    groups = (1, 3, 4, 8) if full else (4,)
+    out = []
+    kv = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "out_ptr": dtype,
+          "tables_ptr": "i64"}
+    for group in groups:
+        group_pad = triton.next_power_of_2(group)
+        for splits in (1, 8) if full else (8,):
+            consts = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=HEAD_DIM, DIM_PAD=HEAD_DIM,
+                          BLOCK_SIZE=BLOCK_SIZE,
+                          BLOCK_N=min(64, max(16, 16384 // (group_pad * HEAD_DIM))),
+                          NUM_SPLITS=splits)
+            ptrs = {**kv, "seq_lens_ptr": "i64", "part_max_ptr": "fp32", "part_sum_ptr": "fp32",
+                    "part_acc_ptr": "fp32"}
+            out.append((f"decode {dtype} gqa{group} splits{splits}",
+                        decode_attention._decode_split_kernel, ptrs, consts))
+        consts = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=HEAD_DIM, DIM_PAD=HEAD_DIM,
+                      BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=max(prefill_attention.ROWS // group_pad, 1),
+                      BLOCK_N=prefill_attention.BLOCK_N, UPCAST=False,
+                      PRECISION="ieee" if dtype == "fp32" else None)
+        ptrs = {**kv, "q_starts_ptr": "i32", "q_lens_ptr": "i32", "ctx_lens_ptr": "i32"}
+        out.append((f"prefill {dtype} gqa{group}", prefill_attention._prefill_kernel, ptrs, consts))
+    consts = dict(HEAD_DIM=HEAD_DIM, DIM_PAD=HEAD_DIM, NUM_SPLITS=8)
+    ptrs = {"out_ptr": dtype, "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "part_acc_ptr": "fp32"}
+    out.append((f"decode reduce {dtype}", decode_attention._decode_reduce_kernel, ptrs, consts))
+    return out
+
+
+def compile_all(arch: int = 90, full: bool = False) -> list[str]:
+    """Compile each variant to cubin for sm_`arch`; one line per kernel (raises if one fails)."""
+    target = GPUTarget("cuda", arch, 32)
+    lines = []
+    for dtype in ("bf16", "fp32") if full else ("bf16",):
+        for label, fn, ptrs, consts in variants(dtype, full):
+            start = time.perf_counter()
+            pointers = {name: f"*{t}" for name, t in ptrs.items()}
+            src = ASTSource(fn=fn, signature=_signature(fn, pointers, consts), constexprs=consts)
+            kernel = triton.compile(src, target=target)
+            lines.append(f"{label}: sm_{arch} cubin of {len(kernel.asm['cubin'])} bytes, "
+                         f"{kernel.metadata.shared} B shared memory, "
+                         f"{time.perf_counter() - start:.1f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    parser.add_argument("--all", action="store_true", help="every GQA ratio, split and dtype")
+    args = parser.parse_args()
+    for line in compile_all(args.arch, args.all):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
