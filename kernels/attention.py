@@ -9,6 +9,7 @@ sliding window (window > 0) lets each query see only the `window` latest keys, i
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,9 @@ def uses_triton(backend: str, device: torch.device) -> bool:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (choose auto, torch or triton)")
     if backend == "triton":
+        if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+            raise ValueError(f"attention backend triton needs a CUDA device, not {device.type} "
+                             "(on CPU only under TRITON_INTERPRET=1, the tests' interpreter)")
         return True
     return backend == "auto" and device.type == "cuda" and triton_available()
 

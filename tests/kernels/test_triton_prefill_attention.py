@@ -154,6 +154,12 @@ def test_backend_choice():
         uses_triton("flash", cpu)
 
 
+def test_triton_backend_on_cpu_without_the_interpreter_is_refused_clearly(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton needs a CUDA device, not cpu"):
+        uses_triton("triton", torch.device("cpu"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 1024], ids=["full", "window1024"])
 @pytest.mark.parametrize(("num_heads", "kv_heads"), [(32, 32), (24, 8), (32, 4)],
