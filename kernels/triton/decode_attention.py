@@ -142,6 +142,10 @@ def triton_paged_decode_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {kv_heads} KV heads evenly")
+    if block_tables.shape[-1] * block_size < max_seq_len:
+        # the kernel would read past the table's end: on a GPU a fault that ends the process
+        raise ValueError(f"block tables of {block_tables.shape[-1]} blocks of {block_size} "
+                         f"cannot hold a context of {max_seq_len} tokens")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
     query, block_tables = query.contiguous(), block_tables.contiguous()

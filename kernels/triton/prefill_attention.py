@@ -126,6 +126,11 @@ def triton_prefill_attention(
         out = torch.empty_like(query)
     if not seqs:
         return out
+    longest = max(ctx_len for _, _, ctx_len in seqs)
+    if block_tables.shape[1] * block_size < longest:
+        # the kernel would read past the table's end: on a GPU a fault that ends the process
+        raise ValueError(f"block tables of {block_tables.shape[1]} blocks of {block_size} "
+                         f"cannot hold a context of {longest} tokens")
     device = query.device
     block_tables = block_tables.contiguous()
     starts, q_lens, ctx_lens = (torch.tensor(col, dtype=torch.int32, device=device)

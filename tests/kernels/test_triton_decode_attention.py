@@ -106,6 +106,8 @@ def test_decode_refuses_bad_shapes_clearly():
     query = query[:, :4]
     with pytest.raises(ValueError, match="power of two"):
         triton_paged_decode_attention(query, k_cache, v_cache, tables, lens, 3, 0.25, num_splits=3)
+    with pytest.raises(ValueError, match="1 blocks of 4 cannot hold a context of 5 tokens"):
+        triton_paged_decode_attention(query, k_cache, v_cache, tables, lens, 5, 0.25)
 
 
 @pytest.mark.gpu

@@ -144,6 +144,13 @@ def test_empty_chunk_leaves_its_rows_and_others_exact():
     torch.testing.assert_close(out, store, atol=1e-5, rtol=1e-5)
 
 
+def test_block_tables_too_short_for_a_context_are_refused_clearly():
+    query, _, _, k_cache, v_cache, meta = make_step([(0, 6)], 4, 2, 16, 4, torch.float32, DEVICE)
+    tables = torch.stack(meta.prefill_block_tables)[:, :1]
+    with pytest.raises(ValueError, match="1 blocks of 4 cannot hold a context of 6 tokens"):
+        triton_prefill_attention(query, k_cache, v_cache, meta.prefill_seqs, tables, 0.25)
+
+
 def test_backend_choice():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not uses_triton("auto", cpu)  # the CPU keeps its path
