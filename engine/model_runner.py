@@ -24,7 +24,7 @@ from engine.structured.masks import GrammarMasks, StepMasks
 from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
-from kernels.attention import AttentionMetadata, plan_decode_groups
+from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
 from kernels.kernel_paths import KernelPaths
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
 
@@ -55,6 +55,8 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()
+        # Raises now, not at the first step, for a backend this device cannot run.
+        uses_triton(config.attention_backend, self.device)
         self.native_decode = self._use_native_decode()
         self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
                                and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
@@ -275,6 +277,7 @@ class ModelRunner:
             if decode_lens and not self.native_decode else None,
             native_decode=self.native_decode,
             native_prefill=self.native_prefill,
+            attention_backend=self.config.attention_backend,
         )
         # Masks are computed from the grammar states alone: fill them while the forward runs.
         masks = self.grammar_masks.start_step(

@@ -45,3 +45,32 @@ def test_unknown_attention_backend_is_refused_clearly(parse, tiny_llama_dir, cap
     assert "invalid choice: 'flash'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--attention-backend 'flash' is not one of auto"):
         WorkerConfig(role="decode", model=str(tiny_llama_dir), attention_backend="flash")
+
+
+def test_an_engine_asked_for_triton_on_cpu_refuses_to_start(tiny_llama_dir, monkeypatch):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention backend triton needs a CUDA device"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                               num_kv_blocks=16, attention_backend="triton"))
+
+
+def test_the_engine_passes_its_backend_to_every_step(tiny_llama_dir):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                                    num_kv_blocks=16, attention_backend="torch"))
+    seen = []
+    forward = engine.runner.model.forward
+
+    def record(input_ids, positions, kv_caches, meta):
+        seen.append(meta.attention_backend)
+        return forward(input_ids, positions, kv_caches, meta)
+
+    engine.runner.model.forward = record
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen and set(seen) == {"torch"}
