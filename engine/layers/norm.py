@@ -12,17 +12,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        # Set by the model when its C++ CPU kernels run (bfloat16): bf16 rows then take
-        # splitserve_cpu.rms_norm_step, the add and norm in one pass, rounded as below.
-        self.native = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if (self.native and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
-                and (residual is None or residual.is_contiguous())):
-            out, summed = torch.ops.splitserve_cpu.rms_norm_step(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, summed)
         if residual is not None:
             x = x + residual
             residual = x

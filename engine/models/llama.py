@@ -57,13 +57,9 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size])
         self.down_proj = RowParallelLinear(size, config.hidden_size)
-        self.native = False  # splitserve_cpu.silu_and_mul_step for bf16 (see use_fused_decode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
-            return self.down_proj(torch.ops.splitserve_cpu.silu_and_mul_step(gate_up.contiguous()))
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -159,12 +155,6 @@ class LlamaForCausalLM(nn.Module):
         layers of at most `small_m_max_rows` rows take the small-M kernel there too."""
         layers = self.layers
         attn = layers[0].self_attn
-        # Steps with prompt rows run the modules; their element-wise ops take the same C++
-        # kernels as the fused decode, so prompt and decode rows round alike.
-        for layer in layers:
-            layer.input_layernorm.native = layer.post_attention_layernorm.native = True
-            layer.mlp.native = True
-        self.norm.native = True
         self._fused = _FusedDecode(
             input_norm=[layer.input_layernorm.weight for layer in layers],
             qkv_weight=[layer.self_attn.qkv_proj.weight for layer in layers],
