@@ -26,13 +26,8 @@ from engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    # Longest prefill chunk one request may take in a step (chunked prefill) while another
-    # request is decoding in it; a step with nothing decoding has no token gaps to keep short,
-    # so a prompt then takes what the budget allows (fewer chunks, each re-reading less context).
+    # Longest prefill chunk one request may take in a step (chunked prefill).
     long_prefill_token_threshold: int = 512
-    # True: the threshold caps chunks even in a step where nothing decodes (tests that need a
-    # lone prompt prefilled in chunks).
-    cap_chunks_without_decodes: bool = False
     enable_chunked_prefill: bool = True
 
 
@@ -70,7 +65,6 @@ class Scheduler:
         # Runner-side knowledge: which requests it holds state for.
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
-        self._decoding = False  # a running request decodes in the step being scheduled
 
     # -- admission -----------------------------------------------------------------------
 
@@ -149,7 +143,6 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
-        self._decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -235,8 +228,7 @@ class Scheduler:
         )
 
     def _chunk(self, num_tokens: int) -> int:
-        if self.config.enable_chunked_prefill and (
-                self._decoding or self.config.cap_chunks_without_decodes):
+        if self.config.enable_chunked_prefill:
             return min(num_tokens, self.config.long_prefill_token_threshold)
         return num_tokens
 

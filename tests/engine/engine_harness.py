@@ -34,17 +34,13 @@ def make_engine(
     long_prefill_token_threshold: int = 512,
     max_num_seqs: int = 128,
     enable_chunked_prefill: bool = True,
-    cap_chunks_without_decodes: bool = True,
     **config,
 ) -> LLMEngine:
-    """A float32 CPU engine with an explicit (small) KV cache. Unlike a served engine's, its
-    long_prefill_token_threshold caps chunks even when nothing decodes, so a test can chunk
-    one prompt."""
+    """A float32 CPU engine with an explicit (small) KV cache."""
     scheduler = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        cap_chunks_without_decodes=cap_chunks_without_decodes,
         enable_chunked_prefill=enable_chunked_prefill,
     )
     return LLMEngine(

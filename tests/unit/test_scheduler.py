@@ -84,9 +84,6 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_scheduler(num_blocks: int = 64, prefix_caching: bool = True, **config) -> Scheduler:
-    """long_prefill_token_threshold caps chunks here even when nothing decodes (a served
-    scheduler's does only beside decodes: test_a_lone_prompt_takes_the_whole_budget...)."""
-    config.setdefault("cap_chunks_without_decodes", True)
     return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BLOCK, prefix_caching))
 
 
@@ -159,23 +156,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_after_the_last_ch
     # The runner hears about the request once, then gets diffs.
     assert [len(s.new_requests) for s in trace.steps] == [1, 0, 0, 0]
     assert [c.num_computed_tokens for s in trace.steps for c in s.cached_requests] == [8, 16, 20]
-
-
-def test_a_lone_prompt_takes_the_whole_budget_and_is_chunked_only_beside_decodes():
-    scheduler = make_scheduler(max_num_batched_tokens=100, long_prefill_token_threshold=8,
-                               cap_chunks_without_decodes=False)  # as a served engine's
-    scheduler.add_request(make_request("a", prompt_of(20), max_tokens=3))
-    runner = FakeRunner(64)
-    first = scheduler.schedule()
-    assert first.num_scheduled_tokens == {"a": 20}  # nothing decodes: no token gap to keep short
-    scheduler.update(first, runner.execute(first))
-    scheduler.add_request(make_request("b", prompt_of(20, 3), max_tokens=2))
-    second = scheduler.schedule()
-    assert second.num_scheduled_tokens == {"a": 1, "b": 8}  # "a" decodes: "b" waits its turn
-    scheduler.update(second, runner.execute(second))
-    trace = run_to_completion(scheduler, runner)
-    assert trace.outputs["b"] == expected_output(prompt_of(20, 3), 2)
-    assert_no_blocks_held(scheduler)
 
 
 def test_running_requests_are_scheduled_before_waiting_ones():
