@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.sampling_params import StructuredOutput
@@ -139,6 +138,10 @@ class GrammarMasks:
         return built
 
     def _fill(self, rows: list[MaskRow]) -> torch.Tensor:
+        # Imported on the first constrained step: llguidance.torch imports torch._dynamo
+        # (about a second, and triton where it is installed), which no other step needs.
+        import llguidance.torch
+
         bitmask = torch.full((sum(len(r.proposals) + 1 for r in rows), self._words), -1,
                              dtype=torch.int32)
         live, drafts, at = [], [], 0
