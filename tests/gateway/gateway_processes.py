@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +128,26 @@ class Stack:
 
     def decode_stats(self) -> common_pb2.WorkerStats:
         return worker_stats(self.decode.address)
+
+
+@contextmanager
+def disaggregated_stack(model: Path, worker_flags: tuple[str, ...] = (), gateway_flags: tuple[str, ...] = (),
+                        shipped_dtype: bool = False) -> Iterator[Stack]:
+    """A gateway over one prefill and one decode worker, all stopped on exit."""
+    prefill = start_worker(model, "prefill", *worker_flags, shipped_dtype=shipped_dtype)
+    decode = start_worker(model, "decode", *worker_flags, shipped_dtype=shipped_dtype)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        gateway = start_gateway(model, "--prefill", prefill.address, "--decode", decode.address,
+                                *gateway_flags)
+        try:
+            yield Stack(gateway, decode, prefill)
+        finally:
+            gateway.stop()
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def admin_url(url: str) -> str:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from gateway_processes import Stack, openai_client, start_gateway, start_worker, worker_stats
+from gateway_processes import Stack, disaggregated_stack, openai_client, worker_stats
 from openai.lib._parsing._completions import type_to_response_format_param
 from pydantic import BaseModel, Field
 
@@ -70,23 +70,11 @@ CHOICES = ["positive", "negative", "neutral"]
 def smollm2_stack(smollm2_dir) -> Iterator[Stack]:
     # 104 requests at once need more KV than the tests' default 256 blocks; the shipped dtype
     # (what a user runs; bfloat16 where the CPU has it) keeps those batches to seconds.
-    flags = ("--num-kv-blocks", "1024")
-    prefill = start_worker(smollm2_dir, "prefill", *flags, shipped_dtype=True)
-    decode = start_worker(smollm2_dir, "decode", *flags, shipped_dtype=True)
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        # The 100-generation tests send 13 requests of n=8 at once: admission's TTFT target
-        # would refuse some (it protects latency, which these tests do not measure).
-        gateway = start_gateway(smollm2_dir, "--prefill", prefill.address, "--decode",
-                                decode.address, "--ttft-target-s", "0")
-        try:
-            yield Stack(gateway, decode, prefill)
-        finally:
-            gateway.stop()
-    finally:
-        prefill.stop()
-        decode.stop()
+    # The 100-generation tests send 13 requests of n=8 at once: admission's TTFT target
+    # would refuse some (it protects latency, which these tests do not measure).
+    with disaggregated_stack(smollm2_dir, ("--num-kv-blocks", "1024"), ("--ttft-target-s", "0"),
+                             shipped_dtype=True) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

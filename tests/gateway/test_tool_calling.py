@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from gateway_processes import Stack, openai_client, start_gateway, start_worker
+from gateway_processes import Stack, disaggregated_stack, openai_client
 
 from services.gateway.api.protocol import ChatCompletionRequest
 from services.gateway.api.tokenizer import ModelTokenizer
@@ -33,20 +33,8 @@ MAX_TOKENS = 72  # the longest call these schemas allow is about 55 tokens
 
 @pytest.fixture(scope="module")
 def smollm2_stack(smollm2_dir) -> Iterator[Stack]:
-    prefill = start_worker(smollm2_dir, "prefill")
-    decode = start_worker(smollm2_dir, "decode")
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        gateway = start_gateway(smollm2_dir, "--prefill", prefill.address, "--decode",
-                                decode.address)
-        try:
-            yield Stack(gateway, decode, prefill)
-        finally:
-            gateway.stop()
-    finally:
-        prefill.stop()
-        decode.stop()
+    with disaggregated_stack(smollm2_dir) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
