@@ -17,7 +17,7 @@ from engine.host_allocator import keep_freed_memory
 from engine.layers.linear import use_small_m_linear
 from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler, SamplingRow, top_logprobs
+from engine.sampler import Sampler, SamplingRow, batch_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.structured.masks import GrammarMasks, StepMasks
@@ -383,11 +383,9 @@ class ModelRunner:
             state = self.requests[rid]
             logprobs = self.model.compute_logits(hidden[row0 : row0 + count]).float().log_softmax(-1)
             start = len(state.prompt_logprobs)  # next prompt position to score
-            for i in range(count):
-                token = state.token_ids[start + i]
-                state.prompt_logprobs.append(
-                    top_logprobs(logprobs[i], token, state.params.prompt_logprobs)
-                )
+            state.prompt_logprobs.extend(batch_logprobs(
+                logprobs, state.token_ids[start : start + count],
+                [state.params.prompt_logprobs] * count))
             if len(state.prompt_logprobs) >= state.num_prompt_tokens:
                 done[rid] = state.prompt_logprobs
         return done

@@ -160,8 +160,11 @@ class Sampler:
 
 def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
                    ns: Sequence[int]) -> list[Logprobs]:
-    """top_logprobs for each row of [rows, vocab] logprobs at once: one gather, one count of
-    the better tokens, one topk for the largest n asked."""
+    """Each row's chosen token's logprob, its rank (1 = the most likely) and the row's n most
+    likely alternatives, for all rows of [rows, vocab] logprobs at once: one gather, one count
+    of the better tokens, one topk for the largest n asked."""
+    if not ns:
+        return []
     device = row_logprobs.device
     chosen = row_logprobs.gather(1, torch.tensor(list(tokens), device=device).unsqueeze(1))
     ranks = ((row_logprobs > chosen).sum(-1) + 1).tolist()
@@ -178,10 +181,5 @@ def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
 
 
 def top_logprobs(row_logprobs: torch.Tensor, token: int, n: int) -> Logprobs:
-    chosen = row_logprobs[token]
-    rank = int((row_logprobs > chosen).sum()) + 1
-    top: dict[int, float] = {}
-    if n:
-        values, ids = row_logprobs.topk(n)
-        top = dict(zip(ids.tolist(), values.tolist(), strict=False))
-    return Logprobs(logprob=float(chosen), rank=rank, top=top)
+    """batch_logprobs of one row [vocab]."""
+    return batch_logprobs(row_logprobs[None], [token], [n])[0]

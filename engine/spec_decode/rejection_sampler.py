@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import Logprobs
-from engine.sampler import Sampler, SamplingRow, noise_for, sampling_probs, top_logprobs
+from engine.sampler import Sampler, SamplingRow, batch_logprobs, noise_for, sampling_probs
 from engine.sampling_params import SamplingParams
 from engine.token_counts import TokenCounts
 
@@ -148,5 +148,5 @@ def _rejection_sample(logits: torch.Tensor, item: VerifyItem) -> tuple[list[int]
     logprobs: list[Logprobs] = []
     if item.params.logprobs is not None:
         raw = logits[: len(tokens)].float().log_softmax(-1)
-        logprobs = [top_logprobs(raw[i], t, item.params.logprobs) for i, t in enumerate(tokens)]
+        logprobs = batch_logprobs(raw, tokens, [item.params.logprobs] * len(tokens))
     return tokens, logprobs
