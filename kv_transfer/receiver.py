@@ -41,6 +41,8 @@ _ACCEPT_POLL_S = 24 * 3600.0
 DEFAULT_MAX_CHANNELS = 256
 # A hello is a few hundred bytes of JSON; anything much larger is not one.
 MAX_HELLO_BYTES = 4096
+# Connecting a channel's store client to the master: tries before the hello is refused.
+_CLONE_ATTEMPTS = 3
 
 OnKV = Callable[[KVHeader, torch.Tensor], None]
 _warned_no_secret = threading.Event()
@@ -195,8 +197,9 @@ class KVReceiver:
                 continue
             try:
                 self._admit(store, hello)
-            except Exception:  # a store hiccup must not kill the accept loop
+            except Exception as exc:  # a store hiccup must not kill the accept loop
                 logger.exception("kv receiver %s: bad hello %r", self.endpoint, raw[:200])
+                self._refuse_quietly(store, hello, exc)
 
     def _admit(self, store: dist.Store, hello: dict) -> None:
         index, peer_id = hello["index"], hello["peer_id"]
@@ -252,7 +255,7 @@ class KVReceiver:
             return
         # Cloned here, not in the channel thread: close() may drop the master store any time
         # after it has joined this (accept) thread.
-        channel = InboundChannel(self, index, peer_id, self._store.clone())
+        channel = InboundChannel(self, index, peer_id, self._clone_store())
         verdict = {"ok": True, "heartbeat_s": self.timeout_s / 4}
         if self.secret is not None:
             channel.nonces = (sender_nonce, auth.new_nonce())
@@ -265,6 +268,34 @@ class KVReceiver:
         store.set(verdict_key, json.dumps(verdict))
         channel.thread.start()
         logger.info("kv receiver %s: channel %d from %s", self.endpoint, index, peer_id)
+
+    def _clone_store(self) -> dist.Store:
+        """A new client of the master store. Its connect is bounded by the store's timeout,
+        which a loaded machine (or a short timeout_s) can exceed once: try a few times."""
+        for attempt in range(_CLONE_ATTEMPTS):
+            try:
+                return self._store.clone()
+            except RuntimeError:
+                if attempt + 1 == _CLONE_ATTEMPTS:
+                    raise
+                logger.warning("kv receiver %s: store clone failed (attempt %d), retrying",
+                               self.endpoint, attempt + 1)
+        raise AssertionError("unreachable")
+
+    def _refuse_quietly(self, store: dist.Store, hello: dict, exc: BaseException) -> None:
+        """_admit failed unexpectedly: answer the sender (best effort) so that it fails now,
+        with the reason, instead of waiting out its timeout for a verdict that never comes."""
+        try:
+            index = int(hello["index"])
+            with self._lock:
+                if index in self._channels:
+                    return  # its verdict was written; the channel owns the index now
+            store.set(channel_key(index, "verdict"), json.dumps(
+                {"ok": False, "kind": "KVChannelError",
+                 "error": f"decode worker could not open the channel: {exc}"}))
+        except Exception:
+            logger.debug("kv receiver %s: could not answer a failed hello", self.endpoint,
+                         exc_info=True)
 
     # ---- called from channel threads ------------------------------------------------------
 

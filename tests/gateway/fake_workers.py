@@ -50,8 +50,11 @@ class Recorder:
         context.add_callback(self.ended.set)
 
     def wait_cancelled(self, context) -> None:
-        """Block the calling handler until its caller goes away."""
-        while context.is_active():
+        """Block the calling handler until its caller goes away: the RPC turns inactive, or
+        its termination callback runs (whichever gRPC's server threads report first)."""
+        gone = threading.Event()
+        context.add_callback(gone.set)
+        while context.is_active() and not gone.is_set():
             time.sleep(0.005)
         self.cancelled.set()
 

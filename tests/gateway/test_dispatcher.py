@@ -199,4 +199,6 @@ def test_closing_after_tokens_cancels_the_decode_stream(servers):
 
     events, _ = run([decode], [servers(FakePrefill())], consume=consume)
     assert tokens(events) == [FIRST_TOKEN, 71]
-    assert decode.servicer.cancelled.wait(5), "the decode stream was not cancelled"
+    # Generous: on a loaded CI machine the server threads can see the cancel seconds late.
+    assert decode.servicer.cancelled.wait(15), (
+        f"the decode stream was not cancelled (its call ended: {decode.servicer.ended.is_set()})")

@@ -86,10 +86,27 @@ def test_a_forged_proof_is_refused_and_no_process_group_is_built():
 def test_a_sender_with_the_secret_refuses_a_receiver_without_it():
     inbox = Inbox()
     # Short: the receiver's half-built channel waits this long for a group that never forms.
-    with open_receiver(inbox, timeout_s=1.0) as receiver:
+    # Not shorter: it also bounds the receiver's store connects, which a loaded machine slows.
+    with open_receiver(inbox, timeout_s=3.0) as receiver:
         sender = KVSender(receiver.endpoint, LAYOUT, timeout_s=TIMEOUT_S, secret=SECRET)
         with pytest.raises(KVAuthError, match="did not prove"):
             sender.wait_ready()
+
+
+def test_a_hello_the_receiver_fails_to_admit_is_answered_not_left_waiting(monkeypatch):
+    """Fault injected: the channel's store client cannot be made (what a connect timeout on a
+    loaded machine does). The sender gets the reason at once, not its verdict timeout."""
+    inbox = Inbox()
+    with open_receiver(inbox) as receiver:
+        def no_clone():
+            raise RuntimeError("injected: store connect timed out")
+        monkeypatch.setattr(receiver, "_clone_store", no_clone)
+        sender = KVSender(receiver.endpoint, LAYOUT, timeout_s=TIMEOUT_S)
+        with pytest.raises(KVChannelError, match="could not open the channel: injected"):
+            sender.wait_ready(timeout_s=TIMEOUT_S / 2)
+        monkeypatch.undo()
+        with KVSender(receiver.endpoint, LAYOUT, timeout_s=TIMEOUT_S) as good:
+            send_ok(good, "after-failure", inbox)
 
 
 def test_a_frame_injected_by_another_store_client_is_dropped_and_the_channel_survives():
