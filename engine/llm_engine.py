@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import Speculator, build_proposer
+from engine.step_cost import charge_step, step_rows
 from engine.step_threads import StepThreads, default_small_threads
 
 
@@ -194,7 +195,9 @@ class LLMEngine:
                 f"KV payload for {request_id!r} has shape {shape}; expected 6 dims with "
                 f"{len(block_ids)} blocks on axis 2 (the blocks reserved for its prompt)"
             )
+        copy_started = time.perf_counter()
         self.runner.scatter_kv(block_ids, payload)
+        request.transfer_seconds += time.perf_counter() - copy_started
         return self._remote_kv_arrived(request, first_token)
 
     def start_decode_for_profiling(self, request_id: str, first_token: int) -> RequestOutput | None:
@@ -238,6 +241,7 @@ class LLMEngine:
         proposals = spec.propose(self.scheduler) if spec is not None else None
         sched = self.scheduler.schedule(proposals.token_ids if proposals else None)
         self.scheduled = sched
+        rows, row_tokens = step_rows(self.scheduler.requests, sched)
         if self.step_threads is not None:
             self.step_threads.before_step(sched.total_num_scheduled_tokens)
         try:
@@ -254,12 +258,27 @@ class LLMEngine:
             self.num_steps += 1
             self.num_computed_tokens += sched.total_num_scheduled_tokens
         self.last_step_size = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
+        copy_seconds = 0.0
+        finished: dict[str, Request] | None = None
         for out in outputs:
-            if out.finished and out.request_id in self._held:
-                request = self._held.pop(out.request_id)
-                num_blocks = cdiv(request.num_prompt_tokens, self.config.block_size)
-                out.kv = self.runner.gather_kv(self.kv.block_ids(out.request_id)[:num_blocks])
-                self.scheduler.release_held_kv(request)
+            if out.finished:
+                if finished is None:
+                    finished = {row[0].request_id: row[0] for row in rows}
+                if out.request_id in self._held:
+                    request = self._held.pop(out.request_id)
+                    copy_started = time.perf_counter()
+                    num_blocks = cdiv(request.num_prompt_tokens, self.config.block_size)
+                    out.kv = self.runner.gather_kv(self.kv.block_ids(out.request_id)[:num_blocks])
+                    copied = time.perf_counter() - copy_started
+                    request.transfer_seconds += copied  # the KV copy is its alone
+                    copy_seconds += copied
+                    self.scheduler.release_held_kv(request)
+        charge_step(rows, row_tokens, time.perf_counter() - started - copy_seconds)
+        if finished is not None:
+            for out in outputs:
+                request = finished.get(out.request_id) if out.finished else None
+                if request is not None:
+                    out.compute = request.compute_seconds
         return outputs
 
     def _final_output(self, request: Request) -> RequestOutput:
@@ -267,7 +286,7 @@ class LLMEngine:
             request_id=request.request_id, new_token_ids=[], finished=True,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens, compute=request.compute_seconds,
         )
 
     def stats(self) -> dict[str, float]:

@@ -70,6 +70,25 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ComputeSeconds:
+    """Worker wall time charged to one request (cost per query). `prefill` and `decode`: its
+    shares of the engine steps it ran in; `transfer`: engine time spent copying its KV out of
+    the cache for sending (prefill worker) or into the reserved blocks (decode worker)."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+    transfer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode + self.transfer
+
+    def __add__(self, other: ComputeSeconds) -> ComputeSeconds:
+        return ComputeSeconds(self.prefill + other.prefill, self.decode + other.decode,
+                              self.transfer + other.transfer)
+
+
 @dataclass
 class RequestOutput:
     """What a step produced for one request: a delta, not the whole text."""
@@ -89,3 +108,5 @@ class RequestOutput:
     # Wall-clock milestones (ns since epoch) for tracing.
     first_scheduled_ns: int | None = None
     kv_arrived_ns: int | None = None
+    # On a finished output: the engine time charged to the request on this worker.
+    compute: ComputeSeconds | None = None

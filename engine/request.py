@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.block_pool import root_hash
+from engine.outputs import ComputeSeconds
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the scheduling modules import no torch; the proposer makes it
@@ -85,6 +86,11 @@ class Request:
         # Wall-clock (ns) milestones for traces: first scheduled, remote KV written.
         self.first_scheduled_ns: int | None = None
         self.kv_arrived_ns: int | None = None
+        # Seconds of engine time charged to this request (engine/step_cost.py): its share of
+        # each step it ran in, by phase, and the copies of its KV for a transfer.
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        self.transfer_seconds = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,6 +115,10 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    @property
+    def compute_seconds(self) -> ComputeSeconds:
+        return ComputeSeconds(self.prefill_seconds, self.decode_seconds, self.transfer_seconds)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
