@@ -1,10 +1,13 @@
-"""RMSNorm with an optional fused residual add, computed in float32 like the reference."""
+"""RMSNorm with an optional fused residual add, computed in float32 like the reference; on CUDA
+with the Triton backend, one fused kernel (kernels/triton/rmsnorm.py) held to this torch path."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.attention import uses_triton
 
 
 class RMSNorm(nn.Module):
@@ -14,8 +17,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: str = "auto"
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """backend: the step's attention backend (AttentionMetadata.attention_backend); the
+        Triton kernel runs on CUDA only, so every CPU path stays this torch code."""
+        if x.is_cuda and x.dtype == self.weight.dtype and uses_triton(backend, x.device):
+            from kernels.triton.rmsnorm import triton_rmsnorm  # needs triton
+
+            return triton_rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

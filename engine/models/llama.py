@@ -73,11 +73,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, cos_sin, hidden, residual, kv_cache, meta):
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, backend=meta.attention_backend)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, meta.attention_backend)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, meta.attention_backend)
         return self.mlp(hidden), residual
 
 
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, meta.attention_backend)
         return hidden
 
     def use_fused_decode(self, small_m_max_rows: int) -> None:
