@@ -39,16 +39,24 @@ _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str | None = None  # why the build failed, when it did
 _library: Path | None = None  # what load() loaded
+_load_seconds = 0.0  # how long the one build-or-load took (worker start-up timing)
 
 
 def load() -> bool:
     """Build (first time on this machine: about a minute) and load the kernels; True when
     torch.ops.splitserve_cpu is usable. Thread-safe; the outcome is remembered."""
-    global _loaded
+    global _loaded, _load_seconds
     with _lock:
         if _loaded is None:
+            start = time.monotonic()
             _loaded = _build()
+            _load_seconds = time.monotonic() - start
         return _loaded
+
+
+def load_seconds() -> float:
+    """Wall time of this process's build or load of the kernels (0 before `load()`)."""
+    return _load_seconds
 
 
 def build_error() -> str | None:

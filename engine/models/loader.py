@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +14,14 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.distributed import get_tp
 from engine.models.registry import resolve_model_class
+
+# Seconds this process spent in load_model (a speculative draft adds its own): start-up timing.
+_load_seconds = 0.0
+
+
+def weight_load_seconds() -> float:
+    """Wall time of every load_model call in this process so far."""
+    return _load_seconds
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -59,6 +68,16 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     """The parameters are made in `dtype` on `device` and filled from the checkpoint one tensor
     at a time: no float32 copy of the model is built first, so weight memory peaks at the
     model's size in `dtype` (plus one checkpoint tensor)."""
+    global _load_seconds
+    start = time.monotonic()
+    try:
+        return _build_and_fill(config, dtype, device)
+    finally:
+        _load_seconds += time.monotonic() - start
+
+
+def _build_and_fill(config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device) -> torch.nn.Module:
     model_cls = resolve_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config)

@@ -14,6 +14,8 @@ from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.executor import TensorParallelExecutor
 from engine.llm_engine import LLMEngine
+from engine.models.loader import weight_load_seconds
+from kernels import cpu_kernels
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
@@ -21,6 +23,7 @@ from services.common.malformed import add_servicer
 from services.common.metrics import WorkerMetrics
 from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.security import add_port, read_cluster_secret
+from services.common.startup import StartupClock, StartupCollector
 from services.common.status_server import StatusServer
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.common.worker_config import WorkerConfig
@@ -48,7 +51,13 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.startup = StartupClock.since_process_start()
+        self.startup.end_phase("imports")
+        weights_s, kernels_s = weight_load_seconds(), cpu_kernels.load_seconds()
         self.engine = LLMEngine(config.engine_config())
+        self.startup.end_phase("kv_allocation", of_which={
+            "weight_load": weight_load_seconds() - weights_s,
+            "kernel_load": cpu_kernels.load_seconds() - kernels_s})
         self.engine_loop = EngineLoop(
             self.engine, max_unread_outputs=config.max_unread_outputs,
             kv_reservation_ttl_s=config.kv_reservation_ttl_s,
@@ -63,9 +72,9 @@ class Worker:
         self.server: grpc.aio.Server | None = None
         self.decode_servicer = None  # decode and both roles: drain hands its streams off
         self.port = config.port
-        self.metrics = WorkerMetrics(config.role, self.state.worker_id)
-        self.metrics.engine_loop = self.engine_loop
-        self.engine_loop.on_step = self.metrics.observe_step
+        self.metrics = WorkerMetrics(config.role, self.state.worker_id, model=config.model_name,
+                                     vllm_metrics=config.vllm_metrics)
+        self.metrics.attach(self.engine_loop)
         self.status_server: StatusServer | None = None
         self.registry: RegistryPublisher | None = None
         self.kv_endpoint = ""
@@ -144,11 +153,6 @@ class Worker:
             )
             self.status_server.start()
             metrics_at = f"{cfg.public_host}:{self.status_server.port}"
-        log.info(
-            "worker ready role=%s id=%s grpc=%s:%d tls=%s kv_endpoint=%s kv_blocks=%d dtype=%s",
-            cfg.role, self.state.worker_id, cfg.host, self.port, cfg.tls.describe(),
-            kv_endpoint or "-", self.engine.kv.num_blocks, self.engine.runner.dtype,
-        )
         self.kv_endpoint = kv_endpoint
         self.metrics_at = metrics_at
         if cfg.redis_url:
@@ -159,10 +163,18 @@ class Worker:
                 secret=self.cluster_secret,
             )
             self.registry.start()
+        self.startup.end_phase("serving")
+        self.metrics.registry.register(StartupCollector(self.startup, cfg.role))
+        log.info(
+            "worker ready role=%s id=%s grpc=%s:%d tls=%s kv_endpoint=%s kv_blocks=%d dtype=%s %s",
+            cfg.role, self.state.worker_id, cfg.host, self.port, cfg.tls.describe(),
+            kv_endpoint or "-", self.engine.kv.num_blocks, self.engine.runner.dtype,
+            self.startup.describe(),
+        )
         # A line launchers and tests wait for.
         ranks = f" tp_pids={','.join(map(str, self.rank_pids))}" if self.rank_pids else ""
         print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
-              f"kv={kv_endpoint}{ranks}", flush=True)
+              f"kv={kv_endpoint}{ranks} {self.startup.describe()}", flush=True)
 
     def describe(self) -> WorkerInfo:
         """This worker as the registry shows it (called on the event loop; reads snapshots)."""

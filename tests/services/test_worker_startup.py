@@ -1,0 +1,46 @@
+"""A worker reports its start-up by phase, in its ready line and on /metrics; the phases tile
+the wall time from its process start to that line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.common.startup import PHASES, parse_ready_fields
+from splitserve_cli.processes import start_worker
+from tests.metrics_text import scrape_worker
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def ready_fields(worker) -> dict[str, str]:
+    line = next(line for line in worker.lines if line.startswith("SPLITSERVE_READY"))
+    return dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_startup_phases_tile_process_start_to_ready(tiny_llama_dir, role):
+    started = time.monotonic()
+    worker = start_worker(role, tiny_llama_dir, "--num-kv-blocks", "32")
+    seen_ready_after = time.monotonic() - started
+    try:
+        fields = ready_fields(worker)
+        phases = parse_ready_fields(fields)
+        assert list(phases) == list(PHASES)
+        assert all(seconds >= 0 for seconds in phases.values()), phases
+        assert phases["weight_load"] > 0 and phases["imports"] > 0, phases
+        total = float(fields["startup_s"])
+        # Rounded to the millisecond each in the line.
+        assert sum(phases.values()) == pytest.approx(total, abs=0.001 * (len(PHASES) + 1))
+        # The process starts after Popen is called and prints before this process reads the
+        # line; /proc's start time has 10 ms ticks; a loaded machine delays the reader thread.
+        assert total <= seen_ready_after + 0.05
+        assert total >= 0.8 * seen_ready_after - 0.5, (total, seen_ready_after)
+
+        metrics = scrape_worker(worker)
+        for phase, seconds in phases.items():
+            gauge = metrics[f'splitserve_worker_startup_seconds{{phase="{phase}",role="{role}"}}']
+            assert gauge == pytest.approx(seconds, abs=0.0006)
+    finally:
+        worker.kill()
