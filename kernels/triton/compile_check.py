@@ -1,4 +1,4 @@
-"""Compile the Triton attention kernels ahead of time for a CUDA architecture, on any machine:
+"""Compile the Triton kernels (attention, RMSNorm, rotary + KV write) ahead of time for a CUDA architecture, on any machine:
 triton's wheel brings ptxas, so a CPU-only host checks that they build to cubin for a GPU.
 
     python -m kernels.triton.compile_check [--arch 90] [--all]
@@ -14,15 +14,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import decode_attention, prefill_attention
+from kernels.triton import decode_attention, prefill_attention, rmsnorm, rotary_kv
 
 HEAD_DIM = 128
 BLOCK_SIZE = 16
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
-    """Every argument not named is an int32 (lengths, strides) except scale, a float."""
-    types = {"scale": "fp32", **pointers}
+    """Every argument not named is an int32 (lengths, strides) except scale and eps, floats."""
+    types = {"scale": "fp32", "eps": "fp32", **pointers}
     return {name: "constexpr" if name in constexprs else types.get(name, "i32")
             for name in fn.arg_names}
 
@@ -53,6 +53,16 @@ def variants(dtype: str, full: bool) -> list[tuple[str, object, dict, dict]]:
     consts = dict(HEAD_DIM=HEAD_DIM, DIM_PAD=HEAD_DIM, NUM_SPLITS=8)
     ptrs = {"out_ptr": dtype, "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "part_acc_ptr": "fp32"}
     out.append((f"decode reduce {dtype}", decode_attention._decode_reduce_kernel, ptrs, consts))
+    bf16 = dtype == "bf16"
+    consts = dict(HAS_RESIDUAL=True, ROUND_BEFORE_WEIGHT=bf16, BF16=bf16, BLOCK=4096)
+    ptrs = {name: dtype for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+    out.append((f"rmsnorm {dtype}", rmsnorm._rmsnorm_kernel, ptrs, consts))
+    consts = dict(NUM_HEADS=32, HEADS_PAD=32, KV_HEADS=8, KV_PAD=8, HEAD_DIM=HEAD_DIM,
+                  DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BF16=bf16)
+    ptrs = {name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "q_out_ptr",
+                                     "k_cache_ptr", "v_cache_ptr")}
+    out.append((f"rotary_kv {dtype}", rotary_kv._rotary_kv_kernel, {**ptrs, "slots_ptr": "i64"},
+                consts))
     return out
 
 

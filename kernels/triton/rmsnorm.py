@@ -13,16 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(x, TO_BF16: tl.constexpr):
-    """float32 -> the nearest bfloat16 (ties to even), still as float32, when TO_BF16: done on
-    the bits because the interpreter's own float32 -> bfloat16 cast truncates."""
-    if TO_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x
+from kernels.triton.rounding import round_bf16
 
 
 @triton.jit
@@ -41,14 +32,14 @@ def _rmsnorm_kernel(
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        x = _round(x + r, BF16).to(dtype).to(tl.float32)  # the reference's x + residual
+        x = round_bf16(x + r, BF16).to(dtype).to(tl.float32)  # the reference's x + residual
         tl.store(res_out_ptr + row * stride_ro + cols, x.to(dtype), mask=ok)
     mean_sq = tl.sum(x * x, axis=0) / hidden
     normed = x * tl.math.rsqrt(mean_sq + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BEFORE_WEIGHT:
-        normed = _round(normed, BF16).to(dtype).to(tl.float32)
-    out = _round(normed * w, BF16).to(dtype)
+        normed = round_bf16(normed, BF16).to(dtype).to(tl.float32)
+    out = round_bf16(normed * w, BF16).to(dtype)
     tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
 
 

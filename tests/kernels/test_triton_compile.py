@@ -23,5 +23,6 @@ def test_attention_kernels_compile_for_hopper(tmp_path):
     lines = done.stdout.splitlines()
     print("\n".join(lines))
     assert [line.split(":")[0] for line in lines] == [
-        "decode bf16 gqa4 splits8", "prefill bf16 gqa4", "decode reduce bf16"]
+        "decode bf16 gqa4 splits8", "prefill bf16 gqa4", "decode reduce bf16", "rmsnorm bf16",
+        "rotary_kv bf16"]
     assert all("sm_90 cubin" in line for line in lines)
