@@ -120,6 +120,11 @@ class EngineLoop:
         # Called on the engine thread after each step that ran the model:
         # on_step(seconds, num_requests, num_tokens).
         self.on_step: Callable[[float, int, int], None] | None = None
+        # Request metrics (services/common/request_timing.py), on the engine thread:
+        # on_open(request_id, monotonic arrival) once a request is added, and
+        # on_outputs(outputs, open request ids) with each batch of outputs before delivery.
+        self.on_open: Callable[[str, float], None] | None = None
+        self.on_outputs: Callable[[list[RequestOutput], dict], None] | None = None
 
     @property
     def stalled(self) -> bool:
@@ -209,12 +214,16 @@ class EngineLoop:
         queue is one FIFO, so the abort runs after start whenever start runs, and the request
         is never left reserved, computed for nobody, or run to max_tokens unread."""
         stream = RequestStream(asyncio.get_running_loop(), self.max_unread_outputs)
+        arrived = time.monotonic()
 
         def begin(engine: LLMEngine) -> Any:
             previous = self._streams.get(request_id)
             self._streams[request_id] = stream
             try:
-                return start(engine)
+                result = start(engine)
+                if self.on_open is not None:
+                    self.on_open(request_id, arrived)
+                return result
             except BaseException:
                 # The id may belong to a live request (start refused it as "in use").
                 if previous is None:
@@ -240,6 +249,8 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs, self._streams)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -322,15 +333,19 @@ class EngineLoop:
                         outputs = engine.step()
                     finally:
                         self._busy = None
+                    # The step alone: what cost per query splits over its requests.
+                    elapsed = time.perf_counter() - start
                     self._deliver(outputs)
                     scheduled = engine.num_steps > steps_before
                     if scheduled:
-                        self.step_seconds = time.perf_counter() - start
+                        self.step_seconds = elapsed
                         if self.on_step is not None:
                             self.on_step(self.step_seconds, *engine.last_step_size)
                 if engine.scheduler.waiting_for_kv:
                     self._expire_reservations(time.monotonic())
                 self.stats = engine.stats()
+                if self.on_outputs is not None:  # request metrics see who left without output
+                    self.on_outputs([], self._streams)
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     self._wake.wait(self._idle_wait_s)

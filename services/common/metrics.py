@@ -7,20 +7,30 @@ engine thread and once per KV transfer on kv_transfer threads.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.common.request_timing import FINISH_REASONS, RequestFamilies, RequestTimings
+from services.common.vllm_metrics import register_vllm_metrics
 
 # Sub-second latencies dominate; the tail reaches seconds on CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                    0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Time to first token and queue time: sub-second when served, minutes under overload.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# A whole request: seconds to minutes.
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0,
+               60.0, 120.0)
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, worker_id: str) -> None:
+    def __init__(self, role: str, worker_id: str, *, model: str = "",
+                 vllm_metrics: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.role = role
         self.worker_id = worker_id
+        self.model = model
         self.engine_loop = None
         self.kv_stats = []  # kv_transfer.KVStats objects (receiver and/or sender pool)
         labels = ["role"]
@@ -37,6 +47,49 @@ class WorkerMetrics:
             "splitserve_kv_transfer_seconds", "Time to move one request's KV.", labels,
             buckets=LATENCY_BUCKETS, registry=self.registry).labels(role)
         self.registry.register(_StatsCollector(self))
+        families = [self._request_families()]
+        if vllm_metrics:
+            families.append(register_vllm_metrics(self))
+        self.requests = RequestTimings(families)
+
+    def _request_families(self) -> RequestFamilies:
+        labels, values = ["model", "role"], (self.model, self.role)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(*values)
+
+        outcomes = Counter("splitserve_worker_requests", "Requests that left this worker, by "
+                           "finish reason (stop, length, abort, error).",
+                           [*labels, "finish_reason"], registry=self.registry)
+        return RequestFamilies(
+            ttft=histogram("splitserve_worker_ttft_seconds",
+                           "Arrival at this worker to its first output token.", TTFT_BUCKETS),
+            token_gaps=[histogram("splitserve_worker_itl_seconds",
+                                  "Gap before each later output of a request (one per step; "
+                                  "a step may carry several speculative tokens).",
+                                  LATENCY_BUCKETS)],
+            e2e=histogram("splitserve_worker_e2e_latency_seconds",
+                          "Arrival at this worker to the final output of a finished request.",
+                          E2E_BUCKETS),
+            queue=histogram("splitserve_worker_queue_time_seconds",
+                            "Arrival to first scheduled step (or, with remote KV, to the KV's "
+                            "first token), of a finished request.", TTFT_BUCKETS),
+            prompt_tokens=counter("splitserve_worker_prompt_tokens",
+                                  "Prompt tokens of requests that reached their first token."),
+            generation_tokens=counter("splitserve_worker_generation_tokens",
+                                      "Output tokens sent by this worker."),
+            outcomes={r: outcomes.labels(*values, r) for r in FINISH_REASONS})
+
+    def attach(self, engine_loop) -> None:
+        """Read `engine_loop`'s stats at scrape time; observe its steps and requests."""
+        self.engine_loop = engine_loop
+        engine_loop.on_step = self.observe_step
+        engine_loop.on_open = self.requests.opened
+        engine_loop.on_outputs = self.requests.outputs
 
     def observe_step(self, seconds: float, num_requests: int, num_tokens: int) -> None:
         self.step_seconds.observe(seconds)

@@ -80,6 +80,8 @@ class WorkerConfig:
     speculative_max_batch_size: int = 0  # 0: measured throughput decides per batch size
     # HTTP /metrics, /health, /ready; 0 picks a free port, -1 disables.
     metrics_port: int = 0
+    # The metrics again under vLLM's names (services/common/vllm_metrics.py).
+    vllm_metrics: bool = True
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
     # With a Redis URL the worker registers itself (heartbeat) and publishes prefix events.
@@ -274,6 +276,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                              "(0: speculate where measured throughput says it pays)")
     parser.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)),
                         help="HTTP port for /metrics, /health, /ready (0: free port, -1: off)")
+    parser.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction,
+                        default=_env("vllm_metrics", "1") not in ("", "0", "false"),
+                        help="also export the metrics under vLLM's names (vllm:*, label "
+                             "model_name) for vLLM dashboards and endpoint pickers")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", _env("redis_url", "")),
                         help="register with heartbeats in this Redis (env REDIS_URL)")
     parser.add_argument("--advertise-host", default=_env("advertise_host", ""))
@@ -341,6 +347,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         draft_model=args.draft_model,
         speculative_max_batch_size=args.speculative_max_batch_size,
         metrics_port=args.metrics_port,
+        vllm_metrics=args.vllm_metrics,
         log_level=args.log_level,
         log_format=args.log_format,
         redis_url=args.redis_url,
