@@ -116,3 +116,18 @@ def test_old_errors_leave_the_margin():
     assert estimator.margin(1.0) == pytest.approx(0.4)
     clock.now = 61.0
     assert estimator.margin(1.0) == 0.0
+
+
+def test_a_warm_up_of_a_few_short_prompts_gives_no_slope():
+    """A fresh gateway's warm-up (4 short prompts released together, each first token a step
+    later) looks like 2.2 ms per prompt token; a burst judged on that line would be refused
+    although batched prefill serves it on time. Sixteen first tokens before a slope counts."""
+    estimator = TTFTEstimator(clock=Clock())
+    for i in range(4):  # what bench/compare's warm-up taught a real gateway
+        estimator.first_token(0.05 + 0.0022 * 32 * i, prefill_tokens=32 * (i + 1))
+    assert estimator.seconds_per_prompt_token() == 0.0
+    assert estimator.estimate(0, 0, 128, room_now=True, slots_in_use=3,
+                              prefilling_tokens=384) < 0.5
+    for i in range(12):
+        estimator.first_token(0.05 + 0.0022 * 32 * (i % 4), prefill_tokens=32 * (i % 4 + 1))
+    assert estimator.seconds_per_prompt_token() == pytest.approx(0.0022, rel=0.05)

@@ -75,6 +75,7 @@ class TTFTEstimator:
         # Exponentially weighted moments of (x = prompt tokens to prefill before the first
         # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
         self._moments = [_Aged() for _ in range(4)]
+        self._fit_samples = 0  # first tokens the line was fitted on
         self.duration_s: float | None = None  # release -> end
         self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
         self._busy_since: float | None = None
@@ -111,6 +112,7 @@ class TTFTEstimator:
         now = self._clock()
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
         if prefill_tokens is not None:
+            self._fit_samples += 1
             for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
                                                       prefill_tokens * seconds), strict=True):
                 moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
@@ -180,14 +182,15 @@ class TTFTEstimator:
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, slope) of the least-squares line; flat while the lengths seen were too
-        alike for a slope. (A line through the origin would read a fixed cost as a cost per
-        token: after two short prompts, a first burst of long ones would be refused on that
-        guess alone. Flat, the burst is served, and teaches the slope.) Never negative."""
+        alike for a slope, or too few (_MIN_FIT_SAMPLES). (A line through the origin would
+        read a fixed cost as a cost per token: after two short prompts, a first burst of long
+        ones would be refused on that guess alone. Flat, the burst is served, and teaches the
+        slope.) Never negative."""
         x, y, xx, xy = (m.value for m in self._moments)
         if x is None:
             return None
         variance = xx - x * x
-        if variance < _MIN_SPREAD_TOKENS ** 2:
+        if variance < _MIN_SPREAD_TOKENS ** 2 or self._fit_samples < _MIN_FIT_SAMPLES:
             return y, 0.0
         slope = max(0.0, (xy - x * y) / variance)
         return y - slope * x, slope
@@ -218,6 +221,11 @@ class TTFTEstimator:
 
 _FIT_ALPHA = 0.1  # a slope needs many requests' worth of evidence
 _MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is believed
+# First tokens before a slope is believed. A fresh gateway's first few (a warm-up of a few
+# short prompts) carry each request's fixed cost, which a line through them reads as a cost
+# per token: 4 warm-up prompts of 32 tokens gave 2.2 ms per token where a batched prefill
+# costs under 1, and refused 26 of a burst of 32 that would have been served within 1 s.
+_MIN_FIT_SAMPLES = 16
 
 
 def _keep(alpha: float, age_s: float, half_life_s: float) -> float:
