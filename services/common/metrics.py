@@ -17,11 +17,13 @@ from services.common.vllm_metrics import register_vllm_metrics
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                    0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-# Time to first token and queue time: sub-second when served, minutes under overload.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-# A whole request: seconds to minutes.
+# Time to first token and queue time (gateway and workers): sub-second when served, minutes
+# under overload; out to 20 minutes so an overloaded p99 does not pin at the top bucket.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+                20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+# A whole request (gateway and workers): seconds to 20 minutes.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0,
-               60.0, 120.0)
+               60.0, 120.0, 300.0, 600.0, 1200.0)
 
 
 class WorkerMetrics:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS
+from services.common.metrics import E2E_BUCKETS, LATENCY_BUCKETS
 
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0,
-               60.0, 120.0)
 OUTCOMES = ("finished", "cancelled", "rejected", "error")
 
 
