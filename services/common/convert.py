@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from splitserve.v1 import common_pb2
 
-from engine.outputs import Logprobs
+from engine.outputs import ComputeSeconds, Logprobs
 from engine.sampling_params import SamplingParams, StructuredOutput
 
 FINISH_REASONS = {
@@ -102,3 +102,14 @@ def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprobs:
 def stats_to_pb(stats: dict[str, float]) -> common_pb2.WorkerStats:
     return common_pb2.WorkerStats(**{k: int(v) for k, v in stats.items()
                                      if k in common_pb2.WorkerStats.DESCRIPTOR.fields_by_name})
+
+
+def compute_to_pb(compute: ComputeSeconds | None) -> common_pb2.ComputeSeconds:
+    c = compute or ComputeSeconds()
+    return common_pb2.ComputeSeconds(prefill=c.prefill, decode=c.decode, transfer=c.transfer)
+
+
+def compute_from_pb(pb: common_pb2.ComputeSeconds) -> ComputeSeconds:
+    """Negative or non-finite seconds (a bad peer) count as none, never as a credit."""
+    return ComputeSeconds(*(v if 0.0 <= v < float("inf") else 0.0
+                            for v in (pb.prefill, pb.decode, pb.transfer)))

@@ -239,6 +239,7 @@ def _delta(run: list[RequestOutput], prompt: list[int]) -> decode_pb2.TokenDelta
                 prompt_tokens=last.num_prompt_tokens,
                 completion_tokens=last.num_output_tokens,
                 cached_tokens=last.num_cached_tokens,
+                compute_seconds=convert.compute_to_pb(last.compute),
             )
         )
         if last.error:

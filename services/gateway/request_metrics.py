@@ -49,6 +49,12 @@ class RequestMetrics:
             "Streams moved to another decode worker after tokens were sent, by reason "
             "(draining, worker_failed, stream_ended).",
             ["model", "reason"], registry=registry)
+        # Cost per query: engine seconds the workers charged to the tenant's requests.
+        self.tenant_compute = Counter(
+            "splitserve_tenant_compute_seconds",
+            "Worker engine seconds charged to the tenant's requests, by phase (prefill, "
+            "decode, transfer), as the workers reported them in each request's final usage.",
+            ["tenant", "phase"], registry=registry)
         self.migration_failures = Counter(
             "splitserve_gateway_migration_failures",
             "Broken streams that could not move (migration limit reached, no worker left, "

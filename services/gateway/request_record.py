@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
+from engine.outputs import ComputeSeconds
 from services.common import tracing
 from services.gateway.api.text_stream import TextDelta
 from services.gateway.errors import APIError
@@ -61,6 +62,7 @@ class RequestRecord:
         self.first_token_at: float | None = None
         self.cached_tokens = 0
         self.transfer_bytes = 0
+        self.compute = ComputeSeconds()  # what the workers charged, all choices
         self.decode_worker = self.prefill_worker = ""
         self.migrations: list[str] = []  # reasons, one per move of any choice
         self._migration_spans: list = []  # open "gateway.migration" spans, until resumed
@@ -184,6 +186,12 @@ class RequestRecord:
                 if c.output_tokens > 1 and c.first_at is not None:
                     tpot.observe((c.last_at - c.first_at) / (c.output_tokens - 1))
         output_tokens = sum(c.output_tokens for c in self.choices)
+        compute = self.compute
+        if compute.total > 0:
+            counter = metrics.tenant_compute
+            for phase, seconds in (("prefill", compute.prefill), ("decode", compute.decode),
+                                   ("transfer", compute.transfer)):
+                counter.labels(self.tenant, phase).inc(seconds)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         span = self.span
         if span.is_recording():
@@ -229,6 +237,7 @@ class RequestRecord:
                     choice.finish_reason = delta.finish_reason
                     choice.error_code = delta.error_code
                     self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+                    self.compute = self.compute + delta.compute
                 yield delta
         finally:
             await stream.aclose()
@@ -264,6 +273,9 @@ class RequestRecord:
             "status": status, "outcome": outcome, "reason": reason,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": output_tokens,
             "cached_tokens": self.cached_tokens,
+            "compute_seconds": {"prefill": round(self.compute.prefill, 6),
+                                "decode": round(self.compute.decode, 6),
+                                "transfer": round(self.compute.transfer, 6)},
             "queue_s": None if self.queue_s is None else round(self.queue_s, 6),
             "ttft_s": None if ttft is None else round(ttft, 6), "e2e_s": round(e2e, 6),
             "decode_worker": self.decode_worker or None,

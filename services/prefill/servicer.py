@@ -122,6 +122,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             kv_bytes=kv_bytes,
+            compute_seconds=convert.compute_to_pb(out.compute),
         )
         if out.prompt_logprobs is not None:
             response.prompt_logprobs.extend(

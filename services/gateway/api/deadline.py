@@ -104,7 +104,8 @@ def _failed(last: TextDelta, stalled: bool, stall_s, deadline: RequestDeadline) 
                        f"{deadline.timeout_s:g}s; it was aborted"), "request_timeout"
     return TextDelta(index=last.index, text="", token_ids=(), logprobs=(),
                      num_output_tokens=last.num_output_tokens, finish_reason="error",
-                     error=error, error_code=code, num_cached_tokens=last.num_cached_tokens)
+                     error=error, error_code=code, num_cached_tokens=last.num_cached_tokens,
+                     compute=last.compute)
 
 
 def _limit(seconds: float) -> float | None:

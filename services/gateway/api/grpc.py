@@ -128,7 +128,7 @@ async def _next_or_error(stream, last: TextDelta) -> TextDelta | None:
         log.exception("gRPC stream failed after output")
         return TextDelta(index=last.index, text="", token_ids=(), logprobs=(),
                          num_output_tokens=last.num_output_tokens, finish_reason="error",
-                         error=str(exc) or type(exc).__name__)
+                         error=str(exc) or type(exc).__name__, compute=last.compute)
 
 
 def _authorization(request: gateway_pb2.GenerateTextRequest, context) -> str | None:
@@ -153,7 +153,8 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
     if delta.finish_reason is not None:
         response.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delta.num_output_tokens,
-            cached_tokens=delta.num_cached_tokens))
+            cached_tokens=delta.num_cached_tokens,
+            compute_seconds=convert.compute_to_pb(delta.compute)))
     return response
 
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.outputs import ComputeSeconds
 from services.common import tracing
 from services.gateway.admission.admission import Ticket
 from services.gateway.admission.tenants import Tenant
@@ -244,7 +245,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
                        failed.error or "a worker failed mid-generation", "server_error",
                        code=failed.error_code if timed_out else "worker_failed")
     body = fmt.response(choices, usage(prompt_tokens, sum(c.num_output_tokens for c in choices),
-                                       max(c.num_cached_tokens for c in choices)))
+                                       max(c.num_cached_tokens for c in choices),
+                                       sum((c.compute for c in choices), ComputeSeconds())))
     record.finish(200)
     return JSONResponse(body, headers=headers)
 

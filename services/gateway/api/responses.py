@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.outputs import Logprobs
+from engine.outputs import ComputeSeconds, Logprobs
 from services.gateway.api.text_stream import TextDelta
 from services.gateway.api.tokenizer import ModelTokenizer
 from services.gateway.api.tool_output import ToolCallStream, finish_reason, tool_message
@@ -46,6 +46,7 @@ class ChoiceResult:
     error_code: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    compute: ComputeSeconds = ComputeSeconds()
 
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text)
@@ -58,14 +59,24 @@ class ChoiceResult:
         self.error_code = delta.error_code or self.error_code
         self.num_output_tokens = delta.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.compute = delta.compute  # the choice's running total
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          compute: ComputeSeconds | None = None) -> dict:
+    """OpenAI's usage object; `splitserve` is our extension: the engine seconds the workers
+    charged to the request, by phase, and the prompt tokens served from the prefix cache."""
+    c = compute or ComputeSeconds()
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "splitserve": {
+            "compute_seconds": {"prefill": round(c.prefill, 6), "decode": round(c.decode, 6),
+                                "transfer": round(c.transfer, 6), "total": round(c.total, 6)},
+            "cached_tokens": cached_tokens,
+        },
     }
 
 

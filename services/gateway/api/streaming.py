@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from engine.outputs import ComputeSeconds
 from services.gateway.api.responses import ChatFormat, CompletionFormat, encode_sse, usage
 from services.gateway.api.text_stream import TextDelta
 from services.gateway.errors import APIError
@@ -89,6 +90,7 @@ async def sse_events(
 
     pumps = [asyncio.create_task(pump(f, s)) for f, s in zip(firsts, streams, strict=True)]
     completion_tokens = cached_tokens = 0
+    compute = ComputeSeconds()
     try:
         if isinstance(fmt, ChatFormat):
             for first in firsts:
@@ -104,6 +106,7 @@ async def sse_events(
             if item.finish_reason is not None:
                 completion_tokens += item.num_output_tokens
                 cached_tokens = max(cached_tokens, item.num_cached_tokens)
+                compute = compute + item.compute
             if item.finish_reason == "error":
                 # Tokens were already sent: no silent retry, an explicit error event instead.
                 error = APIError(500, item.error or "a worker failed mid-stream", "server_error",
@@ -111,7 +114,8 @@ async def sse_events(
                 yield encode_sse(error.body())
                 break
         if fmt.include_usage:
-            yield encode_sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens, cached_tokens)))
+            yield encode_sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens, cached_tokens,
+                                                   compute)))
         yield encode_sse("[DONE]")
     finally:
         for task in pumps:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.outputs import Logprobs
+from engine.outputs import ComputeSeconds, Logprobs
 from services.gateway.api.detokenizer import IncrementalDetokenizer
 from services.gateway.api.stop_strings import StopStringMatcher
 from services.gateway.api.tokenizer import ModelTokenizer
@@ -29,6 +29,8 @@ class TextDelta:
     error_code: str | None = None
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
+    # Engine time charged to this choice so far, all its workers and attempts together.
+    compute: ComputeSeconds = ComputeSeconds()
 
 
 async def stream_text(
@@ -41,9 +43,12 @@ async def stream_text(
                                  cache_salt=spec.cache_salt)
     num_output = 0
     num_cached = 0
+    compute = ComputeSeconds()
     try:
         async for event in events:
             num_cached = max(num_cached, event.num_cached_tokens)
+            if event.compute is not None:
+                compute = compute + event.compute
             text: list[str] = []
             taken = 0
             for token_id in event.token_ids:
@@ -67,6 +72,7 @@ async def stream_text(
                 error=event.error if finish == "error" else None,
                 prompt_logprobs=event.prompt_logprobs,
                 num_cached_tokens=num_cached,
+                compute=compute,
             )
             if finish is not None:
                 return

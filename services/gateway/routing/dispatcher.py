@@ -21,7 +21,7 @@ from typing import Protocol
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
-from engine.outputs import Logprobs
+from engine.outputs import ComputeSeconds, Logprobs
 from services.common import convert
 from services.gateway.errors import APIError, from_worker_error
 from services.gateway.routing.router import Route, Router
@@ -43,6 +43,8 @@ class TokenEvent:
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Engine time a worker charged to the request (prefill response, last decode message).
+    compute: ComputeSeconds | None = None
 
 
 class AttemptObserver(Protocol):
@@ -283,6 +285,7 @@ class Dispatcher:
                 logprobs=(convert.logprob_from_pb(first),) if sampling.HasField("logprobs") else (),
                 prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
                 num_cached_tokens=response.num_cached_tokens,
+                compute=convert.compute_from_pb(response.compute_seconds),
             )
             async with aclosing(_decode_events(call, decode, 1, decode_next)) as events:
                 async for event in events:
@@ -332,6 +335,8 @@ async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
             num_cached_tokens=(delta.usage.cached_tokens
                                if delta.HasField("usage") and not resumed else 0),
             error="the worker failed" if finish == "error" else None,
+            compute=(convert.compute_from_pb(delta.usage.compute_seconds)
+                     if delta.HasField("usage") else None),
         )
         if finish is not None:
             return

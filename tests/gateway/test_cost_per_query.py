@@ -1,0 +1,150 @@
+"""Cost per query through real processes: the compute seconds the workers charge each
+request come back in `usage.splitserve`, add up to the workers' busy step seconds, feed the
+per-tenant counter and the access log, and a cached prefix is charged less."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_processes import Stack, start_gateway, start_worker
+
+from tests.metrics_text import scrape
+
+# Long prompts in small chunks, so prefill chunks share steps with other requests' decodes.
+CHUNKED = ("--long-prefill-token-threshold", "48", "--max-num-batched-tokens", "96")
+MODEL_NAME = ""  # the served name: the model folder's (set by _served_name)
+MIXED_LOAD = [(20, 40), (300, 6), (90, 24), (450, 3), (150, 12), (8, 30)]  # (prompt, max_tokens)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _served_name(tiny_llama_dir):
+    global MODEL_NAME
+    MODEL_NAME = tiny_llama_dir.name
+
+
+@pytest.fixture(scope="module")
+def chunked_agg_stack(tiny_llama_dir):
+    worker = start_worker(tiny_llama_dir, "both", *CHUNKED)
+    try:
+        worker.wait_ready()
+        gateway = start_gateway(tiny_llama_dir, "--worker", worker.address)
+        try:
+            yield Stack(gateway, worker)
+        finally:
+            gateway.stop()
+    finally:
+        worker.stop()
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * j) % 250 + 3 for j in range(length)]
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    """The final usage of one completion (the last SSE chunk's, when streamed)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        return response.json()["usage"]
+    body["stream_options"] = {"include_usage": True}
+    usage = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    assert usage is not None
+    return usage
+
+
+def _busy_seconds(*workers) -> float:
+    return sum(scrape(f"http://{w.field('metrics')}")
+               ['splitserve_worker_step_seconds_sum{role="%s"}' % w.name] for w in workers)
+
+
+def _tenant_seconds(stack: Stack) -> dict[str, float]:
+    values = scrape(stack.admin_url)
+    return {phase: values.get(
+        'splitserve_tenant_compute_seconds_total{phase="%s",tenant="anonymous"}' % phase, 0.0)
+        for phase in ("prefill", "decode", "transfer")}
+
+
+def _run_mixed_load(stack: Stack) -> list[dict]:
+    usages: list[dict | None] = [None] * len(MIXED_LOAD)
+
+    def one(i: int, length: int, max_tokens: int) -> None:
+        usages[i] = _complete(stack.url, _prompt(length, i + int(time.time())), max_tokens,
+                              stream=i % 2 == 0)
+
+    threads = [threading.Thread(target=one, args=(i, *shape)) for i, shape in enumerate(MIXED_LOAD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(u is not None for u in usages)
+    time.sleep(0.3)  # the last step's histogram sample lands just after its output
+    return usages
+
+
+def _check_adds_up(stack: Stack, workers) -> list[dict]:
+    busy_before, tenant_before = _busy_seconds(*workers), _tenant_seconds(stack)
+    usages = _run_mixed_load(stack)
+    busy = _busy_seconds(*workers) - busy_before
+    charged = [u["splitserve"]["compute_seconds"] for u in usages]
+    total = sum(c["prefill"] + c["decode"] + c["transfer"] for c in charged)
+    assert abs(total - busy) <= 0.02 * busy, (total, busy, charged)
+    assert all(c["prefill"] > 0 and c["decode"] > 0 for c in charged), charged
+    # The tenant counter grew by what the responses carried (rounded to microseconds there).
+    tenant = _tenant_seconds(stack)
+    for phase in ("prefill", "decode", "transfer"):
+        grown = tenant[phase] - tenant_before[phase]
+        assert abs(grown - sum(c[phase] for c in charged)) < 1e-4 * len(charged), phase
+    return charged
+
+
+def test_charged_seconds_add_up_to_busy_step_seconds_on_an_aggregated_worker(chunked_agg_stack):
+    charged = _check_adds_up(chunked_agg_stack, [chunked_agg_stack.decode])
+    assert all(c["transfer"] == 0 for c in charged)
+    # The 450-token prompt did the most prompt work, the 40-token answer the most decoding.
+    assert max(range(len(charged)), key=lambda i: charged[i]["prefill"]) == 3
+    assert max(range(len(charged)), key=lambda i: charged[i]["decode"]) == 0
+
+
+def test_charged_seconds_add_up_over_prefill_and_decode_workers(disagg_stack):
+    charged = _check_adds_up(disagg_stack, [disagg_stack.prefill, disagg_stack.decode])
+    assert all(c["transfer"] > 0 for c in charged), charged  # the KV copy out and in
+
+
+def test_a_request_sharing_a_cached_prefix_is_charged_less_prefill(chunked_agg_stack):
+    url = chunked_agg_stack.url
+    seed = int(time.time()) % 1000
+    shared = _prompt(400, seed)
+    _complete(url, _prompt(402, seed + 1), 1, stream=False)  # warm-up of this shape
+    cold = _complete(url, shared + [5, 6], 1, stream=False)
+    warm = _complete(url, shared + [7, 8], 1, stream=False)
+    other = _complete(url, _prompt(402, seed + 2), 1, stream=False)
+    assert warm["splitserve"]["cached_tokens"] >= 384
+    assert cold["splitserve"]["cached_tokens"] == 0
+    warm_s, cold_s, other_s = (u["splitserve"]["compute_seconds"]["prefill"]
+                               for u in (warm, cold, other))
+    assert warm_s < 0.5 * min(cold_s, other_s), (warm_s, cold_s, other_s)
+
+
+def test_the_access_log_records_each_requests_compute_seconds(chunked_agg_stack):
+    usage = _complete(chunked_agg_stack.url, _prompt(30, 99), 5, stream=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in chunked_agg_stack.gateway.lines
+                 if line.startswith("{") and '"splitserve.access"' in line]
+        if lines and lines[-1].get("compute_seconds"):
+            break
+        time.sleep(0.1)
+    logged = lines[-1]["compute_seconds"]
+    assert logged == {k: usage["splitserve"]["compute_seconds"][k]
+                      for k in ("prefill", "decode", "transfer")}
