@@ -28,13 +28,18 @@ export TORCHINDUCTOR_COMPILE_THREADS := 1
 export HF_HUB_OFFLINE := 1
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: help install protos model redis test fuzz run bench bench-engine peers lint clean distclean
+.PHONY: help install cpu-kernels protos model redis test fuzz run bench bench-engine peers lint clean distclean
 
 help: ## list these verbs (default)
 	@echo "usage: make VERB"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-install: $(INSTALLED) protos ## create .venv (CPU torch, project, dev tools, SmolLM2 GGUF) and build gRPC stubs
+install: $(INSTALLED) protos cpu-kernels ## create .venv (CPU torch, project, dev tools, SmolLM2 GGUF), build gRPC stubs and C++ kernels
+
+# Built here rather than by the first worker start (about a minute on 2 cores); a build that
+# already exists for these sources and flags is only loaded. Without a compiler it says so.
+cpu-kernels: $(INSTALLED) ## build the C++ CPU kernels (else the first worker start builds them)
+	$(PY) -m kernels.cpu_kernels
 
 $(INSTALLED): pyproject.toml
 	@test -n "$(TORCH_PIN)" || { echo "no torch==X pin found in pyproject.toml" >&2; exit 1; }

@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (kernels/cpu/*.cpp): compiled on first use with the machine's C++
-compiler, cached by torch.utils.cpp_extension, and registered as torch.ops.splitserve_cpu.*.
+"""The C++ CPU kernels (kernels/cpu/*.cpp): compiled by `make install` (`python -m
+kernels.cpu_kernels`), else on first use, with the machine's C++ compiler; cached by
+torch.utils.cpp_extension and registered as torch.ops.splitserve_cpu.*.
 
 Each has its torch reference in this package; tests/engine/test_cpu_kernels.py holds them to it.
 Where no compiler is available, `load()` returns False and the references run instead. A build
@@ -134,3 +135,18 @@ def _remove_stale_lock(lock: Path) -> None:
         log.warning("removing a build lock left %.0f min ago by a process that did not finish: %s",
                     age / 60, lock)
         lock.unlink(missing_ok=True)
+
+
+def main() -> int:
+    """`python -m kernels.cpu_kernels` (make install): build now, so no worker start waits on
+    the compiler. Without a compiler it says so and succeeds: the torch references run."""
+    start = time.monotonic()
+    if load():
+        print(f"C++ CPU kernels: {library_path()} ({time.monotonic() - start:.1f}s)")
+    else:
+        print(f"C++ CPU kernels not built; workers use the torch reference ({build_error()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
