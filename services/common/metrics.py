@@ -16,6 +16,7 @@ from services.common.vllm_metrics import register_vllm_metrics
 # Sub-second latencies dominate; the tail reaches seconds on CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                    0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+LABELS = ("model", "role")
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Time to first token and queue time (gateway and workers): sub-second when served, minutes
 # under overload; out to 20 minutes so an overloaded p99 does not pin at the top bucket.
@@ -35,19 +36,20 @@ class WorkerMetrics:
         self.model = model
         self.engine_loop = None
         self.kv_stats = []  # kv_transfer.KVStats objects (receiver and/or sender pool)
-        labels = ["role"]
+        # Every worker series carries the served model's name beside the role.
+        labels, values = LABELS, (model, role)
         self.step_seconds = Histogram(
             "splitserve_worker_step_seconds", "Wall time of one engine step.", labels,
-            buckets=LATENCY_BUCKETS, registry=self.registry).labels(role)
+            buckets=LATENCY_BUCKETS, registry=self.registry).labels(*values)
         self.batch_size = Histogram(
             "splitserve_worker_batch_size_requests", "Requests scheduled in one engine step.",
-            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(role)
+            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(*values)
         self.batched_tokens = Histogram(
             "splitserve_worker_batched_tokens", "Tokens run through the model in one step.",
-            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(role)
+            labels, buckets=SIZE_BUCKETS, registry=self.registry).labels(*values)
         self.kv_transfer_seconds = Histogram(
             "splitserve_kv_transfer_seconds", "Time to move one request's KV.", labels,
-            buckets=LATENCY_BUCKETS, registry=self.registry).labels(role)
+            buckets=LATENCY_BUCKETS, registry=self.registry).labels(*values)
         self.registry.register(_StatsCollector(self))
         families = [self._request_families()]
         if vllm_metrics:
@@ -55,7 +57,7 @@ class WorkerMetrics:
         self.requests = RequestTimings(families)
 
     def _request_families(self) -> RequestFamilies:
-        labels, values = ["model", "role"], (self.model, self.role)
+        labels, values = LABELS, (self.model, self.role)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets,
@@ -110,7 +112,7 @@ class _StatsCollector:
 
     def collect(self):
         m = self.metrics
-        role = m.role
+        labels = (m.model, m.role)  # of every series
         loop = m.engine_loop
         if loop is not None:
             stats = loop.stats
@@ -124,15 +126,15 @@ class _StatsCollector:
                     ("queued_prefill_tokens", "Prompt tokens waiting to be computed."),
             }
             for name, (key, doc) in gauges.items():
-                yield _gauge(name, doc, role, stats[key])
+                yield _gauge(name, doc, labels, stats[key])
             used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
-            yield _gauge("splitserve_kv_blocks_used", "KV cache blocks in use.", role, used)
-            yield _gauge("splitserve_kv_usage_ratio", "Fraction of KV blocks in use.", role,
+            yield _gauge("splitserve_kv_blocks_used", "KV cache blocks in use.", labels, used)
+            yield _gauge("splitserve_kv_usage_ratio", "Fraction of KV blocks in use.", labels,
                          used / max(stats["kv_blocks_total"], 1))
-            yield _gauge("splitserve_worker_healthy", "1 while the engine loop runs.", role,
+            yield _gauge("splitserve_worker_healthy", "1 while the engine loop runs.", labels,
                          1.0 if loop.healthy else 0.0)
             yield _gauge("splitserve_worker_step_stalled",
-                         "1 while an engine step runs past --step-timeout-s.", role,
+                         "1 while an engine step runs past --step-timeout-s.", labels,
                          1.0 if loop.stalled else 0.0)
             counters = {
                 "splitserve_prefix_cache_queries_tokens": ("prefix_queries", "Prompt tokens looked up in the prefix cache."),
@@ -142,34 +144,34 @@ class _StatsCollector:
                 "splitserve_worker_steps": ("steps", "Engine steps that ran the model."),
             }
             for name, (key, doc) in counters.items():
-                yield _counter(name, doc, role, stats[key])
+                yield _counter(name, doc, labels, stats[key])
             for key, value in stats.items():
                 if key.startswith("spec_"):
-                    yield _counter(f"splitserve_{key}", "Speculative decoding tokens.", role, value)
+                    yield _counter(f"splitserve_{key}", "Speculative decoding tokens.", labels, value)
         if m.kv_stats:
             snaps = [s.snapshot() for s in m.kv_stats]
-            yield _counter("splitserve_kv_transfer_bytes", "KV bytes moved.", role,
+            yield _counter("splitserve_kv_transfer_bytes", "KV bytes moved.", labels,
                            sum(s.bytes for s in snaps))
-            yield _counter("splitserve_kv_transfers", "KV transfers completed.", role,
+            yield _counter("splitserve_kv_transfers", "KV transfers completed.", labels,
                            sum(s.transfers for s in snaps))
-            yield _counter("splitserve_kv_transfer_failures", "KV transfers that failed.", role,
+            yield _counter("splitserve_kv_transfer_failures", "KV transfers that failed.", labels,
                            sum(s.failures + s.failed_transfers for s in snaps))
             yield _counter("splitserve_kv_transfer_dropped", "KV received for dead requests.",
-                           role, sum(s.dropped for s in snaps))
+                           labels, sum(s.dropped for s in snaps))
             yield _counter("splitserve_kv_frames_refused", "KV frames refused (bad header, tag "
-                           "or fields; the request recomputes).", role,
+                           "or fields; the request recomputes).", labels,
                            sum(s.refused_frames for s in snaps))
             yield _counter("splitserve_kv_auth_failures", "KV channels closed: the peer did not "
-                           "prove the cluster secret.", role, sum(s.auth_failures for s in snaps))
+                           "prove the cluster secret.", labels, sum(s.auth_failures for s in snaps))
 
 
-def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=["role"])
-    family.add_metric([role], float(value))
+def _gauge(name: str, doc: str, labels: tuple[str, str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=LABELS)
+    family.add_metric(labels, float(value))
     return family
 
 
-def _counter(name: str, doc: str, role: str, value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["role"])
-    family.add_metric([role], float(value))
+def _counter(name: str, doc: str, labels: tuple[str, str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=LABELS)
+    family.add_metric(labels, float(value))
     return family

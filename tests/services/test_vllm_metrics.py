@@ -102,7 +102,7 @@ def served(tiny_llama_dir):
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_vllm_families_carry_model_name_and_equal_ours(served, role) -> None:
     found, model = served[role], served["model"]
-    ours = {"role": role}
+    ours = {"model": model, "role": role}
     vllm = {"model_name": model, "engine": "0"}
     for vllm_name, our_name in GAUGES + COUNTERS:
         assert value(found, vllm_name, **vllm) == value(found, our_name, **ours), vllm_name
@@ -158,3 +158,12 @@ def test_no_vllm_metrics_flag_leaves_only_ours(served) -> None:
     assert not [n for n, _, _ in found if n.startswith("vllm:")]
     assert value(found, "splitserve_worker_ttft_seconds_count") == 1
     assert value(found, "splitserve_worker_generation_tokens_total") == 4
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "both"])
+def test_worker_series_carry_the_model_label(served, role) -> None:
+    # splitserve_worker_startup_seconds is exported by services/common/startup.py on its own.
+    ours = [(n, ls) for n, ls, _ in served[role]
+            if n.startswith("splitserve_") and not n.startswith("splitserve_worker_startup")]
+    assert len({n for n, _ in ours}) > 20
+    assert [(n, ls) for n, ls in ours if ls.get("model") != served["model"]] == []
