@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "autoscaler": Command("services.autoscaler.main", "size the prefill and decode pools (k8s or local)"),
     "profile": Command("splitserve_cli.profile", "measure a worker on this machine into profile.json"),
     "capacity": Command("services.autoscaler.capacity_cli", "capacity plan: workers for a rate and SLOs"),
+    "cost": Command("splitserve_cli.cost", "cost per request, per 1k tokens and per tenant from the access log"),
     "doctor": Command("splitserve_cli.doctor", "the kernels and dtype this machine gives a model"),
 }
 
