@@ -25,10 +25,11 @@ _CANDIDATES = (64, 1024)
 _BLOCK = 256  # entries per block of the two-level search over a long row
 
 
-def uniform_for(seed: int, position: int) -> float:
+def uniform_for(seed: int, position: int, stream: int = DRAW_STREAM) -> float:
     """A uniform in [0, 1) from (seed, position): splitmix64 of Python's int-tuple hash, which
-    (unlike a str hash) is the same in every process."""
-    z = (hash((seed, position, DRAW_STREAM)) & _MASK63) + 0x9E3779B97F4A7C15
+    (unlike a str hash) is the same in every process. `stream` separates independent uniforms
+    of one (seed, position) (the rejection sampler's accept test has its own)."""
+    z = (hash((seed, position, stream)) & _MASK63) + 0x9E3779B97F4A7C15
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31

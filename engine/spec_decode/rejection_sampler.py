@@ -22,19 +22,16 @@ import torch
 
 from engine.outputs import Logprobs
 from engine.sampler import Sampler, SamplingRow, batch_logprobs, noise_for, sampling_probs
+from engine.sampling_draw import uniform_for
 from engine.sampling_params import SamplingParams
 from engine.token_counts import TokenCounts
 
 _MASK63 = (1 << 63) - 1
-# Tags that separate the random streams derived from one (seed, position).
+# Tags that separate the random streams derived from one (seed, position). The accept test's
+# uniform is sampling_draw.uniform_for's counter-based one (no generator, the same on any
+# device), in its own stream.
 ACCEPT_STREAM = 0xACCE
 DRAFT_STREAM = 0xD4AF
-
-
-def uniform_for(seed: int, position: int, device: torch.device) -> float:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(hash((seed, position, ACCEPT_STREAM)) & _MASK63)
-    return float(torch.rand(1, generator=generator, device=device))
 
 
 def draft_noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -133,7 +130,7 @@ def _rejection_sample(logits: torch.Tensor, item: VerifyItem) -> tuple[list[int]
     tokens: list[int] = []
     for i in range(k):
         # Accept with probability min(1, p/q): u * q < p, no division.
-        if uniform_for(item.seed, rows[i].position, device) * q_x[i] < p_x[i]:
+        if uniform_for(item.seed, rows[i].position, ACCEPT_STREAM) * q_x[i] < p_x[i]:
             tokens.append(item.proposals[i])
             continue
         residual = (p[i] - q[i]).clamp_(min=0.0)
