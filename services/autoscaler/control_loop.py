@@ -8,6 +8,7 @@ thread owns an Autoscaler; the status server only reads `healthy`/`ready` and th
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -39,8 +40,11 @@ class AutoscalerMetrics:
                                     "Replica count changes.", ["role", "direction"], registry=r)
         self.errors = Counter("splitserve_autoscaler_errors",
                               "Iterations that failed (source or actuator).", registry=r)
+        self.startup = Gauge("splitserve_autoscaler_startup_horizon_seconds",
+                             "Worker start-up the planner plans ahead for.", registry=r)
 
-    def record(self, sample: DemandSample, decision: ScaleDecision) -> None:
+    def record(self, sample: DemandSample, decision: ScaleDecision, startup_s: float) -> None:
+        self.startup.set(startup_s)
         for role in ROLES:
             d = decision.role(role)
             self.desired.labels(role).set(d.desired)
@@ -50,6 +54,24 @@ class AutoscalerMetrics:
                 self.scale_events.labels(role, "up" if d.desired > d.current else "down").inc()
         self.ready.labels("prefill").set(sample.prefill_ready)
         self.ready.labels("decode").set(sample.decode_ready)
+
+
+# A start-up a worker reports above this is a bad entry, not a measurement.
+MAX_STARTUP_S = 3600.0
+
+
+def reported_startups(workers) -> list[float]:
+    """Each worker's own start-up (stats["startup_s"], from its heartbeat or /metrics); a value
+    that is missing, not a number or out of range is skipped (registry entries come off the
+    network)."""
+    found = []
+    for worker in workers:
+        value = worker.stats.get("startup_s") if isinstance(worker.stats, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(value) and 0 < value <= MAX_STARTUP_S:
+            found.append(float(value))
+    return found
 
 
 class Autoscaler:
@@ -68,6 +90,7 @@ class Autoscaler:
         workers = self.source.workers()
         sample = self.rates.update(now, workers)
         self.planner.observe(sample)
+        self.planner.observe_startup(reported_startups(workers))
         current = {role: self.actuator.replicas(role) for role in ROLES}
         decision = self.planner.plan(now, current)
         for role in ROLES:
@@ -77,7 +100,7 @@ class Autoscaler:
                          role, d.current, d.desired, d.reason, d.demand, d.per_replica)
                 self.actuator.scale(role, d.desired, [w for w in workers if w.role == role])
         if self.metrics is not None:
-            self.metrics.record(sample, decision)
+            self.metrics.record(sample, decision, self.planner.startup_s)
         if self.keep_history:
             self.history.append((sample, decision))
             del self.history[:-self.keep_history]

@@ -33,7 +33,8 @@ class PlannerConfig:
     min_decode: int = 1
     max_decode: int = 16
     interval_s: float = 2.0
-    # Seconds from asking for a replica to its serving; None: the profile's measured start-up.
+    # Seconds from asking for a replica to its serving; None: what the workers measured of
+    # their own start-up (splitserve_worker_startup_seconds), else the profile's.
     startup_s: float | None = None
     # A prefill backlog is planned to be worked off within this time after new replicas start.
     backlog_drain_s: float = 10.0
@@ -94,11 +95,23 @@ class Planner:
         self._window: deque[DemandSample] = deque()
         self._last_up = {r: -math.inf for r in ROLES}
         self._last_change = {r: -math.inf for r in ROLES}
+        self.measured_startup_s: float | None = None  # the slowest live worker's own start-up
 
     @property
     def startup_s(self) -> float:
-        s = self.config.startup_s
-        return self.profile.startup_s if s is None else s
+        """The horizon's start-up: --startup-s if given, else the workers' measured start-up
+        once any reported one, else the profile's."""
+        if self.config.startup_s is not None:
+            return self.config.startup_s
+        if self.measured_startup_s is not None:
+            return self.measured_startup_s
+        return self.profile.startup_s
+
+    def observe_startup(self, seconds: list[float]) -> None:
+        """The start-ups the live workers report; the slowest sets the horizon (a replica asked
+        for now may be as slow as any). Nothing reported keeps the last figure."""
+        if seconds:
+            self.measured_startup_s = max(seconds)
 
     def observe(self, sample: DemandSample) -> None:
         self.prompt_rate.observe(sample.time, sample.prompt_tokens_per_s)

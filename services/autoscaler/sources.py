@@ -29,6 +29,9 @@ PROMETHEUS_STATS = {
     "splitserve_worker_steps": "steps",
 }
 
+# services/common/startup.py: seconds per phase, which sum to the worker's start-up.
+STARTUP_METRIC = "splitserve_worker_startup_seconds"
+
 
 class WorkerSource(Protocol):
     def workers(self) -> list[WorkerInfo]:
@@ -88,6 +91,8 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
             name = sample.name if sample.name in PROMETHEUS_STATS else sample.name.removesuffix("_total")
             if name in PROMETHEUS_STATS:
                 stats[PROMETHEUS_STATS[name]] = sample.value
+        if family.name == STARTUP_METRIC:  # the phases of its start-up: their sum
+            stats["startup_s"] = sum(s.value for s in family.samples)
     if "kv_blocks_used" in stats:
         stats["kv_blocks_free"] = stats.get("kv_blocks_total", 0.0) - stats.pop("kv_blocks_used")
     return stats

@@ -186,7 +186,8 @@ class Worker:
             max_model_len=self.engine.max_model_len,
             metrics_address=self.metrics_at if self.metrics_at != "-" else "",
             draining=self.state.draining or not self.engine_loop.ready,
-            stats=dict(self.engine_loop.stats),
+            # startup_s: the autoscaler plans its horizon from it (without --startup-s).
+            stats={**self.engine_loop.stats, "startup_s": round(self.startup.total_s, 3)},
         )
 
     def _drain_prefix_events(self) -> list[tuple[str, int]]:
