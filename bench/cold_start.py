@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the JSON (default bench/results/<date>-cold-start)")
     args = parser.parse_args(argv)
+    # A SIGTERM unwinds like an exception, so the worker being timed is killed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     roles = args.roles.split(",")
     caches = args.cache.split(",")
     if unknown := set(caches) - set(CACHE_STATES):

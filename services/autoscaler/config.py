@@ -40,7 +40,7 @@ class AutoscalerConfig:
     max_prefill_replicas: int = 16
     min_decode_replicas: int = 1
     max_decode_replicas: int = 16
-    startup_s: float = -1.0  # <0: the profile's measured worker start-up
+    startup_s: float = -1.0  # <0: the workers' measured start-up, else the profile's
     scale_down_window_s: float = 60.0
     scale_down_cooldown_s: float = 30.0
     hysteresis: float = 0.15
@@ -108,7 +108,8 @@ _HELP = {
     "ttft_s": "time-to-first-token target (seconds)",
     "itl_s": "inter-token latency target (seconds, a request's mean)",
     "length_mix": "prompt:output[:weight],... assumed where the metrics do not say",
-    "startup_s": "seconds from asking for a worker to its serving (<0: the profile's)",
+    "startup_s": "seconds from asking for a worker to its serving (<0: what the workers "
+                 "measured of their own start-up, else the profile's)",
     "scale_down_window_s": "scale down to the mean demand of this window",
     "scale_down_cooldown_s": "no scale-down sooner than this after any change",
     "hysteresis": "scale down only if the smaller pool keeps this share spare",

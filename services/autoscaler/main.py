@@ -31,9 +31,10 @@ def build(config: AutoscalerConfig):
     from services.autoscaler.sources import PrometheusSource, RegistrySource
 
     profile = HardwareProfile.load(config.profile_path)
-    log.info("profile %s: %s on %s (%s), worker start-up %.1f s", config.profile_path,
-             profile.model, profile.device, profile.host, config.startup_s if config.startup_s >= 0
-             else profile.startup_s)
+    startup = (f"{config.startup_s:.1f} s (--startup-s)" if config.startup_s >= 0 else
+               f"the workers' measured, {profile.startup_s:.1f} s (profile) until one reports")
+    log.info("profile %s: %s on %s (%s), worker start-up %s", config.profile_path,
+             profile.model, profile.device, profile.host, startup)
     if not config.profile:
         log.warning("no --profile: using the bundled %s profile (%s, %s); capacity numbers are "
                     "only right on that hardware", profile.model, profile.device, profile.host)
