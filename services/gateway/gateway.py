@@ -60,6 +60,7 @@ class Gateway:
             both_addresses=list(config.worker), poll_interval_s=config.health_interval_s,
             new_breaker=lambda: CircuitBreaker(config.breaker_failures, config.breaker_open_s),
             on_cache_lost=lambda e: self.prefix_index.forget_worker(e.worker_id, e.address),
+            on_departed=lambda e: self.observer.metrics.forget_worker(e.address),
             tls=config.tls,
         )
         self.router = router or make_router(config, self.pool, self.prefix_index)

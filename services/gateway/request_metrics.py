@@ -4,7 +4,8 @@ queue depth, in-flight, tokens per tenant, rejections) live in admission/metrics
 one registry, the one `/metrics` serves.
 
 Updated on the gateway's event loop only. Label values are bounded: `tenant` comes from the
-tenants file (or is "anonymous"/"unknown"), `reason` from fixed sets, `worker` from the pool.
+tenants file (or is "anonymous"/"unknown"), `reason` from fixed sets, `worker` from the pool
+(a worker's values are removed when it leaves it).
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ class RequestMetrics:
             "Broken streams that could not move (migration limit reached, no worker left, "
             "not migratable) and ended with an error, by the reason of the last break.",
             ["model", "reason"], registry=registry)
+
+    def forget_worker(self, address: str) -> None:
+        """Drop the series of a worker that left the pool: `worker` label values stay bounded
+        by the live pool, not by every address a pod ever had."""
+        stale = {(sample.labels["role"], sample.labels["reason"])
+                 for family in self.routing.collect() for sample in family.samples
+                 if sample.labels.get("worker") == address}
+        for role, reason in stale:
+            self.routing.remove(role, address, reason)

@@ -106,6 +106,8 @@ class WorkerPool:
     new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker
     # Called when a worker's prefix cache is gone: it left, or restarted in place.
     on_cache_lost: Callable[[WorkerEndpoint], None] | None = None
+    # Called when a worker leaves the pool (e.g. to drop its metric label values).
+    on_departed: Callable[[WorkerEndpoint], None] | None = None
     # Mutual TLS to every worker when set (a worker whose certificate does not chain to the CA
     # fails the handshake, so its Health poll fails and it is never routable).
     tls: TLSFiles | None = None
@@ -142,6 +144,8 @@ class WorkerPool:
             self._retiring.append(endpoint)
             if self.on_cache_lost is not None:
                 self.on_cache_lost(endpoint)
+            if self.on_departed is not None:
+                self.on_departed(endpoint)
 
     def find(self, address: str) -> WorkerEndpoint | None:
         return next((e for e in self.endpoints if e.address == address), None)
