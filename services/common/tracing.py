@@ -2,8 +2,10 @@
 
 Exporters follow the standard environment: OTEL_TRACES_EXPORTER (otlp | console | none),
 OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT (setting one implies otlp), OTEL_TRACES_SAMPLER and
-OTEL_TRACES_SAMPLER_ARG for the sampling ratio. SPLITSERVE_TRACE_FILE adds a JSON-lines file
-exporter (one span per line), used by tests. With none of these set, tracing is a no-op.
+OTEL_TRACES_SAMPLER_ARG for the sampling ratio; OTEL_SERVICE_NAME (or service.name in
+OTEL_RESOURCE_ATTRIBUTES) wins over the process's own name (splitserve-gateway, -prefill, ...).
+SPLITSERVE_TRACE_FILE adds a JSON-lines file exporter (one span per line), used by tests.
+With none of these set, tracing is a no-op.
 W3C trace context travels in gRPC metadata (`traceparent`).
 """
 
@@ -58,6 +60,15 @@ class JsonLinesSpanExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
+def service_resource(default_service: str) -> Resource:
+    """The standard resource environment (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) as the
+    SDK reads it, with `default_service` as service.name only where neither names one."""
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": default_service}))
+    return resource
+
+
 def setup_tracing(service: str) -> bool:
     """Install a tracer provider if the environment asks for one; returns whether it did."""
     global _configured
@@ -71,7 +82,7 @@ def setup_tracing(service: str) -> bool:
     trace_file = os.environ.get("SPLITSERVE_TRACE_FILE")
     if exporter in ("", "none") and not trace_file:
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider = TracerProvider(resource=service_resource(service))
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
