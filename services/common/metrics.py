@@ -10,7 +10,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.common.request_timing import FINISH_REASONS, RequestFamilies, RequestTimings
+from services.common.request_timing import (
+    FINISH_REASONS,
+    RequestFamilies,
+    RequestTimings,
+    TokenGapHistogram,
+)
 from services.common.vllm_metrics import register_vllm_metrics
 
 # Sub-second latencies dominate; the tail reaches seconds on CPU.
@@ -72,10 +77,10 @@ class WorkerMetrics:
         return RequestFamilies(
             ttft=histogram("splitserve_worker_ttft_seconds",
                            "Arrival at this worker to its first output token.", TTFT_BUCKETS),
-            token_gaps=[histogram("splitserve_worker_itl_seconds",
-                                  "Gap before each later output of a request (one per step; "
-                                  "a step may carry several speculative tokens).",
-                                  LATENCY_BUCKETS)],
+            token_gaps=self.token_gap_histogram(["splitserve_worker_itl_seconds"],
+                                        "Gap before each later output of a request (one per "
+                                        "step; a step may carry several speculative tokens).",
+                                        labels, values, LATENCY_BUCKETS),
             e2e=histogram("splitserve_worker_e2e_latency_seconds",
                           "Arrival at this worker to the final output of a finished request.",
                           E2E_BUCKETS),
@@ -87,6 +92,12 @@ class WorkerMetrics:
             generation_tokens=counter("splitserve_worker_generation_tokens",
                                       "Output tokens sent by this worker."),
             outcomes={r: outcomes.labels(*values, r) for r in FINISH_REASONS})
+
+    def token_gap_histogram(self, names, doc, labels, values, buckets) -> TokenGapHistogram:
+        """A TokenGapHistogram on this registry, exported under each of `names`."""
+        gaps = TokenGapHistogram(names, doc, labels, values, buckets)
+        self.registry.register(gaps)
+        return gaps
 
     def attach(self, engine_loop) -> None:
         """Read `engine_loop`'s stats at scrape time; observe its steps and requests."""

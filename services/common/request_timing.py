@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
+
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from engine.outputs import RequestOutput
 
@@ -22,12 +26,45 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 PRUNE_INTERVAL_S = 1.0
 
 
+class TokenGapHistogram:
+    """A histogram observed once per request and step (the inter-token gaps), so kept cheap:
+    one bisect and two additions on the engine thread, no lock. Registered as a collector, it
+    exports the counts under each of `names`; a scrape may see an observation in a bucket
+    before it is in the sum, never a count that goes down."""
+
+    def __init__(self, names: Sequence[str], doc: str, labelnames: Sequence[str],
+                 labelvalues: Sequence[str], buckets: Sequence[float]) -> None:
+        self.names, self.doc = list(names), doc
+        self.labelnames, self.labelvalues = list(labelnames), list(labelvalues)
+        self.upper = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.upper) + 1)  # the last one is +Inf's own
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.upper, seconds)] += 1
+        self.sum += seconds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for upper, count in zip([*self.upper, float("inf")], counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(upper), cumulative))
+        for name in self.names:
+            family = HistogramMetricFamily(name, self.doc, labels=self.labelnames)
+            family.add_metric(self.labelvalues, buckets, total)
+            yield family
+
+
 @dataclass(frozen=True)
 class RequestFamilies:
     """Label-bound prometheus_client children of one naming convention."""
 
     ttft: object  # Histogram child: arrival -> first output token
-    token_gaps: Sequence[object]  # Histogram children: gap before each later output
+    token_gaps: TokenGapHistogram  # gap before each later output
     e2e: object  # Histogram child: arrival -> final output
     queue: object  # Histogram child: arrival -> first scheduled (or first KV-borne token)
     prompt_tokens: object  # Counter child
@@ -69,31 +106,38 @@ class RequestTimings:
         """`live`: ids of requests that still have a reader (the engine loop's streams)."""
         try:
             now = time.monotonic()
+            prompt_tokens = generation_tokens = 0
             for out in outputs:
                 record = self._open.get(out.request_id)
                 if record is not None:
-                    self._observe(out, record, now)
+                    prompt_tokens += self._observe(out, record, now)
+                    generation_tokens += len(out.new_token_ids)
+            if generation_tokens:  # counters once per batch, not per request
+                for f in self.families:
+                    f.prompt_tokens.inc(prompt_tokens)
+                    f.generation_tokens.inc(generation_tokens)
             if now >= self._next_prune:
                 self._next_prune = now + PRUNE_INTERVAL_S
                 self._prune(live)
         except Exception:
             log.exception("request metrics: a batch of outputs was not recorded")
 
-    def _observe(self, out: RequestOutput, record: _Open, now: float) -> None:
+    def _observe(self, out: RequestOutput, record: _Open, now: float) -> int:
+        """Records one output; returns the prompt tokens it brings to the count (on its
+        request's first token)."""
+        prompt_tokens = 0
         if out.new_token_ids:
             if record.first_token is None:
                 record.first_token = now
                 record.queue_s = self._queue_s(out, record, now)
+                prompt_tokens = out.num_prompt_tokens
                 for f in self.families:
                     f.ttft.observe(now - record.arrived)
-                    f.prompt_tokens.inc(out.num_prompt_tokens)
             else:
+                gap = now - record.last_token
                 for f in self.families:
-                    for gaps in f.token_gaps:
-                        gaps.observe(now - record.last_token)
+                    f.token_gaps.observe(gap)
             record.last_token = now
-            for f in self.families:
-                f.generation_tokens.inc(len(out.new_token_ids))
         if out.finished:
             del self._open[out.request_id]
             reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "error"
@@ -105,6 +149,7 @@ class RequestTimings:
                     f.e2e.observe(now - record.arrived)
                     queue_s = record.queue_s if record.queue_s is not None else now - record.arrived
                     f.queue.observe(queue_s)
+        return prompt_tokens
 
     @staticmethod
     def _queue_s(out: RequestOutput, record: _Open, now: float) -> float:

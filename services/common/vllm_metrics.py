@@ -40,13 +40,11 @@ def register_vllm_metrics(metrics) -> RequestFamilies:
     return RequestFamilies(
         ttft=histogram("vllm:time_to_first_token_seconds",
                        "Arrival at this worker to its first output token.", TTFT_BUCKETS),
-        # vLLM observes both once per engine step that gave the request tokens.
-        token_gaps=[histogram("vllm:inter_token_latency_seconds",
-                              "Gap before each later output of a request.", TOKEN_GAP_BUCKETS),
-                    histogram("vllm:time_per_output_token_seconds",
-                              "The observations of vllm:inter_token_latency_seconds, under "
-                              "the older name dashboards still read.",
-                              TOKEN_GAP_BUCKETS)],
+        # vLLM observes both once per engine step that gave the request tokens: one set of
+        # counts under both names (the second is the older one dashboards still read).
+        token_gaps=metrics.token_gap_histogram(
+            ["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"],
+            "Gap before each later output of a request.", LABELS, values, TOKEN_GAP_BUCKETS),
         e2e=histogram("vllm:e2e_request_latency_seconds",
                       "Arrival to the final output of a finished request.", REQUEST_LATENCY_BUCKETS),
         queue=histogram("vllm:request_queue_time_seconds",
