@@ -153,9 +153,9 @@ class RequestTimings:
 
     @staticmethod
     def _queue_s(out: RequestOutput, record: _Open, now: float) -> float:
-        # A request whose KV came from a prefill worker is never scheduled before its first
-        # token: its wait for the KV is its queue time (vLLM counts requests waiting for
-        # remote KV as waiting too).
+        # With remote KV the first scheduled step comes after the KV arrived, so the wait for
+        # it is queue time (vLLM counts requests waiting for remote KV as waiting too); an
+        # output never scheduled here counts its whole wait.
         if out.first_scheduled_ns is None:
             return now - record.arrived
         return max(out.first_scheduled_ns - record.arrived_ns, 0) / 1e9
