@@ -9,10 +9,14 @@ import random
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 from gateway_processes import Stack, start_gateway, start_worker
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+from engine.outputs import ComputeSeconds
+from services.common.convert import compute_from_pb
 from tests.metrics_text import scrape
 
 # Long prompts in small chunks, so prefill chunks share steps with other requests' decodes.
@@ -159,3 +163,19 @@ def test_the_access_log_records_each_requests_compute_seconds(chunked_agg_stack)
     assert mine[0]["compute_seconds"] == {k: usage["splitserve"]["compute_seconds"][k]
                                           for k in ("prefill", "decode", "transfer")}
     assert mine[0]["compute_seconds"]["prefill"] > 0
+
+
+def test_the_grpc_front_door_returns_compute_seconds_in_the_last_usage(chunked_agg_stack):
+    request = gateway_pb2.GenerateTextRequest(
+        token_ids=gateway_pb2.TokenIds(ids=_prompt(40)),
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+    with grpc.insecure_channel(chunked_agg_stack.grpc_address) as channel:
+        responses = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=60))
+    compute = responses[-1].usage.compute_seconds
+    assert compute.prefill > 0 and compute.decode > 0 and compute.transfer == 0
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_seconds_a_bad_peer_reports_count_as_none(bad):
+    pb = common_pb2.ComputeSeconds(prefill=bad, decode=0.25, transfer=bad)
+    assert compute_from_pb(pb) == ComputeSeconds(decode=0.25)
