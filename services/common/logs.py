@@ -12,7 +12,7 @@ import time
 _EXTRA_FIELDS = ("request_id", "tenant", "worker_id", "api", "outcome", "reason", "status",
                  "queue_s", "ttft_s", "e2e_s", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "decode_worker", "prefill_worker", "route", "trace_id",
-                 "prompt", "compute_seconds")
+                 "prompt", "compute_seconds", "migrations", "migration_reasons")
 
 
 class JsonFormatter(logging.Formatter):
