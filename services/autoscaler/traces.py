@@ -7,8 +7,12 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.autoscaler.capacity import WorkloadShape
+
+if TYPE_CHECKING:
+    from services.autoscaler.day_plan import DayShape
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,21 @@ def failure(rate: float, shape: WorkloadShape, duration_s: float = 900, seed: in
             at: tuple[tuple[float, str], ...] = ((300.0, "decode"), (500.0, "prefill"))) -> Trace:
     """Steady load; one replica of each role dies (decode first, then prefill)."""
     return poisson_trace("failure", lambda t: rate, rate, duration_s, shape, seed, failures=at)
+
+
+def day_window(day: DayShape, shape: WorkloadShape, start_s: float, duration_s: float, share: float = 1.0,
+               seed: int = 0, failures: tuple[tuple[float, str], ...] = ()) -> Trace:
+    """`duration_s` of a DayShape from `start_s` seconds after midnight, at `share` of its
+    traffic (one cell of a fleet: a share of 0.02 is the cluster 1/50 of the fleet serves).
+    Time in the trace starts at 0; failures are at trace times."""
+    if not 0 < share <= 1 or duration_s <= 0:
+        raise ValueError("share must be in (0, 1] and duration_s > 0")
+
+    def rate(t: float) -> float:
+        return share * day.rate(start_s + t)
+    # Thinning needs the window's highest rate: the curve on a 1 s grid, and the spike if it
+    # falls inside.
+    peak = max(rate(float(t)) for t in range(int(duration_s) + 1))
+    if start_s < day.spike_start_s + day.spike_s and day.spike_start_s < start_s + duration_s:
+        peak = max(peak, share * day.spike_rate)
+    return poisson_trace("day", rate, peak, duration_s, shape, seed, failures=failures)
