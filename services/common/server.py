@@ -21,6 +21,7 @@ from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.malformed import add_servicer
 from services.common.metrics import WorkerMetrics
+from services.common.openai_endpoint import OpenAIEndpoint, start_openai_endpoint
 from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.security import add_port, read_cluster_secret
 from services.common.startup import StartupClock, StartupCollector
@@ -76,6 +77,7 @@ class Worker:
                                      vllm_metrics=config.vllm_metrics)
         self.metrics.attach(self.engine_loop)
         self.status_server: StatusServer | None = None
+        self.openai_endpoint: OpenAIEndpoint | None = None  # --openai-port: a child process
         self.registry: RegistryPublisher | None = None
         self.kv_endpoint = ""
         self.metrics_at = "-"
@@ -148,13 +150,18 @@ class Worker:
         if cfg.metrics_port >= 0:
             self.status_server = StatusServer(
                 cfg.host, cfg.metrics_port, self.metrics.registry,
-                is_live=lambda: self.engine_loop.healthy,
+                # A dead OpenAI endpoint child fails liveness: the port it served is gone.
+                is_live=lambda: self.engine_loop.healthy and (
+                    self.openai_endpoint is None or self.openai_endpoint.alive),
                 is_ready=lambda: self.engine_loop.ready and not self.state.draining,
             )
             self.status_server.start()
             metrics_at = f"{cfg.public_host}:{self.status_server.port}"
         self.kv_endpoint = kv_endpoint
         self.metrics_at = metrics_at
+        if cfg.openai_port:
+            self.openai_endpoint = start_openai_endpoint(
+                cfg, self.port, self.status_server.port if self.status_server else None)
         if cfg.redis_url:
             self.engine.kv.pool.record_events = True
             self.registry = RegistryPublisher(
@@ -233,6 +240,8 @@ class Worker:
         open to the gateway for migration (they end with a status that says so), then shut
         down. So a drain cuts no stream, however long its generation."""
         self.state.draining = True
+        if self.openai_endpoint is not None:  # no new HTTP requests; open ones finish
+            self.openai_endpoint.drain()
         if self.registry is not None:
             await self.registry.deregister(self.state.worker_id)
         deadline = time.monotonic() + grace_s
@@ -251,6 +260,8 @@ class Worker:
         self.close()
 
     def close(self) -> None:
+        if self.openai_endpoint is not None:
+            self.openai_endpoint.close()
         if self.status_server is not None:
             self.status_server.close()
         self.engine_loop.stop()

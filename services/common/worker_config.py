@@ -82,6 +82,8 @@ class WorkerConfig:
     metrics_port: int = 0
     # The metrics again under vLLM's names (services/common/vllm_metrics.py).
     vllm_metrics: bool = True
+    # OpenAI-compatible HTTP on this port (services/common/openai_endpoint.py); 0: off.
+    openai_port: int = 0
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
     # With a Redis URL the worker registers itself (heartbeat) and publishes prefix events.
@@ -126,11 +128,20 @@ class WorkerConfig:
         parse_allow_list(self.kv_allowed_endpoints)
         if self.max_kv_senders < 1:
             raise ValueError("--max-kv-senders must be >= 1")
+        self._check_openai_port()
         if self.tensor_parallel_size != 1:
             model = ModelConfig.from_dir(self.model)
             check_tensor_parallel_size(self.tensor_parallel_size, model.num_heads,
                                        model.num_kv_heads, model.intermediate_size,
                                        self.model_name)
+
+    def _check_openai_port(self) -> None:
+        if not 0 <= self.openai_port <= 65535:
+            raise ValueError("--openai-port must be a port, or 0 (off)")
+        if self.openai_port and self.role != "both":
+            raise ValueError("--openai-port serves whole requests: it needs --role both")
+        if self.openai_port and self.openai_port in (self.port, self.metrics_port):
+            raise ValueError("--openai-port must differ from --port and --metrics-port")
 
     def _check_speculative(self) -> None:
         method = self.speculative_method
@@ -280,6 +291,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=_env("vllm_metrics", "1") not in ("", "0", "false"),
                         help="also export the metrics under vLLM's names (vllm:*, label "
                              "model_name) for vLLM dashboards and endpoint pickers")
+    parser.add_argument("--openai-port", type=int, default=int(_env("openai_port", 0)),
+                        help="role both: serve the OpenAI API (/v1/completions, "
+                             "/v1/chat/completions, /v1/models; /health, /metrics) on this "
+                             "port, for this worker alone, e.g. behind an endpoint picker "
+                             "(0: off)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", _env("redis_url", "")),
                         help="register with heartbeats in this Redis (env REDIS_URL)")
     parser.add_argument("--advertise-host", default=_env("advertise_host", ""))
@@ -348,6 +364,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         speculative_max_batch_size=args.speculative_max_batch_size,
         metrics_port=args.metrics_port,
         vllm_metrics=args.vllm_metrics,
+        openai_port=args.openai_port,
         log_level=args.log_level,
         log_format=args.log_format,
         redis_url=args.redis_url,
