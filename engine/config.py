@@ -148,9 +148,11 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache (CPU; explicit budget on GPU too)
-    gpu_memory_utilization: float = 0.85  # used on GPU when kv_cache_memory is 0
-    num_kv_blocks: int | None = None  # overrides the memory budget (tests)
+    # Bytes of KV cache; 0: sized from memory after a profile step (engine/memory_profile.py):
+    # on GPU from gpu_memory_utilization, on CPU from MemAvailable (at most 1 GiB).
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9  # of the device's total, for everything this worker holds
+    num_kv_blocks: int | None = None  # overrides the memory budget, and no profile step runs
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

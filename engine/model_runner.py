@@ -15,6 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
 from engine.layers.linear import use_small_m_linear
+from engine.memory_profile import size_kv_pool
 from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, batch_logprobs
@@ -77,7 +78,17 @@ class ModelRunner:
             small_m_max_rows=SMALL_M_MAX_ROWS,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
-        self.num_blocks = self._num_blocks()
+        self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.grammar_masks: GrammarMasks | None = None  # built for the first constrained request
+        self._constrained: set[str] = set()  # requests with a grammar (empty: no mask work)
+        # Profiles the largest step first (engine/memory_profile.py), then sizes the pool.
+        self.memory = size_kv_pool(
+            self, kv_cache_bytes_per_block(model_config, self.block_size, self.dtype,
+                                           self.num_kv_heads),
+            min_over_ranks=get_tp().min_over_ranks, tp_size=get_tp().size)
+        self.num_blocks = self.memory.num_blocks
         # One tensor for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
         # This is also the layout kv_transfer ships, so a request's KV is one index_select.
         self.kv_cache = torch.zeros(
@@ -85,11 +96,6 @@ class ModelRunner:
             model_config.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler(self.sampler)
-        self.requests: dict[str, CachedRequestState] = {}
-        self.grammar_masks: GrammarMasks | None = None  # built for the first constrained request
-        self._constrained: set[str] = set()  # requests with a grammar (empty: no mask work)
 
     def _use_native_decode(self) -> bool:
         choice = self.config.cpu_attention
@@ -129,25 +135,6 @@ class ModelRunner:
                              "attention (cpu_attention auto or cpp), one tensor-parallel rank "
                              "and a Llama-family model")
         return applies
-
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(
-            self.model_config, self.block_size, self.dtype, self.num_kv_heads
-        )
-        budget = self.config.kv_cache_memory
-        if self.device.type == "cuda" and not budget:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
-        num = budget // per_block
-        if num < 1:
-            raise ValueError(
-                f"KV cache budget {budget} bytes holds no block of {per_block} bytes; "
-                "raise --kv-cache-memory"
-            )
-        # Tensor-parallel ranks share block ids, so they agree on the smallest count.
-        return get_tp().min_over_ranks(int(num))
 
     # -- KV movement (prefill -> decode) -------------------------------------------------
 

@@ -14,12 +14,14 @@ from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.executor import TensorParallelExecutor
 from engine.llm_engine import LLMEngine
+from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.malformed import add_servicer
+from services.common.memory_metrics import MemoryCollector
 from services.common.metrics import WorkerMetrics
 from services.common.openai_endpoint import OpenAIEndpoint, start_openai_endpoint
 from services.common.registry import RegistryPublisher, WorkerInfo
@@ -76,6 +78,8 @@ class Worker:
         self.metrics = WorkerMetrics(config.role, self.state.worker_id, model=config.model_name,
                                      vllm_metrics=config.vllm_metrics)
         self.metrics.attach(self.engine_loop)
+        self.metrics.registry.register(MemoryCollector(self.engine.runner.memory,
+                                                       config.model_name, config.role))
         self.status_server: StatusServer | None = None
         self.openai_endpoint: OpenAIEndpoint | None = None  # --openai-port: a child process
         self.registry: RegistryPublisher | None = None
@@ -295,5 +299,9 @@ def run_worker(config: WorkerConfig) -> int:
     log.info("config %s", config.describe())
     try:
         return asyncio.run(_serve(config))
+    except KVPoolTooSmall as exc:
+        # Refused with the numbers, not a traceback: this configuration cannot serve a request.
+        log.error("refusing to start: %s", exc)
+        raise SystemExit(f"splitserve worker: {exc}") from None
     finally:
         shutdown_tracing()

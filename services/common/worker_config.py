@@ -33,6 +33,16 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def kv_cache_bytes(text: str) -> int:
+    """--kv-cache-memory in bytes; 0 for "auto" (the engine sizes the pool from memory)."""
+    if str(text).strip().lower() == "auto":
+        return 0
+    size = parse_size(text)
+    if size <= 0:
+        raise ValueError(f"--kv-cache-memory {text!r} is no memory; give a size or auto")
+    return size
+
+
 def _env(name: str, default):
     return os.environ.get(f"SPLITSERVE_{name.upper()}", default)
 
@@ -49,7 +59,9 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
-    kv_cache_memory: str = "1GiB"
+    # "auto": sized at start from a profile step (engine/memory_profile.py); else a size.
+    kv_cache_memory: str = "auto"
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int = 0
     max_model_len: int = 0
     max_num_batched_tokens: int = 2048
@@ -109,7 +121,9 @@ class WorkerConfig:
             raise ValueError(f"unknown role {self.role!r} (choose {', '.join(ROLES)})")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (no config.json)")
-        parse_size(self.kv_cache_memory)
+        kv_cache_bytes(self.kv_cache_memory)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_wait_timeout_s <= 0:
             raise ValueError("--kv-wait-timeout-s must be > 0")
         if self.kv_reservation_ttl_s <= 0:
@@ -198,7 +212,8 @@ class WorkerConfig:
             dtype=self.dtype,
             device=self.device,
             block_size=self.block_size,
-            kv_cache_memory=parse_size(self.kv_cache_memory),
+            kv_cache_memory=kv_cache_bytes(self.kv_cache_memory),
+            gpu_memory_utilization=self.gpu_memory_utilization,
             num_kv_blocks=self.num_kv_blocks or None,
             max_model_len=self.max_model_len or None,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -230,7 +245,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--dtype", default=_env("dtype", "auto"))
     parser.add_argument("--device", default=_env("device", "auto"))
     parser.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
-    parser.add_argument("--kv-cache-memory", default=_env("kv_cache_memory", "1GiB"))
+    parser.add_argument("--kv-cache-memory", default=_env("kv_cache_memory", "auto"),
+                        help="KV pool size (e.g. 4GiB); auto: after a profile step, on GPU "
+                             "from --gpu-memory-utilization, on CPU half of MemAvailable past "
+                             "the step's peak, at most 1GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=float(_env("gpu_memory_utilization", 0.9)),
+                        help="GPU, --kv-cache-memory auto: fraction of the device's memory "
+                             "this worker may hold (weights, step peak, KV pool)")
     parser.add_argument("--num-kv-blocks", type=int, default=int(_env("num_kv_blocks", 0)))
     parser.add_argument("--max-model-len", type=int, default=int(_env("max_model_len", 0)))
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -343,6 +365,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
