@@ -64,7 +64,9 @@ class MemoryFigures:
 
 
 def _mib(n: int) -> str:
-    return "-" if n < 0 else f"{n / 2**20:.1f}MiB"
+    if n < 0:
+        return "-"
+    return f"{n / 2**20:.1f}MiB" if n >= 2**20 else f"{n / 2**10:.1f}KiB"
 
 
 # -- reading memory -----------------------------------------------------------------------
