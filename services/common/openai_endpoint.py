@@ -48,6 +48,7 @@ class OpenAIEndpoint:
         self.sock.listen(2048)
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.process: subprocess.Popen | None = None
+        self.stopping = False
 
     def start(self, gateway_args: Sequence[str], metrics_url: str) -> None:
         """`gateway_args`: `splitserve gateway` flags for the child (see gateway_args)."""
@@ -64,8 +65,14 @@ class OpenAIEndpoint:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def healthy(self) -> bool:
+        """Running, or gone because the worker asked (a drained child exits early)."""
+        return self.alive or self.stopping
+
     def drain(self) -> None:
         """Refuse new connections; requests in flight finish within the child's grace."""
+        self.stopping = True
         if self.alive:
             self.process.send_signal(signal.SIGTERM)
 

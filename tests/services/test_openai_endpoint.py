@@ -148,6 +148,25 @@ def test_the_endpoint_dies_with_its_worker(endpoint):
     raise AssertionError(f"port {port} still answers after its worker was killed")
 
 
+def test_a_dead_endpoint_fails_the_workers_liveness(smollm2_dir):
+    port = _free_port()
+    worker = start_worker(smollm2_dir, "both", "--openai-port", str(port)).wait_ready()
+    try:
+        wait_serving(f"http://127.0.0.1:{port}")
+        liveness = f"http://{worker.field('metrics')}/health"
+        assert httpx.get(liveness, timeout=5).status_code == 200
+        (child,) = (int(c) for task in Path(f"/proc/{worker.process.pid}/task").iterdir()
+                    for c in (task / "children").read_text().split())
+        os.kill(child, signal.SIGKILL)  # the worker's own child, by its pid
+        deadline = time.monotonic() + 10
+        while httpx.get(liveness, timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "liveness still 200 with the endpoint dead"
+            time.sleep(0.1)
+        assert worker.alive()  # the engine keeps serving gRPC; the kubelet restarts the pod
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"role": "decode", "openai_port": 8100}, "needs --role both"),
     ({"openai_port": 70000}, "must be a port"),
