@@ -87,7 +87,7 @@ def engine_decode(model: str, threads: int, tokens: int, rounds: int) -> dict:
     vocab = ModelConfig.from_dir(model).vocab_size
     prompt = [100 + (i * 7919) % (vocab - 100) for i in range(128)]
     base = EngineConfig(model=model, dtype="bfloat16", device="cpu", num_threads=threads,
-                        kv_cache_memory=64 << 20)
+                        kv_cache_memory=64 << 20, max_model_len=2048)  # 64 MiB holds 2048
     engines = {c: LLMEngine(dataclasses.replace(base, cpu_linear=c)) for c in ("torch", "cpp")}
     assert engines["cpp"].runner.small_m_linear and not engines["torch"].runner.small_m_linear
     for engine in engines.values():
