@@ -187,3 +187,22 @@ def test_a_pool_short_of_one_max_length_request_refuses(tiny_llama_dir):
     # The same memory serves a shorter context.
     engine = LLMEngine(config(tiny_llama_dir, kv_cache_memory=100_000, max_model_len=192))
     assert engine.kv.num_blocks == 12
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_ranks_profile_the_same_step_together(tiny_llama_dir):
+    # Every rank runs the profile step in its ModelRunner at once; were the steps different,
+    # their collectives would not pair and the start would hang (or fail) here.
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    single = LLMEngine(config(tiny_llama_dir, kv_cache_memory=0, max_num_batched_tokens=256))
+    expected = single.generate([[5, 6, 7, 8]], params)[0].token_ids
+    engine = LLMEngine(config(tiny_llama_dir, kv_cache_memory=0, max_num_batched_tokens=256,
+                              tensor_parallel_size=2, num_threads=1))
+    try:
+        memory = engine.runner.memory
+        assert memory.profile_tokens == 256 and memory.peak_step_bytes >= 0
+        # Each rank holds half the KV heads, so a block is half the bytes of one rank's.
+        assert memory.bytes_per_block * 2 == single.runner.memory.bytes_per_block
+        assert engine.generate([[5, 6, 7, 8]], params)[0].token_ids == expected
+    finally:
+        engine.close()
