@@ -152,7 +152,8 @@ class Admission:
             reserved_tokens=prompt_tokens + sum(s.params.max_tokens for s in specs),
             blocks=sum(-(-(len(s.prompt_token_ids) + s.params.max_tokens) // block_size)
                        for s in specs),
-            arrival=now, deadline=now + self.ttft_target_s if self.ttft_target_s else math.inf)
+            arrival=now,
+            deadline=now + self._ttft_budget_s(prompt_tokens) if self.ttft_target_s else math.inf)
         if tenant.max_queued and self.queue.queued(tenant.name) >= tenant.max_queued:
             raise self._reject(tenant, "queue_full", APIError.rate_limited(
                 f"Tenant {tenant.name} already has {tenant.max_queued} requests waiting; retry "
@@ -200,14 +201,30 @@ class Admission:
                                         self.inflight, self.prefilling_tokens, slot_in)
         if plain is None:
             return
-        ticket.predicted_ttft_s = plain
+        # Judged only once the estimator is trusted: an untrusted guess's miss is no evidence
+        # of how wrong the fitted line is (see TTFTEstimator.trusted).
+        ticket.predicted_ttft_s = plain if self.estimator.trusted else None
         predicted = plain + self.estimator.margin(self.ttft_target_s)
-        if predicted > self.ttft_target_s:
-            retry = max(1, math.ceil(predicted - self.ttft_target_s))
+        budget = ticket.deadline - ticket.arrival
+        if predicted > budget:
+            retry = max(1, math.ceil(predicted - budget))
+            allowed = (f"the {self.ttft_target_s:g}s target" if budget <= self.ttft_target_s
+                       else f"the {budget:.2f}s allowed for a {ticket.prompt_tokens}-token "
+                            f"prompt (its own prefill plus half the {self.ttft_target_s:g}s "
+                            "target)")
             raise self._reject(ticket.tenant, "ttft_predicted", APIError(
                 503, f"Overloaded: the predicted time to first token ({predicted:.2f}s) exceeds "
-                     f"the {self.ttft_target_s:g}s target; retry in {retry}s.",
+                     f"{allowed}; retry in {retry}s.",
                 "server_error", None, "ttft_unattainable", retry))
+
+    def _ttft_budget_s(self, prompt_tokens: int) -> float:
+        """How long this request may take to its first token before it is refused or dropped:
+        the TTFT target, or, for a prompt whose own prefill takes most of it, that prefill plus
+        half the target of waiting. The target bounds the wait others' work imposes; a long
+        prompt whose prefill alone exceeds it would otherwise be refused on every try, on an
+        idle cluster too, however often it came back."""
+        own = self.estimator.service_at(prompt_tokens)
+        return max(self.ttft_target_s, own + self.ttft_target_s / 2)
 
     def _drain(self) -> None:
         """Release requests in the policy's order while the cluster has room, then those of
@@ -272,9 +289,10 @@ class Admission:
         self.estimator.missed(ticket.predicted_ttft_s,
                               now - ticket.arrival + self._service_s(ticket))
         self.quotas.release(ticket.lease, 0)
-        retry = max(1, math.ceil(self.ttft_target_s))
+        budget = ticket.deadline - ticket.arrival
+        retry = max(1, math.ceil(budget))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(
-            503, f"Overloaded: the request waited past its {self.ttft_target_s:g}s time-to-first-"
+            503, f"Overloaded: the request waited past its {budget:.3g}s time-to-first-"
                  f"token target; retry in {retry}s.", "server_error", None,
             "ttft_deadline_passed", retry))
         if not ticket._ready.done():

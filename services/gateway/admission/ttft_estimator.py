@@ -175,6 +175,14 @@ class TTFTEstimator:
         intercept, slope = line
         return max(0.0, intercept + slope * prefill_tokens)
 
+    @property
+    def trusted(self) -> bool:
+        """Whether the line has seen enough first tokens (_MIN_FIT_SAMPLES) for its estimates
+        to be judged: before that, an estimate's error says nothing about the fit's, and is not
+        let into the margin (a fresh gateway's first burst, predicted from nothing, would pin
+        the margin at its cap for the next error_window_s and refuse work served on time)."""
+        return self._fit_samples >= _MIN_FIT_SAMPLES
+
     def seconds_per_prompt_token(self) -> float:
         """The fit's slope: what one more prompt token to prefill adds to a first token."""
         line = self._line()
