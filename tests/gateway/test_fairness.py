@@ -84,17 +84,19 @@ def _served_tokens(text: str, tenant: str) -> float:
     return total
 
 
-async def _served_in_windows(url: str, start_at: float, windows, tenants) -> dict[str, float]:
-    """Tokens each tenant was served within the (begin, end) windows (seconds from start_at)."""
-    served = dict.fromkeys(tenants, 0.0)
+async def _served_in_windows(url: str, start_at: float, windows, tenants) -> dict:
+    """Tokens each tenant was served within the (begin, end, kind) windows (seconds from
+    start_at, in time order), summed per kind: {kind: {tenant: tokens}}."""
+    served: dict = {}
     async with httpx.AsyncClient(timeout=10) as client:
-        for begin, end in windows:
+        for begin, end, kind in windows:
             marks = []
             for at in (begin, end):
                 await asyncio.sleep(max(0.0, start_at + at - time.time()))
                 marks.append((await client.get(f"{admin_url(url)}/metrics")).text)
+            totals = served.setdefault(kind, dict.fromkeys(tenants, 0.0))
             for tenant in tenants:
-                served[tenant] += _served_tokens(marks[1], tenant) - _served_tokens(marks[0], tenant)
+                totals[tenant] += _served_tokens(marks[1], tenant) - _served_tokens(marks[0], tenant)
     return served
 
 
@@ -132,13 +134,16 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
          small_model.name, "a", str(flood_rate), str(PROMPT), str(OUTPUT), str(duration), str(ON_S), str(OFF_S),
          str(start_at)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     steady = TenantLoad("b", STEADY_FRACTION * capacity, STEADY_PROMPT, STEADY_OUTPUT)
-    on_windows = [(p * period + SETTLE_S, p * period + ON_S) for p in range(PERIODS)]
+    # Flood on, then flood off, in each period: the same length after the same settling.
+    windows = [w for p in range(PERIODS) for w in (
+        (p * period + SETTLE_S, p * period + ON_S, "flood"),
+        (p * period + ON_S + SETTLE_S, (p + 1) * period, "alone"))]
 
     async def scenario():
         await asyncio.sleep(max(0.0, start_at - time.time()))
         return await asyncio.gather(
             run_loads(url, small_model.name, [steady], duration, steady=True),
-            _served_in_windows(url, start_at, on_windows, ("a", "b")))
+            _served_in_windows(url, start_at, windows, ("a", "b")))
 
     try:
         records, served = asyncio.run(scenario())
@@ -155,9 +160,12 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
     with_flood = [r.ttft_s for r in records if r.ok and flooded(r)]
     by_itself = [r.ttft_s for r in records if r.ok and alone(r)]
     refused = [r for r in records if not r.ok]
-    share = served["b"] / (served["a"] + served["b"])
+    during, apart = served["flood"], served["alone"]
+    share = during["b"] / (during["a"] + during["b"])
+    kept = during["b"] / max(apart["b"], 1.0)  # B's served tokens with the flood / without it
     p99_flood, p99_alone = percentile(with_flood, 99), percentile(by_itself, 99)
     report = (f"flood {flood_rate:.0f} req/s ({flood_out.strip()[:120]}); b share {share:.0%}, "
+              f"b served {kept:.0%} of its tokens without the flood, "
               f"b ttft p99 {p99_flood:.3f}s with the flood vs {p99_alone:.3f}s alone (p50 "
               f"{percentile(with_flood, 50):.3f}s vs {percentile(by_itself, 50):.3f}s, "
               f"{len(with_flood)} and {len(by_itself)} samples), {len(refused)} b refused "
@@ -165,7 +173,11 @@ def test_a_flooding_tenant_leaves_a_modest_one_its_share_and_its_latency(fair_ga
     print(report)  # shown with -s, and on failure
     # Niced, the flood still offered its ten shares (a starved generator would prove nothing).
     assert json.loads(flood_out)["sent"] >= 0.9 * flood_rate * ON_S * PERIODS, report
-    assert share >= 0.40, report
+    # B asks for less than its half, so its share of the tokens is what it asks for against
+    # whatever A's flood fills (about 37-44% here, lower the better the flood is served); what
+    # fairness owes B is all it asks for: the tokens it is served alone, flood or no flood.
+    assert kept >= 0.9, report
+    assert share >= 0.30, report
     assert p99_flood <= 2 * p99_alone, report
     # B's TTFT prediction is made from measured service times, which the flood's CPU use on
     # two shared cores inflates now and then: a stray early refusal of B is the predictor's
