@@ -204,9 +204,10 @@ def test_weights_two_to_one_split_served_tokens_two_to_one(fair_gateway, small_m
         # Both tenants keep more requests outstanding than the in-flight limit: both backlogged.
         return await asyncio.gather(
             run_closed(url, small_model.name, loads, INFLIGHT, 28.0),
-            _served_in_windows(url, start_at, [(4.0, 28.0)], ("heavy", "light")))
+            _served_in_windows(url, start_at, [(4.0, 28.0, "both")], ("heavy", "light")))
 
-    _, served = asyncio.run(scenario())
+    _, windows = asyncio.run(scenario())
+    served = windows["both"]
     ratio = served["heavy"] / served["light"]
     print(f"served tokens {served}: heavy/light {ratio:.2f}")
     assert ratio == pytest.approx(2.0, rel=0.10), served
