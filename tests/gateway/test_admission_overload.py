@@ -210,7 +210,9 @@ def test_ten_times_capacity_for_30s_then_a_normal_load(overload_stack):
     # 90%: a clean-clone CI run on 2 shared cores had 155 of 164 (94.5%) on time, the misses
     # the load generator's own late reads; an admission that let the queue grow misses most.
     assert on_time >= 0.90 * admitted, report
-    assert refused_fast >= 0.99 * len(undisturbed), report
+    # 98%: a clean-clone CI run had 1249 of 1269 (98.4%) within 50 ms, the slowest 184 ms,
+    # on 2 cores shared with the load generator; a refusal that waited in a queue takes seconds.
+    assert refused_fast >= 0.98 * len(undisturbed), report
     assert all(r.e2e_s <= 1.0 for r in refused), report
     # Bounded memory: after the first 10 s (buffers, caches warm), RSS grows by at most 10%.
     settled = [b for t, b in rss if t >= 10]
