@@ -259,3 +259,57 @@ def test_with_every_decoder_gone_the_stream_ends_with_the_error_event(deployment
     after = httpx.post(f"{deployment.url}/v1/completions", timeout=30, json={
         "model": long_model.name, "prompt": [5, 6, 7], "max_tokens": 4})
     assert after.status_code == 503
+
+
+def stop_at(text: str, stop: str) -> str:
+    """The text a `stop` string cuts `text` to (the stop string itself is not sent)."""
+    return text[:text.index(stop)]
+
+
+def test_kill_9_with_speculation_and_stop_strings_continues_both(deployment, long_model):
+    """Speculative decoding on both decoders (the model as its own draft, so that proposals
+    are accepted and the batch gate keeps speculating), and a stop string per request that the
+    undisturbed text reaches late: after a kill -9 mid-stream the moved streams are still
+    stop where the undisturbed text has its stop string, the survivor keeps speculating, and
+    the texts are otherwise
+    unchanged. The undisturbed texts come from this deployment before the kill. Greedy
+    requests: a draft model's sampled proposals go through the rejection rule, so a seeded
+    request's text depends on what was proposed, on an undisturbed run too (README,
+    Speculative decoding)."""
+    deployment.start(decode_flags=("--speculative-method", "draft",
+                                   "--draft-model", str(long_model)))
+    bodies = [{**request_body(i, long_model.name), "max_tokens": 400} for i in (0, 2, 4, 6, 8, 10)]
+    free = [r.texts[0] for r in run_all(deployment.url, bodies)]
+    stops = [text[int(len(text) * 0.8):][:4] for text in free]
+    expected = [stop_at(text, stop) for text, stop in zip(free, stops, strict=True)]
+    d1 = deployment.workers["d1"]
+    d2 = deployment.workers["d2"]
+    accepted_before = spec_accepted(d2)
+
+    def kill_d1():
+        wait_until(lambda: decoding_on(d1) >= 2, timeout=30, what="streams decoding on d1",
+                   interval=0.02)
+        d1.kill(signal.SIGKILL)
+
+    stopped = [{**body, "stop": [stop]} for body, stop in zip(bodies, stops, strict=True)]
+    started = [threading.Event() for _ in stopped]
+    with ThreadPoolExecutor(len(stopped)) as pool:
+        futures = [pool.submit(stream, deployment.url, body, event)
+                   for body, event in zip(stopped, started, strict=True)]
+        for event in started:
+            assert event.wait(60), "a stream never started"
+        kill_d1()
+        results = [f.result() for f in futures]
+    for result, text in zip(results, expected, strict=True):
+        assert result.status == 200 and not result.errors, result
+        assert result.finish == {0: "stop"}, result
+        assert result.texts[0] == text
+    assert deployment.metric("splitserve_gateway_migrations_total") >= 2
+    assert spec_accepted(d2) > accepted_before, "the survivor did not speculate"
+
+
+def spec_accepted(worker) -> float:
+    """Speculative tokens a decode worker has accepted."""
+    text = httpx.get(f"http://{worker.metrics_address}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve_spec_accepted_tokens"))
