@@ -313,3 +313,45 @@ def spec_accepted(worker) -> float:
     text = httpx.get(f"http://{worker.metrics_address}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("splitserve_spec_accepted_tokens"))
+
+
+def test_kill_9_mid_stream_keeps_each_constrained_stream_under_its_grammar(deployment,
+                                                                           long_model):
+    """Regex-constrained streams (the grammar state is rebuilt on the new decoder from the
+    tokens the client already has): after a kill -9 mid-stream each text matches its regex
+    whole and equals the text undisturbed on this deployment before the kill."""
+    deployment.start()
+    regex = "([0-9]{3}-[a-z]{2,4} ){30}"
+    bodies = [{**request_body(i, long_model.name), "max_tokens": 1000, "ignore_eos": False,
+               "structured_outputs": {"regex": regex}} for i in range(6)]
+    undisturbed = [r.texts for r in stream_each(deployment.url, bodies)]
+    d1 = deployment.workers["d1"]
+
+    def kill_d1():
+        wait_until(lambda: decoding_on(d1) >= 2, timeout=30, what="streams decoding on d1",
+                   interval=0.02)
+        d1.kill(signal.SIGKILL)
+
+    results = stream_each(deployment.url, bodies, kill_d1)
+    for result, texts in zip(results, undisturbed, strict=True):
+        assert all(re.fullmatch(regex, text) for text in result.texts.values()), result
+        assert result.texts == texts
+    assert deployment.metric("splitserve_gateway_migrations_total") >= 2
+
+
+def stream_each(url: str, bodies: list[dict], while_streaming=None) -> list[Result]:
+    """The requests at once, each ending with "stop" and no error; `while_streaming()` runs
+    once every stream has tokens."""
+    started = [threading.Event() for _ in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(stream, url, body, event)
+                   for body, event in zip(bodies, started, strict=True)]
+        if while_streaming is not None:
+            for event in started:
+                assert event.wait(60), "a stream never started"
+            while_streaming()
+        results = [f.result() for f in futures]
+    for body, result in zip(bodies, results, strict=True):
+        assert result.status == 200 and not result.errors, result
+        assert result.finish == dict.fromkeys(range(body.get("n", 1)), "stop"), result
+    return results
