@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import Speculator, build_proposer
+from engine.step_budget import MixedStepBudget
 from engine.step_cost import charge_step, step_rows
 from engine.step_threads import StepThreads, default_small_threads
 
@@ -69,6 +70,9 @@ class LLMEngine:
         # The batch of the step in progress, None between steps. Only swapped as a reference,
         # so a watchdog on another thread may read it to say what a slow step holds.
         self.scheduled: SchedulerOutput | None = None
+        sc = config.scheduler
+        self.step_budget = (MixedStepBudget(sc.itl_target_s, sc.long_prefill_token_threshold)
+                            if sc.itl_target_s > 0 and sc.enable_chunked_prefill else None)
         self.step_threads: StepThreads | None = None
         if (config.num_threads and config.tensor_parallel_size == 1
                 and config.resolve_device().type == "cpu"):
@@ -239,7 +243,11 @@ class LLMEngine:
         started = time.perf_counter()
         spec = self.speculator
         proposals = spec.propose(self.scheduler) if spec is not None else None
-        sched = self.scheduler.schedule(proposals.token_ids if proposals else None)
+        budget = self.step_budget
+        prompt_budget = (budget.prompt_tokens(self.scheduler.num_decoding())
+                         if budget is not None else None)
+        sched = self.scheduler.schedule(proposals.token_ids if proposals else None,
+                                        prompt_budget)
         self.scheduled = sched
         rows, row_tokens = step_rows(self.scheduler.requests, sched)
         if self.step_threads is not None:
@@ -252,6 +260,10 @@ class LLMEngine:
         finally:
             self.scheduled = None
         outputs = self.scheduler.update(sched, result)
+        if budget is not None and rows:
+            prompt_tokens = sum(n for _, n, prompt in rows if prompt)
+            budget.observe(sum(1 for _, _, prompt in rows if not prompt), prompt_tokens,
+                           time.perf_counter() - started)
         if spec is not None:
             spec.observe(sched, result, outputs, time.perf_counter() - started)
         if not sched.is_empty:

@@ -29,6 +29,9 @@ class SchedulerConfig:
     # Longest prefill chunk one request may take in a step (chunked prefill).
     long_prefill_token_threshold: int = 512
     enable_chunked_prefill: bool = True
+    # Step-time target for steps that carry decoding requests: they take only the prompt
+    # tokens measured to fit (engine/step_budget.py). 0: off.
+    itl_target_s: float = 0.0
 
 
 def _order_key(request: Request) -> tuple[int, float]:
@@ -133,11 +136,20 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
 
-    def schedule(self, spec_token_ids: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    def num_decoding(self) -> int:
+        """Running requests past their prefill: the rows a step's prompt tokens delay."""
+        return sum(1 for r in self.running if not _prefill_left(r))
+
+    def schedule(self, spec_token_ids: dict[str, list[int]] | None = None,
+                 prompt_budget: int | None = None) -> SchedulerOutput:
         """`spec_token_ids`: proposals per decoding request (speculative decoding). Each is
         verified in this step if its slots fit the budget and the cache, shortened or
-        dropped otherwise; a proposal never causes a preemption."""
+        dropped otherwise; a proposal never causes a preemption. `prompt_budget`: the most
+        prompt tokens (prefill chunks, recomputes) this step takes; None: the token budget
+        alone decides."""
         budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        prompt_left = budget if prompt_budget is None or not chunked else prompt_budget
         num_scheduled: dict[str, int] = {}
         scheduled_spec: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
@@ -148,6 +160,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
+            prompt = _prefill_left(request) > 0
+            if prompt:
+                num_new = min(num_new, prompt_left)
             if num_new <= 0:
                 i += 1
                 continue
@@ -174,11 +189,14 @@ class Scheduler:
             if spec:
                 scheduled_spec[request.request_id] = spec
             budget -= num_new
+            if prompt:
+                prompt_left -= num_new
             self._emit(request, new_block_ids, new_reqs, cached_reqs)
             i += 1
 
         # Requests preempted this step must not be rescheduled in the same step.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and min(budget, prompt_left) > 0
+               and len(self.running) < self.config.max_num_seqs):
             if preempted:
                 break
             request = self.waiting[0]
@@ -192,7 +210,7 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(self._chunk(num_new), budget)
+            num_new = min(self._chunk(num_new), budget, prompt_left)
             new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
             if new_block_ids is None:
                 break
@@ -212,6 +230,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            prompt_left -= num_new
             self._emit(request, new_block_ids, new_reqs, cached_reqs)
 
         finished, self._finished_ids = self._finished_ids, set()

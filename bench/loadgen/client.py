@@ -104,7 +104,8 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, pro
             if response.status_code != 200:
                 detail = (await response.aread())[:300].decode(errors="replace")
                 return _record(spec, start - run_start, f"http_{response.status_code}",
-                               error=detail, e2e_s=time.perf_counter() - start)
+                               error=detail, e2e_s=time.perf_counter() - start,
+                               retry_after_s=_retry_after(response.headers.get("retry-after")))
             async for data in aiter_events(response.aiter_lines()):
                 now = time.perf_counter()
                 event = json.loads(data)
@@ -134,6 +135,14 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, pro
                    ttft_s=None if first is None else first - start, itl_s=tuple(gaps),
                    e2e_s=end - start, output_tokens=int(usage.get("completion_tokens", chunks)),
                    prompt_tokens_reported=usage.get("prompt_tokens"))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the delay form; an HTTP date is not sent by these servers)."""
+    try:
+        return max(float(value), 0.0) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _record(spec: RequestSpec, start_s: float, status: str, **fields) -> RequestRecord:

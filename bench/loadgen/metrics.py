@@ -33,6 +33,7 @@ class RequestRecord:
     output_tokens: int = 0  # the server's usage when it reports one, else content chunks seen
     prompt_tokens_reported: int | None = None  # the server's usage.prompt_tokens
     error: str = ""
+    retry_after_s: float | None = None  # a refusal's Retry-After header, in seconds
 
     @property
     def ok(self) -> bool:

@@ -19,6 +19,11 @@ from services.common.security import TLSFiles, read_cluster_secret
 from services.prefill.kv_endpoints import parse_allow_list
 
 ROLES = ("prefill", "decode", "both")
+# Step-time target of steps that carry decoding requests (--itl-target-ms), by role: a decode
+# worker prefills only by exception (conditional disaggregation, recompute), and its streams
+# are what disaggregation protects; an aggregated worker keeps whole chunks by default
+# (throughput and TTFT first, as vLLM does). -1 on the command line: the role's.
+ITL_TARGET_MS = {"decode": 150.0, "both": 0.0, "prefill": 0.0}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -67,6 +72,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 512
+    # Steps that carry decoding requests take only the prompt tokens measured to fit this
+    # step time (engine/step_budget.py); 0: off.
+    itl_target_ms: float = -1.0  # -1: the role's default (ITL_TARGET_MS)
     enable_prefix_caching: bool = True
     num_threads: int = 0
     # Threads for steps of at most 16 tokens (engine/step_threads.py); 0: half of num_threads.
@@ -130,6 +138,9 @@ class WorkerConfig:
             raise ValueError("--kv-reservation-ttl-s must be > 0")
         if self.max_unread_outputs < 1:
             raise ValueError("--max-unread-outputs must be >= 1")
+        if self.itl_target_ms < 0 and self.itl_target_ms != -1:
+            raise ValueError("--itl-target-ms must be >= 0 (0 turns it off), or -1 (the "
+                             "role's default)")
         if self.step_timeout_s < 0:
             raise ValueError("--step-timeout-s must be >= 0 (0 turns the step watchdog off)")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -148,6 +159,11 @@ class WorkerConfig:
             check_tensor_parallel_size(self.tensor_parallel_size, model.num_heads,
                                        model.num_kv_heads, model.intermediate_size,
                                        self.model_name)
+
+    def resolved_itl_target_ms(self) -> float:
+        if self.itl_target_ms == -1:
+            return ITL_TARGET_MS[self.role]
+        return self.itl_target_ms
 
     def _check_openai_port(self) -> None:
         if not 0 <= self.openai_port <= 65535:
@@ -221,6 +237,7 @@ class WorkerConfig:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                itl_target_s=self.resolved_itl_target_ms() / 1e3,
             ),
             num_threads=self.num_threads or None,
             small_step_threads=self.small_step_threads or None,
@@ -260,6 +277,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 128)))
     parser.add_argument("--long-prefill-token-threshold", type=int,
                         default=int(_env("long_prefill_token_threshold", 512)))
+    parser.add_argument("--itl-target-ms", type=float,
+                        default=float(_env("itl_target_ms", -1)),
+                        help="a step that carries decoding requests takes only the prompt "
+                             "tokens (prefill chunks) measured to fit this many milliseconds, "
+                             "so that one long prompt does not stall every stream; 0: off "
+                             "(the token budgets alone decide); default -1: 150 on a decode "
+                             "worker, 0 otherwise")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         default=_env("no_prefix_caching", "") not in ("", "0"))
     parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)),
@@ -371,6 +395,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        itl_target_ms=args.itl_target_ms,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
         small_step_threads=args.small_step_threads,

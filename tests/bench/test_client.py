@@ -172,6 +172,17 @@ def test_closed_loop_keeps_exactly_concurrency_requests_in_flight(server):
     assert server.peak_in_flight == 3
 
 
+def test_a_refused_closed_loop_client_waits_the_retry_after_before_its_next_request(server):
+    server.reset(ttft_s=0.01, itl_s=0.01)
+    prompts = WordPrompts(by_index={0: "reject503"})
+    result = run(server, ClosedLoop(1), duration=60.0, n=3, prompts=prompts)
+    refused, after, last = result.records
+    assert refused.status == "http_503" and refused.retry_after_s == 1.0
+    assert after.start_s - refused.start_s >= 0.95, "resent before the server's Retry-After"
+    assert after.ok and after.retry_after_s is None
+    assert last.start_s - after.start_s < 0.9, "a served request made the client wait"
+
+
 def test_rejections_and_successes_mix_in_one_summary(server):
     prompts = WordPrompts(by_index={1: "reject429", 3: "reject503"})
     result = run(server, Burst(5), prompts=prompts)

@@ -34,6 +34,7 @@ def make_engine(
     long_prefill_token_threshold: int = 512,
     max_num_seqs: int = 128,
     enable_chunked_prefill: bool = True,
+    itl_target_s: float = 0.0,
     **config,
 ) -> LLMEngine:
     """A float32 CPU engine with an explicit (small) KV cache."""
@@ -42,6 +43,7 @@ def make_engine(
         max_num_seqs=max_num_seqs,
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill,
+        itl_target_s=itl_target_s,
     )
     return LLMEngine(
         EngineConfig(
