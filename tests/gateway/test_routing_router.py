@@ -125,6 +125,17 @@ def test_backed_up_or_missing_prefill_workers_send_the_prompt_to_decode():
     assert r.route(prompt(1), 8).reason == "local: every prefill worker is backed up"
     p2.health.stats.queued_prefill_tokens = 100
     assert r.route(prompt(1), 8).prefill is p2
+    # The decode worker's own line counts: prompts it already prefills locally (as reported,
+    # and as routed since the last poll) are ahead of the next one.
+    p2.health.stats.queued_prefill_tokens = 6000
+    decode = r.pool.decoders()[0]
+    decode.health.stats.queued_prefill_tokens = 4500
+    decode.prefill_tokens_since_poll = 0  # as a poll resets it
+    assert r.route(prompt(2, length=400), 8).reason == "local: every prefill worker is backed up"
+    assert r.route(prompt(3, length=400), 8).prefill is p1, "its line grew past the prefill workers'"
+    decode.prefill_tokens_since_poll = 0
+    decode.health.stats.queued_prefill_tokens = 6000
+    assert r.route(prompt(4, length=400), 8).prefill is not None
     p1.reachable = p2.reachable = False
     assert r.route(prompt(1), 8).reason == "local: no prefill worker available"
     assert r.ready()

@@ -66,7 +66,8 @@ class ScoringRouter:
 
     Conditional disaggregation: the decode worker prefills the prompt itself when the part
     of it not in that worker's cache is at most `local_prefill_tokens` (0: never), or when
-    every prefill worker has at least `prefill_backlog_tokens` queued or none is available
+    every prefill worker has at least `prefill_backlog_tokens` queued (and the decode worker's
+    own queue, with this prompt, is no longer than the shortest of theirs) or none is available
     (0: never; wait for a prefill worker instead)."""
 
     def __init__(self, pool: WorkerPool, index: PrefixIndex | None = None,
@@ -122,10 +123,14 @@ class ScoringRouter:
                 return Route(decode, None, "local: no prefill worker available",
                              cached_on_decode)
             return None
-        if self.prefill_backlog_tokens and all(
-                queued_tokens(p) >= self.prefill_backlog_tokens for p in candidates):
-            return Route(decode, None, "local: every prefill worker is backed up",
-                         cached_on_decode)
+        if self.prefill_backlog_tokens:
+            # Only where the decode worker's own line is shorter: its earlier local prefills
+            # (spilled before, paced by its step-time target) are ahead of this one.
+            least = min(queued_tokens(p) for p in candidates)
+            if (least >= self.prefill_backlog_tokens
+                    and queued_tokens(decode) + uncached <= least):
+                return Route(decode, None, "local: every prefill worker is backed up",
+                             cached_on_decode)
         prefill = _best(candidates, self.prefill_scorers, request, exclude, self._prefill_turn)
         return Route(decode, prefill, "disaggregated", self._cached_tokens(request, prefill))
 
@@ -145,6 +150,8 @@ class ScoringRouter:
             prefill.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
             prefill.breaker.on_routed()
             self.index.record_routed(prefill.address, request.block_hashes)
+        elif decode.role == "decode":  # prefilled there: in its line until the next poll
+            decode.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
         log.debug("route decode=%s prefill=%s (%s, %d cached)", decode.address,
                   prefill.address if prefill else "-", route.reason, route.cached_tokens)
 
