@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['gaps']['first_gaps_over']} first, {row['gaps']['later_gaps_over']} "
                   f"later; ITL p99 without first gaps {row['gaps']['itl_p99_ms_without_first']} ms",
                   flush=True)
-            (out / f"raw-{name}.json").write_text(json.dumps(row.pop("raw")))
+            (out / "raw").mkdir(exist_ok=True)
+            (out / "raw" / f"{name}.json").write_text(json.dumps(row.pop("raw")))
         except RuntimeError as exc:
             results["systems"][name] = {"error": str(exc)}
         finally:
