@@ -21,8 +21,11 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 DRAW_STREAM = 0xC0F  # separates this uniform from the other streams of one (seed, position)
 # Candidate counts tried in turn for a truncated row; the last is the whole vocabulary.
-_CANDIDATES = (64, 1024)
+_CANDIDATES = (64,)
 _BLOCK = 256  # entries per block of the two-level search over a long row
+# Bins of log probability for rows whose kept set is past the candidates (_draw_binned).
+_BINS_PER_NAT = 32
+_NUM_BINS = 2048  # 64 nats: the last bin holds everything below
 
 
 def uniform_for(seed: int, position: int, stream: int = DRAW_STREAM) -> float:
@@ -52,11 +55,19 @@ def draw(scaled: torch.Tensor, params: Sequence[SamplingParams], uniforms: Seque
             tokens[i] = token
     pending = [i for i, p in enumerate(params) if _truncates(p)]
     vocab = scaled.shape[-1]
-    for count in (*_CANDIDATES, vocab):
+    for count in _CANDIDATES:
         if not pending:
             break
-        count = min(count, vocab)
-        pending = _draw_truncated(scaled, params, uniforms, pending, count, tokens)
+        pending = _draw_truncated(scaled, params, uniforms, pending, min(count, vocab), tokens)
+    # Rows whose kept set reaches past the candidates (a flat distribution under top-p): by
+    # bins of probability rather than a sort of the vocabulary, unless they have a top-k.
+    binned = [i for i in pending if not 0 < params[i].top_k < vocab]
+    if binned:
+        for i, token in zip(binned, _draw_binned(scaled, params, uniforms, binned), strict=True):
+            tokens[i] = token
+        pending = [i for i in pending if 0 < params[i].top_k < vocab]
+    if pending:
+        _draw_truncated(scaled, params, uniforms, pending, vocab, tokens)
     return tokens
 
 
@@ -106,6 +117,63 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
         for a, token in zip(done, picked, strict=True):
             tokens[rows[a]] = token
     return [rows[at] for at, ok in enumerate(covered) if not ok]
+
+
+def _draw_binned(scaled, params, uniforms, rows: list[int]) -> list[int]:
+    """The draw of rows without a top-k, as _draw_truncated would make it over the whole
+    vocabulary sorted by probability, without the sort. Tokens are put in bins of log
+    probability (_BINS_PER_NAT to a nat below the row's most likely token), each bin's mass is
+    summed, and then only two bins of a row are sorted: the one where the top-p mass runs out
+    (which of its tokens are kept) and the one the draw falls in (which token it is)."""
+    n = len(rows)
+    logits = scaled if n == scaled.shape[0] else scaled[torch.tensor(rows)]
+    probs = logits.softmax(-1)
+    # Nats below the most likely token (masked tokens, -inf, land in the last bin).
+    bins = (logits.amax(-1, keepdim=True) - logits).mul_(_BINS_PER_NAT).clamp_(
+        max=_NUM_BINS - 1).long()
+    mass = torch.zeros(n, _NUM_BINS, dtype=probs.dtype).scatter_add_(1, bins, probs).double()
+    ahead = mass.cumsum(-1) - mass  # mass in the bins before each bin
+    min_ps = torch.tensor([params[i].min_p for i in rows], dtype=probs.dtype).unsqueeze(1)
+    keep = (probs > 0) & (probs >= min_ps * probs.amax(-1, keepdim=True))
+    # Top-p: the last bin whose mass ahead is below top_p holds the edge; the bins before it
+    # are kept, those after dropped, and its own tokens kept while the mass ahead of them is.
+    top_ps = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64).unsqueeze(1)
+    edge = (torch.searchsorted(ahead, top_ps, right=False) - 1).clamp(min=0)
+    truncated = (top_ps < 1.0).squeeze(1)
+    edge = torch.where(truncated.unsqueeze(1), edge, _NUM_BINS - 1)
+    keep &= bins <= edge
+    at_edge = torch.nonzero((bins == edge) & truncated.unsqueeze(1))
+    if len(at_edge):
+        counts = torch.bincount(at_edge[:, 0], minlength=n).tolist()
+        edge_ahead = ahead.gather(1, edge).squeeze(1).tolist()
+        for r, cols in zip(range(n), at_edge[:, 1].split(counts), strict=True):
+            if not len(cols):
+                continue
+            p_sorted, order = probs[r, cols].sort(descending=True, stable=True)
+            before = edge_ahead[r] + p_sorted.double().cumsum(0) - p_sorted.double()
+            keep[r, cols[order[before >= float(top_ps[r])]]] = False
+    # The draw: the bin where the kept mass passes u times the total, then the token in it.
+    kept = probs * keep
+    kept_mass = torch.zeros(n, _NUM_BINS, dtype=kept.dtype).scatter_add_(1, bins, kept).double()
+    kept_cdf = kept_mass.cumsum(-1)
+    target = torch.tensor(uniforms, dtype=torch.float64)[torch.tensor(rows)].unsqueeze(1) \
+        * kept_cdf[:, -1:]
+    chosen_bin = torch.searchsorted(kept_cdf, target, right=True).clamp(max=_NUM_BINS - 1)
+    chosen_bin = chosen_bin.squeeze(1).tolist()
+    for r in range(n):
+        while float(kept_mass[r, chosen_bin[r]]) <= 0:  # the target rounded to or past the total
+            chosen_bin[r] -= 1
+    chosen = torch.tensor(chosen_bin).unsqueeze(1)
+    in_bin = torch.nonzero((bins == chosen) & keep)
+    counts = torch.bincount(in_bin[:, 0], minlength=n).tolist()
+    bin_ahead = (kept_cdf.gather(1, chosen) - kept_mass.gather(1, chosen)).squeeze(1).tolist()
+    tokens = []
+    for r, cols in zip(range(n), in_bin[:, 1].split(counts), strict=True):
+        p_sorted, order = kept[r, cols].sort(descending=True, stable=True)
+        cdf = bin_ahead[r] + p_sorted.double().cumsum(0)
+        at = min(int(torch.searchsorted(cdf, target[r], right=True)), len(cols) - 1)
+        tokens.append(int(cols[order[at]]))
+    return tokens
 
 
 def _invert(probs: torch.Tensor, uniforms: Sequence[float]) -> list[int]:

@@ -118,3 +118,41 @@ def test_a_masked_row_is_drawn_from_its_first_candidates_not_a_sort_of_the_vocab
     with TopkWidths() as recorded:
         draw(_logits("masked", vocab)[None], [SamplingParams(max_tokens=1, top_k=50)], [0.5])
     assert recorded.widths == [64]
+
+
+def test_a_flat_top_p_row_is_drawn_from_bins_not_a_sort_of_the_vocabulary():
+    from torch.overrides import TorchFunctionMode
+
+    class TopkWidths(TorchFunctionMode):
+        widths: list[int] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "topk":
+                self.widths.append(args[1] if len(args) > 1 else kwargs["k"])
+            return func(*args, **(kwargs or {}))
+
+    vocab = 3000
+    with TopkWidths() as recorded:
+        draw(_logits("flat", vocab)[None], [SamplingParams(max_tokens=1, top_p=0.99)], [0.5])
+    assert recorded.widths == [64]
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.99), dict(top_p=0.9, min_p=0.5),
+                                    dict(min_p=0.95), dict(temperature=0.7, top_p=0.95)])
+def test_the_binned_draw_picks_the_token_the_sorted_draw_picks(params):
+    """The same token as inverting over the whole vocabulary sorted by probability, on a grid
+    of uniforms, except where two tokens' probabilities agree to float rounding (the two
+    paths compute them in another order, and then may sort them the other way round)."""
+    from engine.sampling_draw import _draw_binned, _draw_truncated
+
+    vocab = 3000
+    sampling = SamplingParams(max_tokens=1, **params)
+    scaled = (_logits("flat", vocab) * 20 / sampling.temperature)[None].expand(GRID, vocab)
+    uniforms = [(j + 0.5) / GRID for j in range(GRID)]
+    sorted_tokens = [0] * GRID
+    _draw_truncated(scaled, [sampling] * GRID, uniforms, list(range(GRID)), vocab, sorted_tokens)
+    binned = _draw_binned(scaled, [sampling] * GRID, uniforms, list(range(GRID)))
+    probs = scaled[0].softmax(-1)
+    differ = [(a, b) for a, b in zip(binned, sorted_tokens, strict=True) if a != b]
+    assert len(differ) <= GRID // 200, differ
+    assert all(abs(float(probs[a] - probs[b])) <= 1e-5 * float(probs[b]) for a, b in differ)
