@@ -1,0 +1,105 @@
+"""Benchmark: where an engine decode step's time goes, and so what asynchronous scheduling
+could hide.
+
+One LLMEngine as `make run` builds it (shipped dtype, 2 threads unless --threads), a batch of
+requests with random-token prompts (as bench/engine_throughput.py and bench.compare send
+them), decoding together. Per decode step it reports the whole step, the model forward (the
+decoder layers; logits and sampling are outside it), the rest of execute_model (logits, the
+sampler, input preparation) and what runs outside execute_model (the scheduler, the update,
+the engine's bookkeeping). Asynchronous scheduling overlaps the scheduler and input
+preparation of step N+1 with the forward of step N, so the last part and input preparation
+bound what it can gain; sampling stays on the critical path.
+
+    python bench/step_breakdown.py [--batches 1,32] [--temperatures 0,0.8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def breakdown(engine: LLMEngine, batch: int, temperature: float, prompt_len: int,
+              output_len: int, rng: random.Random) -> dict[str, float]:
+    spent = {"forward": 0.0, "execute": 0.0}
+    model = engine.runner.model
+    forward, execute = model.forward, engine.runner.execute_model
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            spent["forward"] += time.perf_counter() - start
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            spent["execute"] += time.perf_counter() - start
+
+    model.forward, engine.runner.execute_model = timed_forward, timed_execute
+    try:
+        tag = f"b{batch}-t{temperature}-{time.monotonic_ns()}"
+        vocab = engine.model_config.vocab_size
+        for i in range(batch):
+            engine.add_request(f"{tag}-{i}", [rng.randrange(100, vocab) for _ in range(prompt_len)],
+                               SamplingParams(max_tokens=output_len, temperature=temperature,
+                                              top_p=0.95 if temperature else 1.0,
+                                              ignore_eos=True, seed=i))
+        for _ in range(3):  # the prefill and the first decode steps are not timed
+            engine.step()
+        spent["forward"] = spent["execute"] = 0.0
+        steps, start = 0, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        total = time.perf_counter() - start
+    finally:
+        del model.forward, engine.runner.execute_model
+    ms = 1e3 / steps
+    return {"step_ms": total * ms, "forward_ms": spent["forward"] * ms,
+            "logits_sampling_prep_ms": (spent["execute"] - spent["forward"]) * ms,
+            "scheduler_update_ms": (total - spent["execute"]) * ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--temperatures", default="0,0.8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="auto", device="cpu",
+                                    num_threads=args.threads, seed=0))
+    rng = random.Random(0)
+    print(f"engine decode step, {args.threads} threads, prompts {args.prompt_len} random "
+          f"tokens, {args.output_len} output tokens, top_p 0.95 when sampled; each figure is "
+          "the mean over one batch's decode steps")
+    print("| batch | temperature | step ms | forward ms | logits + sampling + input prep ms "
+          "| scheduler + update ms | outside the forward |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            breakdown(engine, batch, temperature, args.prompt_len, 16, rng)  # warm-up
+            r = breakdown(engine, batch, temperature, args.prompt_len, args.output_len, rng)
+            outside = 1 - r["forward_ms"] / r["step_ms"]
+            print(f"| {batch} | {temperature:g} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
+                  f"{r['logits_sampling_prep_ms']:.2f} | {r['scheduler_update_ms']:.2f} | "
+                  f"{outside:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
