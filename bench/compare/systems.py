@@ -9,6 +9,7 @@ the machine's cores to itself (the load generator shares them).
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -194,12 +195,29 @@ def _wait_ready(spec: SystemSpec, process: subprocess.Popen, url: str, log_path:
                        f"{_log_tail(log_path)}")
 
 
+def _free_port_with_next(tries: int = 50) -> int:
+    """A free port whose next one is free too: `splitserve up` puts the gateway's admin
+    listener on --port + 1, and a random free port's neighbour may be taken (a run once lost
+    its aggregated deployment to that)."""
+    for _ in range(tries):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of adjacent ports")
+
+
 def start_system(spec: SystemSpec, model_dir: str, log_dir: Path,
                  opts: ServeOptions = ServeOptions(),
                  startup_timeout_s: float | None = None) -> RunningSystem:
     if not spec.installed():
         raise RuntimeError(f"{spec.name} is not installed here; `{spec.installed_by}` installs it")
-    port = free_port()
+    port = _free_port_with_next() if spec.probe_port_offset else free_port()
     command = spec.command(model_dir, port, opts)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
