@@ -9,8 +9,8 @@ the machine's cores to itself (the load generator shares them).
 from __future__ import annotations
 
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
