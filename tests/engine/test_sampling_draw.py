@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.sampler import SamplingRow, _filter
 from engine.sampling_draw import draw, uniform_for
@@ -103,17 +104,20 @@ def test_the_uniform_is_in_range_and_the_same_in_another_process():
     assert float(out.stdout) == uniform_for(2024, 17)
 
 
+class TopkWidths(TorchFunctionMode):
+    """Records the width of every topk call made inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "topk":
+            self.widths.append(args[1] if len(args) > 1 else kwargs["k"])
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_masked_row_is_drawn_from_its_first_candidates_not_a_sort_of_the_vocabulary():
-    from torch.overrides import TorchFunctionMode
-
-    class TopkWidths(TorchFunctionMode):
-        widths: list[int] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") == "topk":
-                self.widths.append(args[1] if len(args) > 1 else kwargs["k"])
-            return func(*args, **(kwargs or {}))
-
     vocab = 3000
     with TopkWidths() as recorded:
         draw(_logits("masked", vocab)[None], [SamplingParams(max_tokens=1, top_k=50)], [0.5])
@@ -121,16 +125,6 @@ def test_a_masked_row_is_drawn_from_its_first_candidates_not_a_sort_of_the_vocab
 
 
 def test_a_flat_top_p_row_is_drawn_from_bins_not_a_sort_of_the_vocabulary():
-    from torch.overrides import TorchFunctionMode
-
-    class TopkWidths(TorchFunctionMode):
-        widths: list[int] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") == "topk":
-                self.widths.append(args[1] if len(args) > 1 else kwargs["k"])
-            return func(*args, **(kwargs or {}))
-
     vocab = 3000
     with TopkWidths() as recorded:
         draw(_logits("flat", vocab)[None], [SamplingParams(max_tokens=1, top_p=0.99)], [0.5])

@@ -200,6 +200,13 @@ def decoding_on(worker) -> int:
     return worker.health().stats.running
 
 
+def kill_when_decoding(worker, streams: int = 2) -> None:
+    """kill -9 once the worker decodes at least `streams` streams."""
+    wait_until(lambda: decoding_on(worker) >= streams, timeout=30,
+               what=f"streams decoding on {worker.address}", interval=0.02)
+    worker.kill(signal.SIGKILL)
+
+
 def test_kill_9_of_a_decode_worker_migrates_its_streams_unchanged(long_model, undisturbed):
     deployment = undisturbed.deployment
     d1 = deployment.workers["d1"]
@@ -286,11 +293,6 @@ def test_kill_9_with_speculation_and_stop_strings_continues_both(deployment, lon
     d2 = deployment.workers["d2"]
     accepted_before = spec_accepted(d2)
 
-    def kill_d1():
-        wait_until(lambda: decoding_on(d1) >= 2, timeout=30, what="streams decoding on d1",
-                   interval=0.02)
-        d1.kill(signal.SIGKILL)
-
     stopped = [{**body, "stop": [stop]} for body, stop in zip(bodies, stops, strict=True)]
     started = [threading.Event() for _ in stopped]
     with ThreadPoolExecutor(len(stopped)) as pool:
@@ -298,7 +300,7 @@ def test_kill_9_with_speculation_and_stop_strings_continues_both(deployment, lon
                    for body, event in zip(stopped, started, strict=True)]
         for event in started:
             assert event.wait(60), "a stream never started"
-        kill_d1()
+        kill_when_decoding(d1)
         results = [f.result() for f in futures]
     for result, text in zip(results, expected, strict=True):
         assert result.status == 200 and not result.errors, result
@@ -327,12 +329,7 @@ def test_kill_9_mid_stream_keeps_each_constrained_stream_under_its_grammar(deplo
     undisturbed = [r.texts for r in stream_each(deployment.url, bodies)]
     d1 = deployment.workers["d1"]
 
-    def kill_d1():
-        wait_until(lambda: decoding_on(d1) >= 2, timeout=30, what="streams decoding on d1",
-                   interval=0.02)
-        d1.kill(signal.SIGKILL)
-
-    results = stream_each(deployment.url, bodies, kill_d1)
+    results = stream_each(deployment.url, bodies, lambda: kill_when_decoding(d1))
     for result, texts in zip(results, undisturbed, strict=True):
         assert all(re.fullmatch(regex, text) for text in result.texts.values()), result
         assert result.texts == texts
