@@ -7,6 +7,8 @@ updated from the scheduler's diffs, so the same code runs on every tensor-parall
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,20 @@ from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
 from kernels.kernel_paths import KernelPaths
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it lies in an anonymous memory mapping: the kernel's zero pages,
+    each taken when first written, so a 1 GiB KV pool costs nothing at start (torch.zeros
+    writes every page: 0.4-2.5 s here, with the VM's memory in its slower states) and its
+    unused blocks take no RAM. Elsewhere torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor's storage keeps the mapping alive (frombuffer holds a reference to it).
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @dataclass
@@ -91,10 +107,9 @@ class ModelRunner:
         self.num_blocks = self.memory.num_blocks
         # One tensor for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
         # This is also the layout kv_transfer ships, so a request's KV is one index_select.
-        self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-            model_config.head_dim, dtype=self.dtype, device=self.device,
-        )
+        self.kv_cache = zeroed((model_config.num_layers, 2, self.num_blocks, self.block_size,
+                                self.num_kv_heads, model_config.head_dim), self.dtype,
+                               self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     def _use_native_decode(self) -> bool:

@@ -60,7 +60,8 @@ class Worker:
         self.engine = LLMEngine(config.engine_config())
         self.startup.end_phase("kv_allocation", of_which={
             "weight_load": weight_load_seconds() - weights_s,
-            "kernel_load": cpu_kernels.load_seconds() - kernels_s})
+            "kernel_load": cpu_kernels.load_seconds() - kernels_s,
+            "memory_profile": self.engine.runner.memory.profile_seconds})
         self.engine_loop = EngineLoop(
             self.engine, max_unread_outputs=config.max_unread_outputs,
             kv_reservation_ttl_s=config.kv_reservation_ttl_s,

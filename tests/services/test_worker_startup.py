@@ -44,3 +44,17 @@ def test_startup_phases_tile_process_start_to_ready(tiny_llama_dir, role):
             assert gauge == pytest.approx(seconds, abs=0.0006)
     finally:
         worker.kill()
+
+
+def test_the_memory_profile_step_is_its_own_phase(tiny_llama_dir):
+    """Sized from a profile step (no --num-kv-blocks), the step's time is booked as
+    memory_profile, not in kv_allocation; with --num-kv-blocks no step runs (the test above)."""
+    worker = start_worker("both", tiny_llama_dir, "--kv-cache-memory", "16MiB")
+    try:
+        phases = parse_ready_fields(ready_fields(worker))
+        assert phases["memory_profile"] > 0, phases
+        profiled = next(line for line in worker.lines if "requests/" in line and "s (weights" in line)
+        seconds = float(profiled.split("requests/")[1].split("s (weights")[0])
+        assert phases["memory_profile"] == pytest.approx(seconds, abs=0.006), (phases, profiled)
+    finally:
+        worker.kill()
