@@ -148,20 +148,30 @@ def long(model: str) -> list[dict]:
     return [{**request_body(i, model), "max_tokens": 1800} for i in range(8)]
 
 
-def run_all(url: str, bodies: list[dict], while_streaming=None) -> list[Result]:
-    """The requests at once; `while_streaming()` runs once every stream has tokens."""
+def stream_all(url: str, bodies: list[dict], while_streaming=None,
+               finish: str = "length") -> list[Result]:
+    """The requests at once, each answered 200 with no error event and every choice ending
+    with `finish`; `while_streaming()` runs once every stream has tokens."""
     started = [threading.Event() for _ in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(stream, url, body, event) for body, event in zip(bodies, started, strict=True)]
+        futures = [pool.submit(stream, url, body, event)
+                   for body, event in zip(bodies, started, strict=True)]
         if while_streaming is not None:
             for event in started:
                 assert event.wait(60), "a stream never started"
             while_streaming()
         results = [f.result() for f in futures]
     for body, result in zip(bodies, results, strict=True):
-        n = body.get("n", 1)
         assert result.status == 200 and not result.errors, result
-        assert result.finish == dict.fromkeys(range(n), "length"), result
+        assert result.finish == dict.fromkeys(range(body.get("n", 1)), finish), result
+    return results
+
+
+def run_all(url: str, bodies: list[dict], while_streaming=None) -> list[Result]:
+    """stream_all of requests that run to max_tokens, with their usage and logprobs checked."""
+    results = stream_all(url, bodies, while_streaming)
+    for body, result in zip(bodies, results, strict=True):
+        n = body.get("n", 1)
         assert result.usage["prompt_tokens"] == len(body["prompt"])
         assert result.usage["completion_tokens"] == n * body["max_tokens"]
         if "logprobs" in body:
@@ -294,18 +304,8 @@ def test_kill_9_with_speculation_and_stop_strings_continues_both(deployment, lon
     accepted_before = spec_accepted(d2)
 
     stopped = [{**body, "stop": [stop]} for body, stop in zip(bodies, stops, strict=True)]
-    started = [threading.Event() for _ in stopped]
-    with ThreadPoolExecutor(len(stopped)) as pool:
-        futures = [pool.submit(stream, deployment.url, body, event)
-                   for body, event in zip(stopped, started, strict=True)]
-        for event in started:
-            assert event.wait(60), "a stream never started"
-        kill_when_decoding(d1)
-        results = [f.result() for f in futures]
-    for result, text in zip(results, expected, strict=True):
-        assert result.status == 200 and not result.errors, result
-        assert result.finish == {0: "stop"}, result
-        assert result.texts[0] == text
+    results = stream_all(deployment.url, stopped, lambda: kill_when_decoding(d1), finish="stop")
+    assert [r.texts[0] for r in results] == expected
     assert deployment.metric("splitserve_gateway_migrations_total") >= 2
     assert spec_accepted(d2) > accepted_before, "the survivor did not speculate"
 
@@ -326,29 +326,11 @@ def test_kill_9_mid_stream_keeps_each_constrained_stream_under_its_grammar(deplo
     regex = "([0-9]{3}-[a-z]{2,4} ){30}"
     bodies = [{**request_body(i, long_model.name), "max_tokens": 1000, "ignore_eos": False,
                "structured_outputs": {"regex": regex}} for i in range(6)]
-    undisturbed = [r.texts for r in stream_each(deployment.url, bodies)]
+    undisturbed = [r.texts for r in stream_all(deployment.url, bodies, finish="stop")]
     d1 = deployment.workers["d1"]
 
-    results = stream_each(deployment.url, bodies, lambda: kill_when_decoding(d1))
+    results = stream_all(deployment.url, bodies, lambda: kill_when_decoding(d1), finish="stop")
     for result, texts in zip(results, undisturbed, strict=True):
         assert all(re.fullmatch(regex, text) for text in result.texts.values()), result
         assert result.texts == texts
     assert deployment.metric("splitserve_gateway_migrations_total") >= 2
-
-
-def stream_each(url: str, bodies: list[dict], while_streaming=None) -> list[Result]:
-    """The requests at once, each ending with "stop" and no error; `while_streaming()` runs
-    once every stream has tokens."""
-    started = [threading.Event() for _ in bodies]
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(stream, url, body, event)
-                   for body, event in zip(bodies, started, strict=True)]
-        if while_streaming is not None:
-            for event in started:
-                assert event.wait(60), "a stream never started"
-            while_streaming()
-        results = [f.result() for f in futures]
-    for body, result in zip(bodies, results, strict=True):
-        assert result.status == 200 and not result.errors, result
-        assert result.finish == dict.fromkeys(range(body.get("n", 1)), "stop"), result
-    return results
