@@ -27,6 +27,7 @@ from bench.compare.systems import SYSTEMS, ServeOptions, peer_settings_note, sta
 from bench.compare.vllm_peer import vllm_version
 from bench.loadgen.arrivals import ClosedLoop, Poisson
 from bench.loadgen.client import Target
+from bench.loadgen.metrics import Distribution
 from bench.loadgen.prompts import PromptBuilder, load_tokenizer
 from bench.loadgen.runner import RunConfig, run_load
 from bench.loadgen.workload import preset
@@ -74,10 +75,9 @@ def _long_gaps(records, threshold_s: float = 0.25) -> dict:
     without first gaps."""
     first = sum(1 for r in records if r.itl_s and r.itl_s[0] > threshold_s)
     later = sum(1 for r in records for gap in r.itl_s[1:] if gap > threshold_s)
-    rest = sorted(gap for r in records for gap in r.itl_s[1:])
-    p99 = rest[min(len(rest) - 1, int(0.99 * len(rest)))] if rest else None
+    rest = Distribution.of(gap for r in records for gap in r.itl_s[1:])
     return {"threshold_ms": threshold_s * 1e3, "first_gaps_over": first,
-            "later_gaps_over": later, "itl_p99_ms_without_first": _ms(p99)}
+            "later_gaps_over": later, "itl_p99_ms_without_first": _ms(rest.p99)}
 
 
 def _ms(seconds: float | None) -> float | None:

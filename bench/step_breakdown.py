@@ -37,21 +37,16 @@ def breakdown(engine: LLMEngine, batch: int, temperature: float, prompt_len: int
     model = engine.runner.model
     forward, execute = model.forward, engine.runner.execute_model
 
-    def timed_forward(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            spent["forward"] += time.perf_counter() - start
+    def timed(call, key: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return wrapper
 
-    def timed_execute(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            spent["execute"] += time.perf_counter() - start
-
-    model.forward, engine.runner.execute_model = timed_forward, timed_execute
+    model.forward, engine.runner.execute_model = timed(forward, "forward"), timed(execute, "execute")
     try:
         tag = f"b{batch}-t{temperature}-{time.monotonic_ns()}"
         vocab = engine.model_config.vocab_size
