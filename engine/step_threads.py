@@ -1,13 +1,17 @@
-"""How many torch threads each CPU step runs with.
+"""How many torch threads each CPU step runs with, when asked to differ by step size.
 
 A step of a few tokens (decode at a small batch) is a long chain of small kernels, each a
-parallel region whose threads meet at a barrier. In a serving worker those threads share the
-cores with the worker's event loop, the gateway and the clients, and a team that waits for one
-descheduled thread at every barrier runs slower than fewer threads would. Measured on this
-2-core machine in an aggregated worker behind the gateway (`splitserve up --mode agg`), ITL at
-batch 1/4/16/32 was 10.3/13.0/32.7/61.6 ms with one thread and 15.0/17.7/33.8/50.5 ms with two;
-prefill chunks and large batches gain from every thread. So steps of at most `small_tokens`
-tokens run with `small_threads`, and the rest with all of them.
+parallel region whose threads meet at a barrier. With `--small-step-threads N`, steps of at
+most `small_tokens` tokens run with N threads and the rest with all of them.
+
+It was the default (half the threads) while every barrier of a serving worker ended in a sleep
+and a wake-up: the worker had two OpenMP teams, and GNU OpenMP stops spinning once a process
+has more OpenMP threads than CPUs (services/common/engine_loop.build_engine). Then one thread
+won at small batches (ITL 10.3 against 15.0 ms at batch 1 behind the gateway). With one team,
+two threads win at every batch: aggregated, through HTTP, batch 1/4/16 took 10.3-12.2 /
+14.6-16.9 / 26.0 ms with two against 12.4-15.2 / 16.2-17.3 / 32.4-38.8 ms with one
+(`bench/serving_overhead.py`, alternating runs). So the default is now every thread for every
+step; the split stays for hosts where the cores are shared with other work.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ DEFAULT_SMALL_STEP_TOKENS = 16
 
 
 def default_small_threads(num_threads: int) -> int:
-    """Half the worker's threads (one on two cores), never fewer than one."""
-    return max(1, num_threads // 2)
+    """All the worker's threads: no split unless --small-step-threads asks for one."""
+    return max(1, num_threads)
 
 
 class StepThreads:

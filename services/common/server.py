@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
-from services.common.engine_loop import EngineLoop
+from services.common.engine_loop import EngineLoop, build_engine
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.malformed import add_servicer
@@ -26,6 +26,7 @@ from services.common.metrics import WorkerMetrics
 from services.common.openai_endpoint import OpenAIEndpoint, start_openai_endpoint
 from services.common.registry import RegistryPublisher, WorkerInfo
 from services.common.security import add_port, read_cluster_secret
+from services.common.standby import StandbyWatcher
 from services.common.startup import StartupClock, StartupCollector
 from services.common.status_server import StatusServer
 from services.common.tracing import setup_tracing, shutdown_tracing
@@ -57,7 +58,7 @@ class Worker:
         self.startup = StartupClock.since_process_start()
         self.startup.end_phase("imports")
         weights_s, kernels_s = weight_load_seconds(), cpu_kernels.load_seconds()
-        self.engine = LLMEngine(config.engine_config())
+        self.engine = build_engine(lambda: LLMEngine(config.engine_config()))
         self.startup.end_phase("kv_allocation", of_which={
             "weight_load": weight_load_seconds() - weights_s,
             "kernel_load": cpu_kernels.load_seconds() - kernels_s,
@@ -84,6 +85,7 @@ class Worker:
         self.status_server: StatusServer | None = None
         self.openai_endpoint: OpenAIEndpoint | None = None  # --openai-port: a child process
         self.registry: RegistryPublisher | None = None
+        self.standby: StandbyWatcher | None = None  # --standby, until activated
         self.kv_endpoint = ""
         self.metrics_at = "-"
         # Signs registry entries (and authenticates KV channels); None: no secret configured.
@@ -168,13 +170,18 @@ class Worker:
             self.openai_endpoint = start_openai_endpoint(
                 cfg, self.port, self.status_server.port if self.status_server else None)
         if cfg.redis_url:
-            self.engine.kv.pool.record_events = True
             self.registry = RegistryPublisher(
                 cfg.redis_url, self.describe, self._drain_prefix_events,
                 ttl_s=cfg.heartbeat_ttl_s, interval_s=max(cfg.heartbeat_ttl_s / 5, 0.2),
                 secret=self.cluster_secret,
             )
-            self.registry.start()
+            if cfg.standby:
+                self.standby = StandbyWatcher(cfg.redis_url, self.describe, self._join,
+                                              ttl_s=cfg.heartbeat_ttl_s,
+                                              secret=self.cluster_secret)
+                self.standby.start()
+            else:
+                await self._join()
         self.startup.end_phase("serving")
         self.metrics.registry.register(StartupCollector(self.startup, cfg.role))
         log.info(
@@ -185,8 +192,18 @@ class Worker:
         )
         # A line launchers and tests wait for.
         ranks = f" tp_pids={','.join(map(str, self.rank_pids))}" if self.rank_pids else ""
+        standby = " standby=1" if cfg.standby else ""
         print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
-              f"kv={kv_endpoint}{ranks} {self.startup.describe()}", flush=True)
+              f"kv={kv_endpoint}{ranks}{standby} {self.startup.describe()}", flush=True)
+
+    async def _join(self) -> None:
+        """Enter the registry: at start, or when a standby worker is activated (then the
+        first entry is written before this returns, so gateways see it at their next look)."""
+        self.engine.kv.pool.record_events = True
+        if self.standby is not None:
+            await self.registry.publish_once()
+            log.info("activated: in the registry after standing by")
+        self.registry.start()
 
     def describe(self) -> WorkerInfo:
         """This worker as the registry shows it (called on the event loop; reads snapshots)."""
@@ -247,6 +264,8 @@ class Worker:
         self.state.draining = True
         if self.openai_endpoint is not None:  # no new HTTP requests; open ones finish
             self.openai_endpoint.drain()
+        if self.standby is not None:
+            await self.standby.close()
         if self.registry is not None:
             await self.registry.deregister(self.state.worker_id)
         deadline = time.monotonic() + grace_s

@@ -112,6 +112,9 @@ class WorkerConfig:
     advertise_host: str = ""
     heartbeat_ttl_s: float = 5.0
     drain_grace_s: float = 30.0
+    # Warm pool (services/common/standby.py): start fully but join the registry only when
+    # activated through Redis.
+    standby: bool = False
     # Mutual TLS on the gRPC port (services/common/security.py): all three PEM files or none.
     tls_cert: str = ""
     tls_key: str = ""
@@ -153,6 +156,8 @@ class WorkerConfig:
         parse_allow_list(self.kv_allowed_endpoints)
         if self.max_kv_senders < 1:
             raise ValueError("--max-kv-senders must be >= 1")
+        if self.standby and not self.redis_url:
+            raise ValueError("--standby waits for an activation in Redis: it needs --redis-url")
         self._check_openai_port()
         if self.tensor_parallel_size != 1:
             model = ModelConfig.from_dir(self.model)
@@ -291,8 +296,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--small-step-threads", type=int,
                         default=int(_env("small_step_threads", 0)),
                         help="torch threads for steps of at most 16 tokens (small decode batches, "
-                             "whose threads wait on each other when the cores are shared); "
-                             "0: half of --num-threads; equal to it: every step uses all")
+                             "whose threads wait on each other when the cores are shared with "
+                             "other work); 0 (default): all of --num-threads for every step")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(_env("tensor_parallel_size", 1)),
                         help="split the model across this many ranks, one process each "
@@ -348,6 +353,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--heartbeat-ttl-s", type=float, default=float(_env("heartbeat_ttl_s", 5)))
     parser.add_argument("--drain-grace-s", type=float, default=float(_env("drain_grace_s", 30)),
                         help="on SIGTERM, how long to finish held requests before exiting")
+    parser.add_argument("--standby", action="store_true",
+                        default=_env("standby", "") not in ("", "0", "false"),
+                        help="warm pool: load, profile and open ports, but join the registry "
+                             "only when activated (splitserve activate ID, or the autoscaler)")
     parser.add_argument("--tls-cert", default=_env("tls_cert", ""),
                         help="PEM certificate chain of this worker; with --tls-key and --tls-ca "
                              "the gRPC port speaks only mutual TLS")
@@ -419,6 +428,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         advertise_host=args.advertise_host,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         drain_grace_s=args.drain_grace_s,
+        standby=args.standby,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,

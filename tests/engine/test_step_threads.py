@@ -1,5 +1,6 @@
 """Steps of a few tokens run with fewer torch threads than prefill chunks and large batches
-(engine/step_threads.py), on the thread that runs the steps, and only when asked for."""
+(engine/step_threads.py), on the thread that runs the steps, and only when asked for: by
+default every step gets every thread."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ def test_small_steps_get_the_small_count_and_switches_happen_only_on_a_change(mo
     for tokens in (512, 3, 3, 16, 17, 17, 1):
         threads.before_step(tokens)
     assert calls == [4, 1, 4, 1]
-    assert [default_small_threads(n) for n in (1, 2, 3, 8)] == [1, 1, 1, 4]
+    assert [default_small_threads(n) for n in (1, 2, 3, 8)] == [1, 2, 3, 8]
 
 
 def test_the_engine_decodes_with_the_small_count_and_prefills_with_all(tiny_llama_dir):
     before = torch.get_num_threads()
     try:
-        engine = make_engine(tiny_llama_dir, num_threads=2)
+        engine = make_engine(tiny_llama_dir, num_threads=2, small_step_threads=1)
         assert engine.step_threads is not None and engine.step_threads.small_threads == 1
         seen = []
         real_execute = engine.runner.execute_model
@@ -47,6 +48,7 @@ def test_equal_counts_or_no_thread_count_leave_torch_alone(tiny_llama_dir):
     before = torch.get_num_threads()
     try:
         assert make_engine(tiny_llama_dir, num_threads=2, small_step_threads=2).step_threads is None
+        assert make_engine(tiny_llama_dir, num_threads=2).step_threads is None  # the default
         assert make_engine(tiny_llama_dir).step_threads is None
     finally:
         torch.set_num_threads(before)
