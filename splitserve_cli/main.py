@@ -31,6 +31,7 @@ COMMANDS: dict[str, Command] = {
     "worker": Command("services.common.worker_main", "run a worker in any role (both = aggregated)"),
     "gateway": Command("services.gateway.main", "run the OpenAI-compatible gateway (HTTP + gRPC)"),
     "up": Command("splitserve_cli.up", "start gateway + prefill + decode locally (make run)"),
+    "standby": Command("splitserve_cli.standby", "list the warm pool (--standby workers) or activate some"),
     "autoscaler": Command("services.autoscaler.main", "size the prefill and decode pools (k8s or local)"),
     "profile": Command("splitserve_cli.profile", "measure a worker on this machine into profile.json"),
     "capacity": Command("services.autoscaler.capacity_cli", "capacity plan: workers for a rate and SLOs"),

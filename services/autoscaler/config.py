@@ -31,6 +31,9 @@ class AutoscalerConfig:
     model: str = "models/smollm2-135m-instruct"
     prefill_args: str = ""  # extra flags for local prefill workers, e.g. "--kv-cache-memory 2GiB"
     decode_args: str = ""
+    # warm pool: workers per role kept started with --standby, activated on scale-up
+    warm_pool_prefill: int = 0
+    warm_pool_decode: int = 0
     # planner
     interval_s: float = 2.0
     ttft_s: float = 2.0
@@ -67,6 +70,12 @@ class AutoscalerConfig:
             raise ValueError(f"--profile {self.profile!r} does not exist; run `splitserve profile`")
         if self.interval_s <= 0:
             raise ValueError("--interval-s must be > 0")
+        if self.warm_pool_prefill < 0 or self.warm_pool_decode < 0:
+            raise ValueError("--warm-pool-prefill and --warm-pool-decode must be >= 0")
+        if (self.warm_pool_prefill or self.warm_pool_decode) and self.actuator != "local":
+            raise ValueError("a warm pool is kept by the local actuator only (--actuator local); "
+                             "on Kubernetes, start spare pods with --standby and activate them "
+                             "with `splitserve activate`")
         self.planner_config()  # validates SLOs, length mix and limits
 
     @property
@@ -105,6 +114,9 @@ _HELP = {
     "model": "local: the model folder workers load",
     "prefill_args": "local: extra flags for prefill workers",
     "decode_args": "local: extra flags for decode workers",
+    "warm_pool_prefill": "local: prefill workers kept loaded but unregistered (--standby), "
+                         "activated in under a second on scale-up",
+    "warm_pool_decode": "local: the same for decode workers",
     "ttft_s": "time-to-first-token target (seconds)",
     "itl_s": "inter-token latency target (seconds, a request's mean)",
     "length_mix": "prompt:output[:weight],... assumed where the metrics do not say",

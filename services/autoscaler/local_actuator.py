@@ -1,9 +1,12 @@
 """The local actuator: worker processes on this machine that register themselves in Redis.
 
 Scale-up starts a process on a background thread (a worker takes seconds to load, and the
-control loop must keep running meanwhile). Scale-down sends SIGTERM to the least-loaded worker
-of the role, which drains (deregisters, refuses new work, finishes its requests) and exits.
-All bookkeeping is under one lock: starter threads and the control loop both touch it.
+control loop must keep running meanwhile). With a warm pool (`warm_pool={"decode": 1}`) it
+keeps that many workers per role started with `--standby` (model loaded, not registered):
+scale-up activates one of them through Redis, which serves within about a second, and starts
+a replacement standby behind it. Scale-down sends SIGTERM to the least-loaded worker of the
+role, which drains (deregisters, refuses new work, finishes its requests) and exits. All
+bookkeeping is under one lock: starter threads and the control loop both touch it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 from services.autoscaler.actuators import worker_load
 from services.common.registry import WorkerInfo
+from services.common.standby import activate
 from splitserve_cli.processes import WorkerProcess, free_port, start_worker
 
 log = logging.getLogger(__name__)
@@ -29,7 +33,9 @@ class LocalWorker:
     worker_id: str
     started: float = field(default_factory=time.monotonic)
     process: WorkerProcess | None = None  # None while starting
-    state: str = "starting"  # starting | ready | draining | exited | failed
+    state: str = "starting"  # starting | standby | ready | draining | exited | failed
+    standby: bool = False  # started with --standby (for the warm pool)
+    activated: float | None = None  # monotonic time of its activation, if it came from the pool
 
     @property
     def address(self) -> str:
@@ -38,11 +44,17 @@ class LocalWorker:
 
 class LocalActuator:
     def __init__(self, model: str, redis_url: str, worker_args: dict[str, Sequence[str]] | None = None,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, warm_pool: dict[str, int] | None = None,
+                 secret: bytes | None = None) -> None:
         self.model = model
         self.redis_url = redis_url
         self.worker_args = {role: list(args) for role, args in (worker_args or {}).items()}
         self.start_timeout_s = start_timeout_s
+        self.warm_pool = {role: n for role, n in (warm_pool or {}).items() if n > 0}
+        if any(n < 0 for n in (warm_pool or {}).values()):
+            raise ValueError("a warm pool size must be >= 0")
+        # Signs activations when the workers have a cluster secret (they ignore unsigned ones).
+        self.secret = secret if secret is not None else _secret_in(self.worker_args)
         self.workers: list[LocalWorker] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -52,14 +64,20 @@ class LocalActuator:
     def replicas(self, role: str) -> int:
         with self._lock:
             self._reap()
-            return sum(1 for w in self.workers if w.role == role and w.state in ("starting", "ready"))
+            self._refill(role)
+            return len(self._serving(role))
 
     def scale(self, role: str, replicas: int, workers: Sequence[WorkerInfo] = ()) -> None:
         with self._lock:
             self._reap()
-            live = [w for w in self.workers if w.role == role and w.state in ("starting", "ready")]
+            live = self._serving(role)
             for _ in range(replicas - len(live)):
-                self._start(role)
+                pooled = [w for w in self.workers if w.role == role and w.state == "standby"]
+                if pooled:
+                    self._activate(pooled[0])
+                else:
+                    self._start(role)
+            self._refill(role)
             if len(live) > replicas:
                 load = {info.worker_id: worker_load(info) for info in workers}
                 # Drain the idlest ready workers; a worker still starting is the cheapest to stop.
@@ -71,7 +89,7 @@ class LocalActuator:
         """Drain every worker and wait for them to exit."""
         with self._lock:
             for worker in self.workers:
-                if worker.state in ("starting", "ready"):
+                if worker.state in ("starting", "standby", "ready"):
                     self._drain(worker)
         for thread in self._threads:
             thread.join(timeout_s)
@@ -84,13 +102,43 @@ class LocalActuator:
                 except Exception:
                     worker.process.kill()
 
+    def standby(self, role: str) -> list[LocalWorker]:
+        """The role's warm pool: started (or starting) with --standby, not yet activated."""
+        with self._lock:
+            return [w for w in self.workers if w.role == role and w.standby
+                    and w.state in ("starting", "standby")]
+
     # -- processes -----------------------------------------------------------------------
 
-    def _start(self, role: str) -> None:
+    def _serving(self, role: str) -> list[LocalWorker]:
+        """Workers asked to serve: ready, or starting as a serving (not a standby) worker."""
+        return [w for w in self.workers if w.role == role
+                and (w.state == "ready" or (w.state == "starting" and not w.standby))]
+
+    def _refill(self, role: str) -> None:
+        """Start standby workers until the role's pool holds its size (counting those starting)."""
+        pooled = sum(1 for w in self.workers if w.role == role and w.standby
+                     and w.state in ("starting", "standby"))
+        for _ in range(self.warm_pool.get(role, 0) - pooled):
+            self._start(role, standby=True)
+
+    def _activate(self, worker: LocalWorker) -> None:
+        """Bring a standby worker in: it writes its registry entry within its poll (50 ms)."""
+        log.info("activating standby %s worker %s", worker.role, worker.worker_id)
+        try:
+            activate(self.redis_url, worker.worker_id, self.secret)
+        except Exception as exc:  # Redis down: the worker stays in the pool; start another
+            log.error("could not activate %s: %s; starting a worker instead", worker.worker_id, exc)
+            self._start(worker.role)
+            return
+        worker.state = "ready"
+        worker.activated = time.monotonic()
+
+    def _start(self, role: str, standby: bool = False) -> None:
         port = free_port()
-        worker = LocalWorker(role, port, f"{role}-local-{port}")
+        worker = LocalWorker(role, port, f"{role}-local-{port}", standby=standby)
         self.workers.append(worker)
-        log.info("starting %s worker %s", role, worker.worker_id)
+        log.info("starting %s worker %s%s", role, worker.worker_id, " (standby)" if standby else "")
         thread = threading.Thread(target=self._launch, args=(worker,), daemon=True,
                                   name=f"start-{worker.worker_id}")
         self._threads.append(thread)
@@ -101,6 +149,7 @@ class LocalActuator:
             process = start_worker(
                 worker.role, self.model, "--redis-url", self.redis_url,
                 "--worker-id", worker.worker_id, *self.worker_args.get(worker.role, ()),
+                *(("--standby",) if worker.standby else ()),
                 port=worker.port, timeout=self.start_timeout_s,
             )
         except Exception as exc:
@@ -113,8 +162,9 @@ class LocalActuator:
             if worker.state == "draining":  # asked to stop while it was starting
                 process.process.send_signal(signal.SIGTERM)
             else:
-                worker.state = "ready"
-                log.info("%s worker %s ready after %.1fs", worker.role, worker.worker_id,
+                worker.state = "standby" if worker.standby else "ready"
+                log.info("%s worker %s %s after %.1fs", worker.role, worker.worker_id,
+                         "standing by" if worker.standby else "ready",
                          time.monotonic() - worker.started)
 
     def _drain(self, worker: LocalWorker) -> None:
@@ -136,3 +186,16 @@ class LocalActuator:
             else:
                 log.error("%s worker %s died (code %d)", worker.role, worker.worker_id, code)
                 worker.state = "failed"
+
+
+def _secret_in(worker_args: dict[str, list[str]]) -> bytes | None:
+    """The cluster secret the workers are started with (--cluster-secret-file), if any."""
+    from services.common.security import read_cluster_secret
+
+    for args in worker_args.values():
+        for i, arg in enumerate(args):
+            if arg == "--cluster-secret-file" and i + 1 < len(args):
+                return read_cluster_secret(args[i + 1])
+            if arg.startswith("--cluster-secret-file="):
+                return read_cluster_secret(arg.split("=", 1)[1])
+    return None

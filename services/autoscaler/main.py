@@ -47,7 +47,8 @@ def build(config: AutoscalerConfig):
         from services.autoscaler.local_actuator import LocalActuator
 
         actuator = LocalActuator(config.model, config.redis_url, {
-            "prefill": shlex.split(config.prefill_args), "decode": shlex.split(config.decode_args)})
+            "prefill": shlex.split(config.prefill_args), "decode": shlex.split(config.decode_args)},
+            warm_pool={"prefill": config.warm_pool_prefill, "decode": config.warm_pool_decode})
     else:
         actuator = DryRunActuator({"prefill": config.min_prefill_replicas,
                                    "decode": config.min_decode_replicas})

@@ -49,11 +49,13 @@ class WorkerInfo:
     stats: dict = field(default_factory=dict)
     updated: float = 0.0
 
-    def to_json(self, secret: bytes | None = None) -> str:
-        """The registry value; signed (bound to this worker's key) when `secret` is given."""
+    def to_json(self, secret: bytes | None = None, prefix: str = WORKER_KEY) -> str:
+        """The registry value; signed (bound to this worker's key under `prefix`) when
+        `secret` is given."""
         body = asdict(self)
         if secret:
-            body["signature"] = hmac_sign(secret, ENTRY_DOMAIN, _signed_bytes(self.worker_id, body))
+            body["signature"] = hmac_sign(secret, ENTRY_DOMAIN,
+                                          _signed_bytes(self.worker_id, body, prefix))
         return json.dumps(body)
 
     @classmethod
@@ -75,16 +77,17 @@ class RejectedEntry(ValueError):
         self.reason = reason
 
 
-def _signed_bytes(worker_id: str, body: dict) -> bytes:
+def _signed_bytes(worker_id: str, body: dict, prefix: str = WORKER_KEY) -> bytes:
     unsigned = {k: v for k, v in body.items() if k != "signature"}
     canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return (WORKER_KEY + worker_id).encode() + b"\n" + canonical.encode()
+    return (prefix + worker_id).encode() + b"\n" + canonical.encode()
 
 
 def decode_entry(key: str, raw: str | bytes, secret: bytes | None,
-                 now: float | None = None) -> WorkerInfo:
+                 now: float | None = None, prefix: str = WORKER_KEY) -> WorkerInfo:
     """The WorkerInfo stored under `key`, or RejectedEntry. With a secret, only an entry signed
-    with it for this very key, and written within MAX_ENTRY_AGE_S, is accepted."""
+    with it for this very key, and written within MAX_ENTRY_AGE_S, is accepted. `prefix` is the
+    key space (the standby pool's entries are signed for theirs, so none passes as a worker's)."""
     try:
         body = json.loads(raw)
         if not isinstance(body, dict) or set(body) - _INFO_FIELDS - {"signature"}:
@@ -100,8 +103,8 @@ def decode_entry(key: str, raw: str | bytes, secret: bytes | None,
         return info
     if "signature" not in body:
         raise RejectedEntry("unsigned", key)
-    if key != WORKER_KEY + info.worker_id or not hmac_verify(
-            secret, ENTRY_DOMAIN, _signed_bytes(info.worker_id, body), body["signature"]):
+    if key != prefix + info.worker_id or not hmac_verify(
+            secret, ENTRY_DOMAIN, _signed_bytes(info.worker_id, body, prefix), body["signature"]):
         raise RejectedEntry("bad_signature", key)
     now = time.time() if now is None else now
     if not isinstance(info.updated, (int, float)) or not now - info.updated <= MAX_ENTRY_AGE_S:
@@ -191,11 +194,11 @@ class RegistryPublisher:
         await self.redis.aclose()
 
 
-async def scan_workers(redis: aioredis.Redis, secret: bytes | None = None
-                       ) -> tuple[list[WorkerInfo], dict[str, str]]:
+async def scan_workers(redis: aioredis.Redis, secret: bytes | None = None,
+                       prefix: str = WORKER_KEY) -> tuple[list[WorkerInfo], dict[str, str]]:
     """Every worker whose heartbeat has not expired and whose entry decode_entry accepts, and
     the rest: key -> reason. One bad entry never hides the good ones."""
-    keys = [k async for k in redis.scan_iter(match=WORKER_KEY + "*", count=500)]
+    keys = [k async for k in redis.scan_iter(match=prefix + "*", count=500)]
     if not keys:
         return [], {}
     values = await redis.mget(keys)
@@ -205,7 +208,7 @@ async def scan_workers(redis: aioredis.Redis, secret: bytes | None = None
             continue
         name = key.decode(errors="replace") if isinstance(key, bytes) else key
         try:
-            workers.append(decode_entry(name, raw, secret))
+            workers.append(decode_entry(name, raw, secret, prefix=prefix))
         except RejectedEntry as exc:
             rejected[name] = exc.reason
     return workers, rejected
