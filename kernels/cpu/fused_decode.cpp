@@ -20,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -91,14 +93,24 @@ void rotate_and_store(const bf16* qkv, int64_t qkv_stride, const bf16* cos, cons
 // to bf16, then the bf16 product, as F.silu(gate) * up does.
 void silu_and_mul(const bf16* gate_up, bf16* out, int64_t rows, int64_t size) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(size);
     for (int64_t r = begin; r < end; ++r) {
       const bf16* gate = gate_up + r * 2 * size;
       const bf16* up = gate + size;
       bf16* o = out + r * size;
+      float* a = act.data();
+      // silu(g) = g / (1 + exp(-g)) as torch computes it (so where exp(-g) overflows, g < -88.7,
+      // it is -0 here too), with exp(-|g|) from exp_nonpositive, squared from half the argument
+      // so that it reaches below float's normal range, and exp(|g|) as its reciprocal: no call
+      // and no branch, so the loop vectorizes (std::exp in it ran 5-10x slower than torch's
+      // silu at 8-2048 rows).
       for (int64_t i = 0; i < size; ++i) {
         const float g = f32(gate[i]);
-        o[i] = bf16(f32(bf16(g / (1.0f + std::exp(-g)))) * f32(up[i]));
+        const float half = splitserve_cpu::exp_nonpositive(-0.5f * std::fabs(g));
+        const float e = half * half;
+        a[i] = g / (1.0f + (g >= 0.0f ? e : 1.0f / e));
       }
+      for (int64_t i = 0; i < size; ++i) o[i] = bf16(f32(bf16(a[i])) * f32(up[i]));
     }
   });
 }
