@@ -83,9 +83,12 @@ def parse_time(text: str) -> float:
 
 def access_entries(lines: Iterable[str]) -> Iterator[tuple[float, dict]]:
     """(time, entry) of each access-log line that carries compute seconds; other lines (the
-    gateway's own logs, text lines, records from before cost per query) are skipped."""
+    gateway's own logs, text lines, records from before cost per query) are skipped. A line
+    that `splitserve up` prefixed with its service (`[gateway] {...}`) is read without it."""
     for line in lines:
         line = line.strip()
+        if line.startswith("[") and "] {" in line:
+            line = line[line.index("] {") + 2:]
         if not line.startswith("{"):
             continue
         try:

@@ -74,6 +74,17 @@ def test_lines_that_are_not_access_records_are_skipped(tmp_path, capsys):
     assert _line(capsys.readouterr().out, "requests").startswith("requests    12,")
 
 
+def test_lines_prefixed_by_splitserve_up_are_read(tmp_path, capsys):
+    """`splitserve up` prefixes each line of its children with the service's name."""
+    prefixed = tmp_path / "up.log"
+    prefixed.write_text("[prefill] worker ready\n"
+                        + "".join(f"[gateway] {line}\n" for line in LOG.read_text().splitlines()))
+    assert main(["cost", str(prefixed), *PRICE, "--since", "60s", *UNTIL]) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "requests").startswith("requests    12,")
+    assert f"total {_compute(_entries()):.3f}s" in _line(out, "compute")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--price-per-hour", "H100"], "GPU=USD"),
     (["--price-per-hour", "H100=-1"], "GPU=USD"),
