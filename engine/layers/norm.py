@@ -15,6 +15,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # The C++ kernel (torch.ops.splitserve_cpu.rms_norm_step, within a bf16 ulp of the torch
+        # code below) for bfloat16 rows on the CPU; set by the model with the fused decode path.
+        self.native = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: str = "auto"
@@ -25,6 +28,9 @@ class RMSNorm(nn.Module):
             from kernels.triton.rmsnorm import triton_rmsnorm  # needs triton
 
             return triton_rmsnorm(x, self.weight, self.eps, residual)
+        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2 and not x.is_cuda:
+            out, summed = torch.ops.splitserve_cpu.rms_norm_step(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,6 +1,7 @@
 """All decoder layers of a decode step in one C++ call (kernels/cpu/fused_decode.cpp) against the
 module path of engine/models/llama.py: each element-wise step on its own, a whole step of a tiny
-Llama and a tiny Qwen2 (qkv bias) in bfloat16, and the engine with either path."""
+Llama and a tiny Qwen2 (qkv bias) in bfloat16, and the engine with either path (with the fused
+path, prompt steps take the kernel's RMS norm and SwiGLU in the per-layer modules)."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_a_decode_step_matches_the_module_path(request, model, batch, linear):
 def test_the_engine_runs_decode_through_one_call_and_generates_the_same(tiny_llama_dir):
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
-    results, calls = {}, {}
+    results, calls, norm_calls = {}, {}, {}
     for choice in ("torch", "cpp"):
         engine = _bf16_engine(tiny_llama_dir, choice)
         assert engine.runner.fused_decode == (choice == "cpp")
@@ -125,7 +126,10 @@ def test_the_engine_runs_decode_through_one_call_and_generates_the_same(tiny_lla
                 engine.add_request(str(i), prompt, params)
             results[choice] = drive(engine)
         calls[choice] = sum(e.count for e in prof.key_averages() if "decode_layers" in e.key)
+        norm_calls[choice] = sum(e.count for e in prof.key_averages() if "rms_norm_step" in e.key)
     assert calls["torch"] == 0 and calls["cpp"] >= 15  # one per decode step
+    # The prompts' steps run the per-layer modules, with the kernel's RMS norm when fused.
+    assert norm_calls["torch"] == 0 and norm_calls["cpp"] > 0
     for rid, expected in results["torch"].items():
         got = results["cpp"][rid]
         assert got.token_ids == expected.token_ids
