@@ -231,11 +231,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend every query over its sequence's cached context
-    (the last `window` keys of it when window > 0).
+    """Store this step's K/V (unless the caller has: `stored`), then attend every query over its
+    sequence's cached context (the last `window` keys of it when window > 0).
     query: [tokens, heads, D]; key/value: [tokens, kv_heads, D] -> [tokens, heads, D]."""
-    store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    if not stored:
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     if uses_triton(meta.attention_backend, query.device):
         from kernels.triton.paged_attention import triton_paged_attention  # needs triton
 

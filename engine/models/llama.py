@@ -32,6 +32,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = config.head_dim**-0.5
         self.window = config.window_of(layer)  # 0: full causal attention
+        self.native = False  # the C++ rotary + cache write for bfloat16 on the CPU (use_fused_decode)
 
     def forward(
         self,
@@ -42,6 +43,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """cos_sin: this step's rotary angles (RotaryEmbedding.cos_sin of the positions)."""
         qkv = self.qkv_proj(hidden)
+        if self.native and qkv.dtype == torch.bfloat16 and not qkv.is_cuda:
+            # Rotary embedding and cache write in one C++ pass (use_fused_decode).
+            cos, sin = (t.squeeze(1) for t in cos_sin)
+            q, k, v = torch.ops.splitserve_cpu.rotate_and_store_split(
+                qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
+                                  stored=True)
+            return self.o_proj(out.flatten(1))
         num_qk_heads = self.num_heads + self.num_kv_heads
         # Q and K lie side by side in qkv, so one rotation covers both.
         qk = qkv[:, : num_qk_heads * self.head_dim].view(-1, num_qk_heads, self.head_dim)
@@ -162,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         for layer in layers:
             layer.input_layernorm.native = layer.post_attention_layernorm.native = True
-            layer.mlp.native = True
+            layer.mlp.native = layer.self_attn.native = True
         self.norm.native = True
         attn = layers[0].self_attn
         self._fused = _FusedDecode(

@@ -64,9 +64,12 @@ void add_rms_norm(bf16* hidden, bf16* residual, const bf16* weight, int64_t rows
 // Rotate Q and K of each row of qkv [rows, (heads + 2 kv_heads) * D] (rotate-half layout):
 // x * cos + swap_halves(x) * signed_sin, each product and the sum rounded to bf16 as the
 // module path does. Q goes to q [rows, heads, D]; K and V to their cache slots.
+// k_out, v_out: nullptr, or [rows, kv_heads, dim] that also receive this step's K (rotated) and V
+// (prefill attention reads a fresh prompt's K/V from them rather than from the paged cache).
 void rotate_and_store(const bf16* qkv, int64_t qkv_stride, const bf16* cos, const bf16* sin,
                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, bf16* q,
-                      bf16* k_cache, bf16* v_cache, const int64_t* slots) {
+                      bf16* k_cache, bf16* v_cache, const int64_t* slots,
+                      bf16* k_out = nullptr, bf16* v_out = nullptr) {
   const int64_t half = dim / 2, token = kv_heads * dim;
   auto rotate = [&](const bf16* x, const bf16* c, const bf16* s, bf16* out) {
     for (int64_t i = 0; i < dim; ++i) {
@@ -85,6 +88,10 @@ void rotate_and_store(const bf16* qkv, int64_t qkv_stride, const bf16* cos, cons
       for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, c, s, k_slot + h * dim);
       const bf16* v = row + (heads + kv_heads) * dim;
       for (int64_t i = 0; i < token; ++i) v_slot[i] = v[i];
+      if (k_out != nullptr) {
+        for (int64_t i = 0; i < token; ++i) k_out[r * token + i] = k_slot[i];
+        for (int64_t i = 0; i < token; ++i) v_out[r * token + i] = v[i];
+      }
     }
   });
 }
@@ -255,6 +262,33 @@ at::Tensor rotate_and_store_step(const at::Tensor& qkv, const at::Tensor& cos, c
   return q;
 }
 
+// A prompt step's rotary embedding and cache write in one pass: returns (q, k, v), K rotated,
+// each contiguous [rows, heads or kv_heads, dim], with K and V also stored at their slots.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_store_split(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t heads) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bfloat16 [blocks, block_size, kv_heads, D]");
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  check_bf16_matrix(qkv, rows, (heads + 2 * kv_heads) * dim, "qkv");
+  check_bf16_matrix(cos, rows, dim, "cos");
+  check_bf16_matrix(sin, rows, dim, "sin");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == rows, "slot_mapping must be int64 [rows]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " is outside the cache");
+  at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
+  at::Tensor k = at::empty({rows, kv_heads, dim}, qkv.options());
+  at::Tensor v = at::empty({rows, kv_heads, dim}, qkv.options());
+  rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos), ptr(sin), rows, heads, kv_heads, dim, ptr(q),
+                   ptr(k_cache), ptr(v_cache), slots, ptr(k), ptr(v));
+  return {q, k, v};
+}
+
 at::Tensor silu_and_mul_step(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * size]");
   check_bf16_matrix(gate_up, gate_up.size(0), gate_up.size(1), "gate_up");
@@ -269,6 +303,8 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("rms_norm_step(Tensor hidden, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotate_and_store_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, int heads) -> Tensor");
+  m.def("rotate_and_store_split(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, int heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_and_mul_step(Tensor gate_up) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] input_norm, "
         "Tensor[] qkv_weight, Tensor[] qkv_bias, Tensor[] o_weight, Tensor[] post_norm, "
@@ -281,5 +317,6 @@ TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("rms_norm_step", &rms_norm_step);
   m.impl("rotate_and_store_step", &rotate_and_store_step);
+  m.impl("rotate_and_store_split", &rotate_and_store_split);
   m.impl("silu_and_mul_step", &silu_and_mul_step);
 }

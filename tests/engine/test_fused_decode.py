@@ -74,6 +74,30 @@ def test_rotate_and_store_step_is_exactly_the_module_path():
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def test_rotate_and_store_split_is_exactly_the_module_path_and_returns_k_and_v():
+    """What a prompt step's attention gets: rotated Q and K, V, and the same cache writes."""
+    heads, kv_heads, dim, block, rows = 6, 2, 16, 4, 7
+    rotary = RotaryEmbedding(dim, 128, 10000.0)
+    positions = torch.arange(rows) + 5
+    qkv = _bf16(rows, (heads + 2 * kv_heads) * dim, scale=3.0)
+    cos, sin = rotary.cos_sin(positions, torch.bfloat16)
+    slots = torch.arange(rows) + 9
+    k_cache, v_cache = _bf16(8, block, kv_heads, dim, seed=4), _bf16(8, block, kv_heads, dim, seed=5)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    q, k = rotary.rotate(qk, (cos, sin)).split([heads, kv_heads], dim=1)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    store_kv(k, v, expected_k_cache, expected_v_cache, slots)
+    got_q, got_k, got_v = ops.rotate_and_store_split(qkv, cos.squeeze(1), sin.squeeze(1), k_cache,
+                                                     v_cache, slots, heads)
+    assert torch.equal(got_q, q) and torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert got_k.is_contiguous() and got_v.is_contiguous()
+    assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotate_and_store_split(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache,
+                                   slots + 8 * block, heads)
+
+
 def _bf16_engine(model_dir, fused: str, **config) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu", block_size=4,
                                   num_kv_blocks=128, cpu_fused_decode=fused, **config))
