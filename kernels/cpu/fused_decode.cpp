@@ -243,30 +243,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_step(const at::Tensor& hidden, const
   return {out, res};
 }
 
-at::Tensor rotate_and_store_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& slot_mapping, int64_t heads) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "caches must be contiguous bfloat16 [blocks, block_size, kv_heads, D]");
-  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
-  check_bf16_matrix(qkv, rows, (heads + 2 * kv_heads) * dim, "qkv");
-  check_bf16_matrix(cos, rows, dim, "cos");
-  check_bf16_matrix(sin, rows, dim, "sin");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == rows, "slot_mapping must be int64 [rows]");
-  at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
-  rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos), ptr(sin), rows, heads, kv_heads, dim, ptr(q),
-                   ptr(k_cache), ptr(v_cache), slot_mapping.data_ptr<int64_t>());
-  return q;
-}
-
-// A prompt step's rotary embedding and cache write in one pass: returns (q, k, v), K rotated,
-// each contiguous [rows, heads or kv_heads, dim], with K and V also stored at their slots.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_store_split(
-    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t heads) {
+// The rotary ops' inputs: shapes, dtypes, layouts, and every slot inside the cache.
+void check_rotate_inputs(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, int64_t heads) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
@@ -281,6 +261,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_store_split(
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " is outside the cache");
+}
+
+at::Tensor rotate_and_store_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& slot_mapping, int64_t heads) {
+  check_rotate_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads);
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
+  rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos), ptr(sin), rows, heads, kv_heads, dim, ptr(q),
+                   ptr(k_cache), ptr(v_cache), slot_mapping.data_ptr<int64_t>());
+  return q;
+}
+
+// A prompt step's rotary embedding and cache write in one pass: returns (q, k, v), K rotated,
+// each contiguous [rows, heads or kv_heads, dim], with K and V also stored at their slots.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotate_and_store_split(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t heads) {
+  check_rotate_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads);
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
   at::Tensor k = at::empty({rows, kv_heads, dim}, qkv.options());
   at::Tensor v = at::empty({rows, kv_heads, dim}, qkv.options());

@@ -72,6 +72,9 @@ def test_rotate_and_store_step_is_exactly_the_module_path():
     out = ops.rotate_and_store_step(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, heads)
     assert torch.equal(out, q)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotate_and_store_step(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache,
+                                  slots - 3, heads)
 
 
 def test_rotate_and_store_split_is_exactly_the_module_path_and_returns_k_and_v():
