@@ -6,7 +6,7 @@ most `small_tokens` tokens run with N threads and the rest with all of them.
 
 It was the default (half the threads) while every barrier of a serving worker ended in a sleep
 and a wake-up: the worker had two OpenMP teams, and GNU OpenMP stops spinning once a process
-has more OpenMP threads than CPUs (services/common/engine_loop.build_engine). Then one thread
+has more OpenMP threads than CPUs (services/common/engine_build.build_engine). Then one thread
 won at small batches (ITL 10.3 against 15.0 ms at batch 1 behind the gateway). With one team,
 two threads win at every batch: aggregated, through HTTP, batch 1/4/16 took 10.3-12.2 /
 14.6-16.9 / 26.0 ms with two against 12.4-15.2 / 16.2-17.3 / 32.4-38.8 ms with one

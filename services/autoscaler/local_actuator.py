@@ -35,7 +35,6 @@ class LocalWorker:
     process: WorkerProcess | None = None  # None while starting
     state: str = "starting"  # starting | standby | ready | draining | exited | failed
     standby: bool = False  # started with --standby (for the warm pool)
-    activated: float | None = None  # monotonic time of its activation, if it came from the pool
 
     @property
     def address(self) -> str:
@@ -50,9 +49,9 @@ class LocalActuator:
         self.redis_url = redis_url
         self.worker_args = {role: list(args) for role, args in (worker_args or {}).items()}
         self.start_timeout_s = start_timeout_s
-        self.warm_pool = {role: n for role, n in (warm_pool or {}).items() if n > 0}
         if any(n < 0 for n in (warm_pool or {}).values()):
             raise ValueError("a warm pool size must be >= 0")
+        self.warm_pool = dict(warm_pool or {})
         # Signs activations when the workers have a cluster secret (they ignore unsigned ones).
         self.secret = secret if secret is not None else _secret_in(self.worker_args)
         self.workers: list[LocalWorker] = []
@@ -72,7 +71,7 @@ class LocalActuator:
             self._reap()
             live = self._serving(role)
             for _ in range(replicas - len(live)):
-                pooled = [w for w in self.workers if w.role == role and w.state == "standby"]
+                pooled = [w for w in self._pool(role) if w.state == "standby"]
                 if pooled:
                     self._activate(pooled[0])
                 else:
@@ -105,8 +104,7 @@ class LocalActuator:
     def standby(self, role: str) -> list[LocalWorker]:
         """The role's warm pool: started (or starting) with --standby, not yet activated."""
         with self._lock:
-            return [w for w in self.workers if w.role == role and w.standby
-                    and w.state in ("starting", "standby")]
+            return self._pool(role)
 
     # -- processes -----------------------------------------------------------------------
 
@@ -115,11 +113,13 @@ class LocalActuator:
         return [w for w in self.workers if w.role == role
                 and (w.state == "ready" or (w.state == "starting" and not w.standby))]
 
+    def _pool(self, role: str) -> list[LocalWorker]:
+        return [w for w in self.workers if w.role == role and w.standby
+                and w.state in ("starting", "standby")]
+
     def _refill(self, role: str) -> None:
         """Start standby workers until the role's pool holds its size (counting those starting)."""
-        pooled = sum(1 for w in self.workers if w.role == role and w.standby
-                     and w.state in ("starting", "standby"))
-        for _ in range(self.warm_pool.get(role, 0) - pooled):
+        for _ in range(self.warm_pool.get(role, 0) - len(self._pool(role))):
             self._start(role, standby=True)
 
     def _activate(self, worker: LocalWorker) -> None:
@@ -132,7 +132,6 @@ class LocalActuator:
             self._start(worker.role)
             return
         worker.state = "ready"
-        worker.activated = time.monotonic()
 
     def _start(self, role: str, standby: bool = False) -> None:
         port = free_port()

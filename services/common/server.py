@@ -17,7 +17,8 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
-from services.common.engine_loop import EngineLoop, build_engine
+from services.common.engine_build import build_engine
+from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
 from services.common.logs import setup_logging
 from services.common.malformed import add_servicer

@@ -36,11 +36,15 @@ DEFAULT_POLL_S = 0.05
 MAX_ACTIVATION_AGE_S = 60.0
 
 
+def _signed_bytes(worker_id: str, at: float) -> bytes:
+    return f"{ACTIVATE_KEY}{worker_id}\n{at!r}".encode()
+
+
 def activation_value(worker_id: str, secret: bytes | None, now: float | None = None) -> str:
     at = time.time() if now is None else now
     body: dict = {"at": at}
     if secret:
-        body["sig"] = hmac_sign(secret, ACTIVATE_DOMAIN, f"{ACTIVATE_KEY}{worker_id}\n{at!r}".encode())
+        body["sig"] = hmac_sign(secret, ACTIVATE_DOMAIN, _signed_bytes(worker_id, at))
     return json.dumps(body)
 
 
@@ -59,8 +63,7 @@ def activation_valid(worker_id: str, raw: str | bytes, secret: bytes | None,
         return False
     if not secret:
         return True
-    return hmac_verify(secret, ACTIVATE_DOMAIN, f"{ACTIVATE_KEY}{worker_id}\n{at!r}".encode(),
-                       body.get("sig"))
+    return hmac_verify(secret, ACTIVATE_DOMAIN, _signed_bytes(worker_id, at), body.get("sig"))
 
 
 def activate(redis_url: str, worker_id: str, secret: bytes | None = None,
@@ -100,7 +103,6 @@ class StandbyWatcher:
         self.ttl_s = ttl_s
         self.poll_s = poll_s
         self.secret = secret
-        self.activated_at: float | None = None  # monotonic
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -124,7 +126,6 @@ class StandbyWatcher:
                     await self.redis.delete(key)
                     if activation_valid(info.worker_id, raw, self.secret):
                         await self.redis.delete(STANDBY_KEY + info.worker_id)
-                        self.activated_at = time.monotonic()
                         await self.on_activate()
                         await self.redis.aclose()
                         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.worker_config import add_worker_arguments, worker_config_from_args
+from services.common.worker_cli import add_worker_arguments, worker_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

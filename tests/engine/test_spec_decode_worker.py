@@ -11,7 +11,7 @@ import pytest
 from engine_harness import drive, make_engine
 
 from engine.sampling_params import SamplingParams
-from services.common.worker_config import add_worker_arguments, worker_config_from_args
+from services.common.worker_cli import add_worker_arguments, worker_config_from_args
 from tests.metrics_text import scrape_worker
 
 

@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from services.common.security import TLSFiles, read_cluster_secret
-from services.common.worker_config import add_worker_arguments, worker_config_from_args
+from services.common.worker_cli import add_worker_arguments, worker_config_from_args
 from services.gateway.config import GatewayConfig, add_gateway_arguments, gateway_config_from_args
 from splitserve_cli.dev_certs import make_pki
 

@@ -19,7 +19,7 @@ PENDING = {
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    from services.common.worker_config import add_worker_arguments
+    from services.common.worker_cli import add_worker_arguments
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser, role=None)

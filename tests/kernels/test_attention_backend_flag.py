@@ -7,11 +7,8 @@ import argparse
 
 import pytest
 
-from services.common.worker_config import (
-    WorkerConfig,
-    add_worker_arguments,
-    worker_config_from_args,
-)
+from services.common.worker_cli import add_worker_arguments, worker_config_from_args
+from services.common.worker_config import WorkerConfig
 
 
 @pytest.fixture

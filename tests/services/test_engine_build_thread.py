@@ -1,7 +1,7 @@
 """The engine is built on a thread that exits, so the engine loop's thread is the only one in
 the worker with an OpenMP team (GNU OpenMP stops spinning at barriers once a process has more
 OpenMP threads than CPUs, and every step then sleeps and wakes at each parallel region; see
-services/common/engine_loop.build_engine). A fresh interpreter per variant, real engine (tiny
+services/common/engine_build.build_engine). A fresh interpreter per variant, real engine (tiny
 random model, 2 torch threads) on a real EngineLoop; the threads counted are the process's OS
 threads that are not Python's, which is where OpenMP's workers live. The control builds the
 engine on the main thread, as the worker did before, and leaves one team more."""
@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from services.common.engine_loop import EngineLoop, build_engine
+    from services.common.engine_build import build_engine
+    from services.common.engine_loop import EngineLoop
 
     def native_threads():
         python = {t.native_id for t in threading.enumerate()}
@@ -63,7 +64,7 @@ def test_building_on_a_passing_thread_leaves_one_openmp_team(tiny_llama_dir):
 
 
 def test_build_errors_reach_the_caller():
-    from services.common.engine_loop import build_engine
+    from services.common.engine_build import build_engine
 
     def fail():
         raise ValueError("no such model")

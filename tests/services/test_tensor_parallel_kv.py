@@ -14,7 +14,7 @@ import torch
 from engine.executor import ShardedKV
 from kv_transfer import KVLayout, KVReceiver, KVSender, KVSenderPool, LayoutMismatchError
 from services.common.tp_kv import ShardedKVReceiver
-from services.common.worker_config import add_worker_arguments, worker_config_from_args
+from services.common.worker_cli import add_worker_arguments, worker_config_from_args
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 TIMEOUT_S = 5.0
