@@ -15,7 +15,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention import AttentionMetadata, paged_attention, uses_triton
 
 
 class LlamaAttention(nn.Module):
@@ -52,6 +52,18 @@ class LlamaAttention(nn.Module):
                                   stored=True)
             return self.o_proj(out.flatten(1))
         num_qk_heads = self.num_heads + self.num_kv_heads
+        if uses_triton(meta.attention_backend, qkv.device):
+            # Rotary embedding and cache write in one kernel; a slot of -1 (a CUDA graph's
+            # padding row) stores nothing. The attention kernels then read K/V from the cache.
+            from kernels.triton.rotary_kv import triton_rotary_kv  # needs triton
+
+            q, k, v = qkv.view(-1, num_qk_heads + self.num_kv_heads, self.head_dim).split(
+                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            q = triton_rotary_kv(q, k, v, *cos_sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            # k is unrotated here, and unused: paged_attention's Triton path reads the cache.
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                  self.window, stored=True)
+            return self.o_proj(out.flatten(1))
         # Q and K lie side by side in qkv, so one rotation covers both.
         qk = qkv[:, : num_qk_heads * self.head_dim].view(-1, num_qk_heads, self.head_dim)
         q, k = self.rotary.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
