@@ -179,6 +179,13 @@ class EngineConfig:
     # Attention kernels (kernels/attention.py uses_triton): "triton" runs kernels/triton, reading
     # the paged cache in place; "torch" the reference; "auto": triton on CUDA when it imports.
     attention_backend: str = "auto"
+    # CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA, Triton attention, one rank):
+    # enforce_eager turns them off; a graph per batch size up to cuda_graph_max_batch (0: the
+    # scheduler's max_num_seqs), for contexts up to cuda_graph_max_context (0: 8192 tokens,
+    # at most max_model_len); other steps run eagerly.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 0
+    cuda_graph_max_context: int = 0
     # Ranks (one process each) the model is split across, Megatron style; see engine/executor.py.
     tensor_parallel_size: int = 1
 

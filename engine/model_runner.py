@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import CUDA_GRAPH_MAX_CONTEXT, DecodeGraph, DecodeGraphs, cuda_capture
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
 from engine.layers.linear import use_small_m_linear
@@ -23,6 +24,8 @@ from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, batch_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
+from engine.step_batch import StepBatch, build_step_batch
+from engine.step_inputs import Part, StepInputs, Table
 from engine.structured.masks import GrammarMasks, StepMasks
 from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
@@ -99,6 +102,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.grammar_masks: GrammarMasks | None = None  # built for the first constrained request
         self._constrained: set[str] = set()  # requests with a grammar (empty: no mask work)
+        self.inputs = StepInputs(self.device)
+        self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         # Profiles the largest step first (engine/memory_profile.py), then sizes the pool.
         self.memory = size_kv_pool(
             self, kv_cache_bytes_per_block(model_config, self.block_size, self.dtype,
@@ -111,6 +116,32 @@ class ModelRunner:
                                 self.num_kv_heads, model_config.head_dim), self.dtype,
                                self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (engine/cuda_graphs.py) where they apply: CUDA, the
+        Triton attention path, one rank, not --enforce-eager. A capture that fails leaves the
+        worker eager, with the reason in its log."""
+        config = self.config
+        if (self.device.type != "cuda" or config.enforce_eager
+                or not uses_triton(config.attention_backend, self.device) or get_tp().size > 1):
+            return None
+        max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                            self.model_config.max_position_embeddings)
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, block_size=self.block_size,
+            max_context=min(config.cuda_graph_max_context or CUDA_GRAPH_MAX_CONTEXT, max_model_len),
+            max_batch=min(config.cuda_graph_max_batch or config.scheduler.max_num_seqs,
+                          config.scheduler.max_num_seqs),
+            capture=cuda_capture(self.device))
+        log = logging.getLogger(__name__)
+        try:
+            graphs.capture_all()
+        except Exception:  # eager still serves; the reason goes to the log
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        log.info("%s", graphs.describe())
+        return graphs
 
     def _use_native_decode(self) -> bool:
         choice = self.config.cpu_attention
@@ -205,96 +236,29 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        bs = self.block_size
         spec = sched.spec_token_ids
-        # With the C++ kernel a verification's k + 1 queries are decode rows too, one per
-        # position, each reading its own context length: no gather and no causal mask.
-        verify_as_decode = self.native_decode and bool(spec)
-
-        def as_decode(rid: str, n: int) -> bool:
-            return n == 1 or (verify_as_decode and rid in spec)
-
-        # Single-token requests first, longest context first: they take the batched decode
-        # path, in groups of similar context length (plan_decode_groups).
-        order = sorted(
-            sched.num_scheduled_tokens.items(),
-            key=lambda kv: (not as_decode(*kv),
-                            -self.requests[kv[0]].num_computed_tokens if as_decode(*kv) else 0),
-        )
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_seqs: list[tuple[int, int, int]] = []
-        prefill_tables: list[torch.Tensor] = []
-        sample_rows: list[tuple[str, int]] = []  # (request id, row in hidden)
-        prompt_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
-        verify_rows: list[tuple[str, int, int]] = []  # (request id, first row, count)
-        for rid, n in order:
-            state = self.requests[rid]
-            start = state.num_computed_tokens
-            end = start + n
-            row0 = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            proposals = spec.get(rid) if spec else None
-            if proposals:  # speculative verification: [last token, proposals...]
-                input_ids.extend(proposals)
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if as_decode(rid, n):
-                decode_tables.extend([blocks] * n)
-                decode_lens.extend(range(start + 1, end + 1))
-            else:
-                prefill_seqs.append((row0, n, end))
-                prefill_tables.append(torch.tensor(blocks, dtype=torch.long))
-            if state.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
-                count = min(end, state.num_prompt_tokens - 1) - start
-                prompt_rows.append((rid, row0, count))
-            elif state.prompt_logprobs is not None and state.num_prompt_tokens == 1 and start == 0:
-                # A one-token prompt has no position to score, but its echo ([None]) is due.
-                prompt_rows.append((rid, row0, 0))
-            if proposals:
-                verify_rows.append((rid, row0, n))
-            elif end >= len(state.token_ids):
-                sample_rows.append((rid, row0 + n - 1))
-
-        dev = self.device
-        max_decode_len = max(decode_lens, default=0)
-        decode_seq_lens = None
-        # The reference needs no lengths when nothing is masked (batch 1); the C++ kernel
-        # always takes them, and reads each context at its own length: no groups needed.
-        if decode_lens and (self.native_decode or min(decode_lens) < max_decode_len):
-            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=_pad_tables(decode_tables, dev) if decode_tables else None,
-            decode_seq_lens=decode_seq_lens,
-            decode_max_seq_len=max_decode_len,
-            prefill_seqs=prefill_seqs,
-            prefill_block_tables=[t.to(dev) for t in prefill_tables],
-            decode_groups=plan_decode_groups(decode_lens, decode_tables, bs, dev)
-            if decode_lens and not self.native_decode else None,
-            native_decode=self.native_decode,
-            native_prefill=self.native_prefill,
-            attention_backend=self.config.attention_backend,
-        )
+        # With the C++ kernel a verification's k + 1 queries are decode rows too.
+        batch = build_step_batch(sched, self.requests, self.block_size,
+                                 verify_as_decode=self.native_decode and bool(spec))
+        sample_rows, verify_rows = batch.sample_rows, batch.verify_rows
         # Masks are computed from the grammar states alone: fill them while the forward runs.
         masks = self.grammar_masks.start_step(
             [(self.requests[rid].grammar, spec[rid]) for rid, _, _ in verify_rows],
             [self.requests[rid].grammar for rid, _ in sample_rows], self.dtype, self.device,
         ) if self._constrained else None
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
-        for rid, n in order:
+        graph = self._decode_graph(batch)
+        if graph is not None:
+            self.inputs.pack(self.graphs.parts(graph, batch.input_ids, batch.positions,
+                                               batch.slots, batch.decode_lens,
+                                               batch.decode_tables), out=graph.inputs)
+            graph.replay()
+            self.graphs.replays += 1
+            hidden = None
+        else:
+            hidden = self._forward(batch)
+        for rid, n in batch.order:
             self.requests[rid].num_computed_tokens += n
-        prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else {}
+        prompt_lps = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else {}
         verified = (self._verify(hidden, verify_rows, spec, draft_probs, masks) if verify_rows
                     else ({}, {}))
         if not sample_rows:
@@ -302,7 +266,10 @@ class ModelRunner:
                 sampled_token_ids=verified[0], logprobs=verified[1], prompt_logprobs=prompt_lps
             )
 
-        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        # Rows 0..n-1 (every decode-only step) are a slice: no gather, no index to copy over.
+        at = (slice(len(sample_rows)) if batch.sample_rows_are_leading
+              else [row for _, row in sample_rows])
+        logits = graph.logits[at] if graph is not None else self.model.compute_logits(hidden[at])
         if masks is not None:
             masks.apply(logits, "sample")
         rows = []
@@ -331,6 +298,45 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids=sampled, logprobs=out_logprobs, prompt_logprobs=prompt_lps
         )
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """The model over the step's rows, eagerly; returns the hidden states [rows, hidden]."""
+        dev = self.device
+        decode_lens, decode_tables = batch.decode_lens, batch.decode_tables
+        parts: list[Part] = [batch.input_ids, batch.positions, batch.slots]
+        if decode_lens:
+            parts += [decode_lens, Table(decode_tables, max(map(len, decode_tables)))]
+        if batch.prefill_seqs:
+            parts.append(Table(batch.prefill_tables, max(map(len, batch.prefill_tables))))
+        tensors = self.inputs.pack(parts)
+        input_ids, positions, slot_mapping = tensors[:3]
+        max_decode_len = batch.max_decode_len
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=tensors[4] if decode_lens else None,
+            # The reference needs no lengths when nothing is masked (batch 1); the C++ kernel
+            # always takes them, and reads each context at its own length: no groups needed.
+            decode_seq_lens=tensors[3] if decode_lens and (
+                self.native_decode or min(decode_lens) < max_decode_len) else None,
+            decode_max_seq_len=max_decode_len,
+            prefill_seqs=batch.prefill_seqs,
+            prefill_block_tables=tensors[-1] if batch.prefill_seqs else [],
+            decode_groups=plan_decode_groups(decode_lens, decode_tables, self.block_size, dev)
+            if decode_lens and not self.native_decode else None,
+            native_decode=self.native_decode,
+            native_prefill=self.native_prefill,
+            attention_backend=self.config.attention_backend,
+        )
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _decode_graph(self, batch: StepBatch) -> DecodeGraph | None:
+        """The CUDA graph that runs this step, if it has one: decode rows only, none scored
+        for prompt logprobs or verified, within the graphs' batch and context sizes."""
+        if (self.graphs is None or batch.prefill_seqs or batch.prompt_rows or batch.verify_rows
+                or not batch.decode_lens):
+            return None
+        return self.graphs.graph_for(len(batch.decode_lens), batch.max_decode_len)
 
     def _verify(self, hidden, verify_rows, spec, draft_probs, masks: StepMasks | None):
         """Score each verifying request's [last token, proposals...] and keep the accepted
@@ -392,7 +398,3 @@ class ModelRunner:
                 done[rid] = state.prompt_logprobs
         return done
 
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

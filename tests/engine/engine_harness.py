@@ -35,9 +35,11 @@ def make_engine(
     max_num_seqs: int = 128,
     enable_chunked_prefill: bool = True,
     itl_target_s: float = 0.0,
+    device: str = "cpu",
+    dtype: str = "float32",
     **config,
 ) -> LLMEngine:
-    """A float32 CPU engine with an explicit (small) KV cache."""
+    """A float32 CPU engine (unless told otherwise) with an explicit (small) KV cache."""
     scheduler = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -47,7 +49,7 @@ def make_engine(
     )
     return LLMEngine(
         EngineConfig(
-            model=str(model_dir), dtype="float32", device="cpu", block_size=block_size,
+            model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
             num_kv_blocks=num_kv_blocks, scheduler=scheduler, **config,
         )
     )

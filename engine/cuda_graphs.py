@@ -1,0 +1,150 @@
+"""CUDA graphs for steps of decode rows only: the forward pass and every row's logits, captured
+at start for bucketed batch sizes and replayed with the step's inputs copied into the graph's
+static buffer (one host-to-device copy). A step of n rows replays the smallest graph of at
+least n; its padding rows store no KV (slot -1) and attend over one cached token, so they cost
+a little work and change nothing.
+
+Built and replayed on the engine thread (ModelRunner). Needs the Triton attention path, which
+reads block tables and context lengths from device tensors (the torch reference shapes its
+work by them on the host), and one tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.step_inputs import Part, Table
+from kernels.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# A capture: takes the forward (inputs read from the static buffer), returns its output tensor
+# and the replay that rewrites that tensor from the buffer's current contents.
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
+
+# Default longest context a decode graph covers (--cuda-graph-max-context); each replay copies
+# its batch's block tables at this width (8192 tokens: 4 KiB a row in blocks of 16).
+CUDA_GRAPH_MAX_CONTEXT = 8192
+PAD_SLOT = -1  # kernels/triton/rotary_kv.py stores nothing for it
+PAD_SEQ_LEN = 1  # a padding row reads one cached token (block 0 of its zero table row)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_batch, which is always included."""
+    if max_batch < 1:
+        raise ValueError(f"the largest CUDA graph batch must be at least 1, not {max_batch}")
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+def cuda_capture(device: torch.device) -> Capture:
+    """Real CUDA graphs sharing one memory pool (captured largest first, so the smaller ones
+    reuse its blocks). Each forward runs once before its capture, so Triton compiles and
+    cuBLAS chooses its kernels outside the graph."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        forward()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return out, graph.replay
+
+    return capture
+
+
+def eager_replay(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A stand-in for cuda_capture where no GPU is (tests): each replay runs the forward again
+    on the static buffer and writes into the same output tensor, as a graph's replay does."""
+    out = forward()
+
+    def replay() -> None:
+        out.copy_(forward())
+
+    return out, replay
+
+
+@dataclass
+class DecodeGraph:
+    batch: int
+    inputs: torch.Tensor  # flat int64 [batch * (4 + width)]: ids, positions, slots, lens, table
+    logits: torch.Tensor  # [batch, vocab], rewritten by each replay
+    replay: Callable[[], None]
+
+
+class DecodeGraphs:
+    """One captured decode step per batch size, for contexts of at most `max_context` tokens."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], *,
+                 block_size: int, max_context: int, max_batch: int, capture: Capture) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.width = -(-max_context // block_size)  # block-table columns of every graph
+        self.max_context = max_context
+        self.sizes = graph_batch_sizes(max_batch)
+        self._capture = capture
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.replays = 0  # steps served by a graph (tests and logs read it)
+        self.capture_seconds = 0.0
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        start = time.monotonic()
+        for batch in reversed(self.sizes):
+            self.graphs[batch] = self._capture_one(batch)
+        self.capture_seconds = time.monotonic() - start
+
+    def _capture_one(self, batch: int) -> DecodeGraph:
+        device = self.kv_caches[0].device
+        inputs = torch.zeros(batch * (4 + self.width), dtype=torch.long, device=device)
+        ids, positions, slots, seq_lens, table = self._views(inputs, batch)
+        slots.fill_(PAD_SLOT)  # captured on padding rows only: no KV is written
+        seq_lens.fill_(PAD_SEQ_LEN)
+        meta = AttentionMetadata(
+            slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=table,
+            decode_seq_lens=seq_lens, decode_max_seq_len=self.width * self.block_size,
+            prefill_seqs=[], prefill_block_tables=[], attention_backend="triton",
+        )
+
+        def forward() -> torch.Tensor:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            return self.model.compute_logits(hidden)
+
+        logits, replay = self._capture(forward)
+        return DecodeGraph(batch, inputs, logits, replay)
+
+    def _views(self, inputs: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """The regions of a graph's flat buffer, in the order parts() packs them."""
+        rows = list(inputs[: 4 * batch].view(4, batch).unbind(0))
+        return rows + [inputs[4 * batch :].view(batch, self.width)]
+
+    def graph_for(self, num_rows: int, max_seq_len: int) -> DecodeGraph | None:
+        """The graph a decode step of num_rows rows replays, or None (too many rows, or a
+        context past the graphs' block tables: the step runs eagerly)."""
+        if not self.graphs or max_seq_len > self.max_context or num_rows > self.sizes[-1]:
+            return None
+        return self.graphs[self.sizes[bisect.bisect_left(self.sizes, num_rows)]]
+
+    def parts(self, graph: DecodeGraph, input_ids: Sequence[int], positions: Sequence[int],
+              slots: Sequence[int], seq_lens: Sequence[int],
+              tables: Sequence[Sequence[int]]) -> list[Part]:
+        """The step's inputs padded to the graph's batch, in its buffer's layout (for
+        StepInputs.pack into graph.inputs)."""
+        pad = graph.batch - len(input_ids)
+        return [
+            [*input_ids, *[0] * pad], [*positions, *[0] * pad], [*slots, *[PAD_SLOT] * pad],
+            [*seq_lens, *[PAD_SEQ_LEN] * pad], Table(tables, self.width, num_rows=graph.batch),
+        ]
+
+    def describe(self) -> str:
+        return (f"CUDA graphs for decode steps: batch sizes {self.sizes[0]}..{self.sizes[-1]} "
+                f"({len(self.sizes)} graphs), contexts up to {self.max_context} tokens, captured "
+                f"in {self.capture_seconds:.2f}s")
