@@ -75,8 +75,6 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()
-        # Raises now, not at the first step, for a backend this device cannot run.
-        uses_triton(config.attention_backend, self.device)
         self.native_decode = self._use_native_decode()
         self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
                                and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
@@ -95,6 +93,7 @@ class ModelRunner:
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
             small_m_max_rows=SMALL_M_MAX_ROWS,
+            triton=uses_triton(config.attention_backend, self.device),
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
         self.sampler = Sampler()

@@ -22,9 +22,15 @@ class KernelPaths:
     @classmethod
     def of(cls, *, device: torch.device, dtype: torch.dtype, native_decode: bool,
            native_prefill: bool, small_m_linear: bool, fused_decode: bool, head_dim: int,
-           query_heads_per_kv_head: int, small_m_max_rows: int) -> KernelPaths:
+           query_heads_per_kv_head: int, small_m_max_rows: int,
+           triton: bool = False) -> KernelPaths:
         if device.type != "cpu":
-            torch_path = "torch (not CPU: the C++ kernels are CPU-only)"
+            if triton:
+                return cls("triton paged decode attention (split-K)",
+                           "triton varlen prefill attention over the paged prefix",
+                           "torch F.linear", "off (triton RMS norm, rotary + KV write)",
+                           _name(dtype), str(device))
+            torch_path = "torch reference (--attention-backend torch)"
             return cls(torch_path, torch_path, "torch F.linear", "off", _name(dtype), str(device))
         if native_decode:
             wide = (torch.backends.cpu.get_cpu_capability() == "AVX512" and head_dim == 64

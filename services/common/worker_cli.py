@@ -66,6 +66,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=_env("attention_backend", "auto"),
                         help="attention kernels: triton (kernels/triton, CUDA), torch (the "
                              "reference), auto: triton on CUDA when it imports")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        default=_env("enforce_eager", "") not in ("", "0", "false"),
+                        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    parser.add_argument("--cuda-graph-max-batch", type=int,
+                        default=int(_env("cuda_graph_max_batch", 0)),
+                        help="CUDA: capture decode graphs for batches up to this many requests "
+                             "(0: --max-num-seqs); larger decode steps run eagerly")
+    parser.add_argument("--cuda-graph-max-context", type=int,
+                        default=int(_env("cuda_graph_max_context", 0)),
+                        help="CUDA: decode graphs cover contexts up to this many tokens (0: "
+                             "8192, at most --max-model-len); longer ones run eagerly")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
@@ -170,6 +181,9 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         small_step_threads=args.small_step_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        cuda_graph_max_context=args.cuda_graph_max_context,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,

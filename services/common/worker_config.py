@@ -78,6 +78,10 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     # auto | torch | triton (kernels/attention.py): auto runs the Triton kernels on CUDA.
     attention_backend: str = "auto"
+    # CUDA graphs for decode steps (engine/cuda_graphs.py): off with enforce_eager; 0: defaults.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 0
+    cuda_graph_max_context: int = 0
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -144,6 +148,9 @@ class WorkerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_context < 0:
+            raise ValueError("--cuda-graph-max-batch and --cuda-graph-max-context must be >= 0 "
+                             "(0: the defaults)")
         self._check_speculative()
         self.tls.check()
         if self.cluster_secret_file:
@@ -243,6 +250,9 @@ class WorkerConfig:
             small_step_threads=self.small_step_threads or None,
             tensor_parallel_size=self.tensor_parallel_size,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_max_batch=self.cuda_graph_max_batch,
+            cuda_graph_max_context=self.cuda_graph_max_context,
             speculative=self.speculative_config(),
         )
 
