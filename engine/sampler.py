@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import Logprobs
-from engine.sampling_draw import draw, uniform_for
+from engine.sampling_batched import draw_batched
+from engine.sampling_draw import draw, truncates, uniform_for
 from engine.sampling_params import SamplingParams
+from engine.step_inputs import StepInputs, fetch
 from engine.token_counts import TokenCounts, with_output_tokens
 
 _MASK63 = (1 << 63) - 1
@@ -122,19 +124,31 @@ def noise_for(seed: int, position: int, vocab: int, device: torch.device) -> tor
 
 
 class Sampler:
+    """Owned by the engine thread. `batched`: draw every row in tensor ops and fetch the step's
+    results with one wait (sampling_batched; None: on CUDA, where each host round trip is a
+    sync), else the host-guided draw (sampling_draw), cheaper on a CPU."""
+
+    def __init__(self, batched: bool | None = None) -> None:
+        self.batched = batched
+        self._settings: StepInputs | None = None  # per-row settings for the batched draw
+
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[Logprobs | None]]:
         logits = logits.float()
         # Logprobs are of the model's distribution (before penalties), for the rows that ask.
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        batched = logits.is_cuda if self.batched is None else self.batched
         raw_logprobs = None
         if asked:
-            raw_logprobs = (logits if len(asked) == len(rows) else logits[asked]).log_softmax(-1)
+            whole = batched or len(asked) == len(rows)  # a gather's index would cost a copy
+            raw_logprobs = (logits if whole else logits[asked]).log_softmax(-1)
         penalised = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if penalised:
             logits = logits.clone()
             _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
+        if batched:
+            return self._sample_batched(logits, rows, asked, raw_logprobs)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(random_rows) < len(rows):
             tokens = logits.argmax(dim=-1)
@@ -157,6 +171,38 @@ class Sampler:
                 logprobs[i] = one
         return token_list, logprobs
 
+    def _sample_batched(self, logits, rows, asked, raw_logprobs):
+        """Every row drawn in tensor ops (greedy rows take the argmax); the tokens and the
+        asked logprobs of all rows come back in one fetch."""
+        greedy = [r.params.greedy for r in rows]
+        if self._settings is None or self._settings.device != logits.device:
+            self._settings = StepInputs(logits.device, torch.float64)
+        temps, top_k, top_p, min_p, uniforms, is_greedy = self._settings.pack([
+            [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
+            [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+            [r.params.min_p for r in rows],
+            [0.0 if g else uniform_for(r.seed, r.position) for g, r in zip(greedy, rows, strict=True)],
+            [float(g) for g in greedy],
+        ])
+        tokens = logits.argmax(dim=-1) if any(greedy) else None
+        sampled = [r.params for g, r in zip(greedy, rows, strict=True) if not g]
+        if sampled:
+            truncating = [truncates(p) for p in sampled]
+            drawn = draw_batched(logits / temps.float().unsqueeze(1), top_k.long(), top_p.float(),
+                                 min_p.float(), uniforms, any_truncated=any(truncating),
+                                 any_full=not all(truncating))
+            tokens = drawn if tokens is None else torch.where(is_greedy > 0, tokens, drawn)
+        if not asked:
+            return fetch(tokens)[0], [None] * len(rows)
+        most = max(rows[i].params.logprobs for i in asked)
+        host = fetch(tokens, *logprob_tensors(raw_logprobs, tokens, most))
+        found = assemble_logprobs([[part[i] for i in asked] for part in host[1:]],
+                                  [rows[i].params.logprobs for i in asked])
+        logprobs: list[Logprobs | None] = [None] * len(rows)
+        for i, one in zip(asked, found, strict=True):
+            logprobs[i] = one
+        return host[0], logprobs
+
 
 def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
                    ns: Sequence[int]) -> list[Logprobs]:
@@ -165,16 +211,27 @@ def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
     of the better tokens, one topk for the largest n asked."""
     if not ns:
         return []
-    device = row_logprobs.device
-    chosen = row_logprobs.gather(1, torch.tensor(list(tokens), device=device).unsqueeze(1))
-    ranks = ((row_logprobs > chosen).sum(-1) + 1).tolist()
-    most = max(ns)
-    top_values = top_ids = None
+    chosen = torch.tensor(list(tokens), device=row_logprobs.device)
+    return assemble_logprobs([t.tolist() for t in logprob_tensors(row_logprobs, chosen, max(ns))],
+                             ns)
+
+
+def logprob_tensors(row_logprobs: torch.Tensor, tokens: torch.Tensor,
+                    most: int) -> list[torch.Tensor]:
+    """[chosen logprob, rank] per row, then [top `most` values, their ids] when most > 0."""
+    chosen = row_logprobs.gather(1, tokens.unsqueeze(1))
+    parts = [chosen.squeeze(1), (row_logprobs > chosen).sum(-1) + 1]
     if most:
-        values, ids = row_logprobs.topk(most, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+        parts += list(row_logprobs.topk(most, dim=-1))
+    return parts
+
+
+def assemble_logprobs(host: list[list], ns: Sequence[int]) -> list[Logprobs]:
+    """Logprobs from logprob_tensors' results as lists (row j keeps its ns[j] alternatives)."""
+    chosen, ranks = host[0], host[1]
+    top_values, top_ids = (host[2], host[3]) if len(host) > 2 else (None, None)
     out = []
-    for j, (logprob, rank, n) in enumerate(zip(chosen.squeeze(1).tolist(), ranks, ns, strict=True)):
+    for j, (logprob, rank, n) in enumerate(zip(chosen, ranks, ns, strict=True)):
         top = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else {}
         out.append(Logprobs(logprob=logprob, rank=rank, top=top))
     return out

@@ -39,7 +39,8 @@ def uniform_for(seed: int, position: int, stream: int = DRAW_STREAM) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
-def _truncates(params: SamplingParams) -> bool:
+def truncates(params: SamplingParams) -> bool:
+    """Whether a row keeps only the head of its distribution (top-k, top-p or min-p)."""
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
 
 
@@ -47,13 +48,13 @@ def draw(scaled: torch.Tensor, params: Sequence[SamplingParams], uniforms: Seque
     """Tokens for rows of temperature-scaled (and penalised) logits [rows, vocab], one per
     row, each from its filtered distribution at its uniform."""
     tokens = [0] * len(params)
-    full = [i for i, p in enumerate(params) if not _truncates(p)]
+    full = [i for i, p in enumerate(params) if not truncates(p)]
     if full:
         index = torch.tensor(full)
         tokens_full = _invert(scaled[index].softmax(-1), [uniforms[i] for i in full])
         for i, token in zip(full, tokens_full, strict=True):
             tokens[i] = token
-    pending = [i for i, p in enumerate(params) if _truncates(p)]
+    pending = [i for i, p in enumerate(params) if truncates(p)]
     vocab = scaled.shape[-1]
     for count in _CANDIDATES:
         if not pending:
@@ -177,25 +178,31 @@ def _draw_binned(scaled, params, uniforms, rows: list[int]) -> list[int]:
 
 
 def _invert(probs: torch.Tensor, uniforms: Sequence[float]) -> list[int]:
-    """Index of each row's draw: the first whose cumulative mass passes u times the row's total
-    (a zero-probability entry is never it). A long row is searched in two levels, blocks of
-    _BLOCK entries and then one block, so no cumulative sum runs over the whole vocabulary."""
+    """Index of each row's draw (invert_index), as a list."""
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
+    return _kept(probs, invert_index(probs, u).tolist())
+
+
+def invert_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of each row's draw: the first whose cumulative mass passes u (float64 [rows])
+    times the row's total; an index may land on a zero-probability entry when the target
+    rounds to or past a total (_kept and sampling_batched.kept_index move it). A long row is
+    searched in two levels, blocks of _BLOCK entries and then one block, so no cumulative sum
+    runs over the whole vocabulary."""
     rows, width = probs.shape
-    u = torch.tensor(uniforms, dtype=torch.float64)
     if width <= _BLOCK:
         cdf = probs.double().cumsum(-1)
         index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        return _kept(probs, index.clamp(max=width - 1).tolist())
+        return index.clamp(max=width - 1)
     pad = -width % _BLOCK
     blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, _BLOCK)
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
     target = (u * block_cdf[:, -1]).unsqueeze(1)
     block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)
     ahead = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inner = blocks[torch.arange(rows), block.squeeze(1)].double().cumsum(-1)
+    inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(-1)
     within = torch.searchsorted(inner, target - ahead, right=True).clamp(max=_BLOCK - 1)
-    index = (block * _BLOCK + within).squeeze(1).clamp(max=width - 1)
-    return _kept(probs, index.tolist())
+    return (block * _BLOCK + within).squeeze(1).clamp(max=width - 1)
 
 
 def _kept(probs: torch.Tensor, index: list[int]) -> list[int]:

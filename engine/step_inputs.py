@@ -1,8 +1,10 @@
-"""A step's integer inputs (token ids, positions, cache slots, block tables, context lengths)
-packed into one buffer and moved to the device in one copy: on CUDA from pinned host memory,
-without blocking the host; on CPU the tensors are views of one tensor built from the lists.
+"""Small tensors between host and device with as few waits as possible. StepInputs packs a
+step's inputs (token ids, positions, cache slots, block tables, context lengths; the sampler's
+per-row settings) into one buffer moved in one copy: on CUDA from pinned host memory, without
+blocking the host; on CPU the tensors are views of one tensor built from the lists. fetch
+brings several results back with one wait.
 
-Owned by the engine thread (ModelRunner builds one).
+Owned by the engine thread (ModelRunner and its Sampler build theirs).
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ Part = Sequence[int] | Table
 
 
 class StepInputs:
-    """Packs parts (int lists, Tables) into one int64 buffer. On CUDA two pinned host buffers
-    take turns, each written again only after the copy that read it has run (an event), so
-    the host never waits on the step before."""
+    """Packs parts (number lists, Tables) into one buffer of `dtype` (int64 unless told). On
+    CUDA two pinned host buffers take turns, each written again only after the copy that read
+    it has run (an event), so the host never waits on the step before."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.long) -> None:
         self.device = device
+        self.dtype = dtype
         self._pinned = device.type == "cuda"
         self._host: list[torch.Tensor] = []  # pinned staging buffers (CUDA)
         self._copied: list[torch.cuda.Event | None] = []
@@ -53,8 +56,8 @@ class StepInputs:
 
     def pack(self, parts: Sequence[Part], out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One tensor on the device per part ([rows, width] for a Table), each a view of one
-        buffer: `out` when given (a flat int64 device buffer at least as long, such as a CUDA
-        graph's static inputs), else a new one."""
+        buffer: `out` when given (a flat device buffer of this dtype at least as long, such as
+        a CUDA graph's static inputs), else a new one."""
         flat: list[int] = []
         shapes: list[tuple[int, ...]] = []
         for part in parts:
@@ -76,14 +79,14 @@ class StepInputs:
         if out is not None and out.numel() < n:
             raise ValueError(f"{n} inputs do not fit a buffer of {out.numel()}")
         if not self._pinned:  # the CPU: the list's tensor is the buffer
-            host = torch.tensor(flat, dtype=torch.long)
+            host = torch.tensor(flat, dtype=self.dtype)
             if out is None:
                 return host
             out[:n].copy_(host)
             return out
         host = self._staging(n)
         host.numpy()[:n] = flat
-        target = out if out is not None else torch.empty(n, dtype=torch.long, device=self.device)
+        target = out if out is not None else torch.empty(n, dtype=self.dtype, device=self.device)
         target[:n].copy_(host[:n], non_blocking=True)
         event = self._copied[self._turn]
         if event is None:
@@ -95,12 +98,23 @@ class StepInputs:
     def _staging(self, n: int) -> torch.Tensor:
         """This turn's pinned buffer with room for n, once its last copy has been read."""
         if not self._host:
-            self._host = [torch.empty(0, dtype=torch.long)] * 2
+            self._host = [torch.empty(0, dtype=self.dtype)] * 2
             self._copied = [None, None]
         event = self._copied[self._turn]
         if event is not None:
             event.synchronize()  # the copy two steps back: long done, in practice
         if self._host[self._turn].numel() < n:
             size = max(n, 2 * self._host[self._turn].numel(), 1 << 14)
-            self._host[self._turn] = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self._host[self._turn] = torch.empty(size, dtype=self.dtype, pin_memory=True)
         return self._host[self._turn]
+
+
+def fetch(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor's .tolist(), with one wait for the device: on CUDA every copy to the host is
+    queued without blocking and the stream is synchronized once (a .tolist() apiece would
+    wait once apiece)."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.tolist() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [h.tolist() for h in host]
