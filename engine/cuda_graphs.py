@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed import get_tp
 from engine.step_inputs import Part, Table
 from kernels.attention import AttentionMetadata
 
@@ -148,3 +150,29 @@ class DecodeGraphs:
         return (f"CUDA graphs for decode steps: batch sizes {self.sizes[0]}..{self.sizes[-1]} "
                 f"({len(self.sizes)} graphs), contexts up to {self.max_context} tokens, captured "
                 f"in {self.capture_seconds:.2f}s")
+
+
+def capture_decode_graphs(config: EngineConfig, model_config: ModelConfig,
+                          model: torch.nn.Module, kv_caches: list[torch.Tensor], *,
+                          triton: bool) -> DecodeGraphs | None:
+    """A ModelRunner's decode graphs where they apply: CUDA, the Triton attention path
+    (`triton`), one rank, not --enforce-eager. A capture that fails leaves the worker eager,
+    with the reason in its log."""
+    device = kv_caches[0].device
+    if device.type != "cuda" or config.enforce_eager or not triton or get_tp().size > 1:
+        return None
+    limit = model_config.max_position_embeddings
+    max_model_len = min(config.max_model_len or limit, limit)
+    max_num_seqs = config.scheduler.max_num_seqs
+    graphs = DecodeGraphs(
+        model, kv_caches, block_size=config.block_size,
+        max_context=min(config.cuda_graph_max_context or CUDA_GRAPH_MAX_CONTEXT, max_model_len),
+        max_batch=min(config.cuda_graph_max_batch or max_num_seqs, max_num_seqs),
+        capture=cuda_capture(device))
+    try:
+        graphs.capture_all()
+    except Exception:  # eager still serves; the reason goes to the log
+        log.exception("CUDA graph capture failed; decode steps run eagerly")
+        return None
+    log.info("%s", graphs.describe())
+    return graphs

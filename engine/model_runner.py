@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import CUDA_GRAPH_MAX_CONTEXT, DecodeGraph, DecodeGraphs, cuda_capture
+from engine.cuda_graphs import DecodeGraph, DecodeGraphs, capture_decode_graphs
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
 from engine.layers.linear import use_small_m_linear
@@ -79,6 +79,8 @@ class ModelRunner:
         self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
                                and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
                                and small_m_linear_available())
+        # Raises now, not at the first step, for a backend this device cannot run.
+        self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = self._use_small_m_linear()
         use_small_m_linear(self.model, SMALL_M_MAX_ROWS if self.small_m_linear else 0)
@@ -93,7 +95,7 @@ class ModelRunner:
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
             small_m_max_rows=SMALL_M_MAX_ROWS,
-            triton=uses_triton(config.attention_backend, self.device),
+            triton=self.triton,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
         self.sampler = Sampler()
@@ -115,32 +117,8 @@ class ModelRunner:
                                 self.num_kv_heads, model_config.head_dim), self.dtype,
                                self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.graphs = self._capture_decode_graphs()
-
-    def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps (engine/cuda_graphs.py) where they apply: CUDA, the
-        Triton attention path, one rank, not --enforce-eager. A capture that fails leaves the
-        worker eager, with the reason in its log."""
-        config = self.config
-        if (self.device.type != "cuda" or config.enforce_eager
-                or not uses_triton(config.attention_backend, self.device) or get_tp().size > 1):
-            return None
-        max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                            self.model_config.max_position_embeddings)
-        graphs = DecodeGraphs(
-            self.model, self.kv_caches, block_size=self.block_size,
-            max_context=min(config.cuda_graph_max_context or CUDA_GRAPH_MAX_CONTEXT, max_model_len),
-            max_batch=min(config.cuda_graph_max_batch or config.scheduler.max_num_seqs,
-                          config.scheduler.max_num_seqs),
-            capture=cuda_capture(self.device))
-        log = logging.getLogger(__name__)
-        try:
-            graphs.capture_all()
-        except Exception:  # eager still serves; the reason goes to the log
-            log.exception("CUDA graph capture failed; decode steps run eagerly")
-            return None
-        log.info("%s", graphs.describe())
-        return graphs
+        self.graphs = capture_decode_graphs(config, model_config, self.model, self.kv_caches,
+                                            triton=self.triton)
 
     def _use_native_decode(self) -> bool:
         choice = self.config.cpu_attention
@@ -307,6 +285,9 @@ class ModelRunner:
             parts += [decode_lens, Table(decode_tables, max(map(len, decode_tables)))]
         if batch.prefill_seqs:
             parts.append(Table(batch.prefill_tables, max(map(len, batch.prefill_tables))))
+            if self.triton:  # the prefill kernel's (start, q_len, ctx_len) columns
+                parts.append(Table(list(zip(*batch.prefill_seqs, strict=True)),
+                                   len(batch.prefill_seqs)))
         tensors = self.inputs.pack(parts)
         input_ids, positions, slot_mapping = tensors[:3]
         max_decode_len = batch.max_decode_len
@@ -320,9 +301,11 @@ class ModelRunner:
                 self.native_decode or min(decode_lens) < max_decode_len) else None,
             decode_max_seq_len=max_decode_len,
             prefill_seqs=batch.prefill_seqs,
-            prefill_block_tables=tensors[-1] if batch.prefill_seqs else [],
+            prefill_block_tables=tensors[5 if decode_lens else 3] if batch.prefill_seqs else [],
+            prefill_seq_info=tensors[-1] if batch.prefill_seqs and self.triton else None,
+            # The torch reference's groups (the C++ and Triton kernels read every length).
             decode_groups=plan_decode_groups(decode_lens, decode_tables, self.block_size, dev)
-            if decode_lens and not self.native_decode else None,
+            if decode_lens and not self.native_decode and not self.triton else None,
             native_decode=self.native_decode,
             native_prefill=self.native_prefill,
             attention_backend=self.config.attention_backend,

@@ -29,7 +29,8 @@ class AttentionMetadata:
     decode_max_seq_len: int
     # Other sequences: (query start, query length, context length incl. the queries).
     prefill_seqs: list[tuple[int, int, int]]
-    prefill_block_tables: list[torch.Tensor]  # one [num_blocks] int64 per prefill sequence
+    # One [num_blocks] int64 row per prefill sequence: a padded 2-d tensor, or a list.
+    prefill_block_tables: torch.Tensor | list[torch.Tensor]
     # decode_attention_mask(decode_seq_lens, decode_max_seq_len), built once per step rather
     # than once per layer; built on the fly when None.
     decode_attn_mask: torch.Tensor | None = None
@@ -46,6 +47,9 @@ class AttentionMetadata:
     # ATTENTION_BACKENDS: "triton" runs kernels/triton (decode and prefill rows reading the
     # paged cache in place); "torch" this module; "auto": triton on CUDA when it imports.
     attention_backend: str = "auto"
+    # prefill_seqs as a [3, sequences] int tensor on the device (starts, query lengths, context
+    # lengths), for the Triton prefill kernel; None: it builds its own.
+    prefill_seq_info: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,7 @@ def paged_attention(
         return triton_paged_attention(
             query, k_cache, v_cache, meta.num_decode_tokens, meta.decode_block_tables,
             meta.decode_seq_lens, meta.decode_max_seq_len, meta.prefill_seqs,
-            meta.prefill_block_tables, scale, window,
+            meta.prefill_block_tables, scale, window, meta.prefill_seq_info,
         )
     num_decode = meta.num_decode_tokens
     groups = meta.decode_groups

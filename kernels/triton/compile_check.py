@@ -48,7 +48,7 @@ def variants(dtype: str, full: bool) -> list[tuple[str, object, dict, dict]]:
                       BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=max(prefill_attention.ROWS // group_pad, 1),
                       BLOCK_N=prefill_attention.BLOCK_N, UPCAST=False,
                       PRECISION="ieee" if dtype == "fp32" else None)
-        ptrs = {**kv, "q_starts_ptr": "i32", "q_lens_ptr": "i32", "ctx_lens_ptr": "i32"}
+        ptrs = {**kv, "q_starts_ptr": "i64", "q_lens_ptr": "i64", "ctx_lens_ptr": "i64"}
         out.append((f"prefill {dtype} gqa{group}", prefill_attention._prefill_kernel, ptrs, consts))
     consts = dict(HEAD_DIM=HEAD_DIM, DIM_PAD=HEAD_DIM, NUM_SPLITS=8)
     ptrs = {"out_ptr": dtype, "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "part_acc_ptr": "fp32"}

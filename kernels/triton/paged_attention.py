@@ -23,12 +23,14 @@ def triton_paged_attention(
     decode_seq_lens: torch.Tensor | None,
     decode_max_seq_len: int,
     prefill_seqs: list[tuple[int, int, int]],
-    prefill_block_tables: list[torch.Tensor],
+    prefill_block_tables: torch.Tensor | list[torch.Tensor],
     scale: float,
     window: int = 0,
+    prefill_seq_info: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [tokens, heads, D], decode rows first (as AttentionMetadata packs them), this
-    step's K/V already stored -> [tokens, heads, D]."""
+    step's K/V already stored -> [tokens, heads, D]. prefill_block_tables: one padded
+    [sequences, blocks] tensor, or one tensor per sequence."""
     out = torch.empty_like(query)
     if num_decode_tokens:
         triton_paged_decode_attention(
@@ -36,7 +38,9 @@ def triton_paged_attention(
             decode_max_seq_len, scale, window, out=out[:num_decode_tokens],
         )
     if prefill_seqs:
-        tables = torch.nn.utils.rnn.pad_sequence(list(prefill_block_tables), batch_first=True)
+        tables = prefill_block_tables
+        if not isinstance(tables, torch.Tensor):
+            tables = torch.nn.utils.rnn.pad_sequence(list(tables), batch_first=True)
         triton_prefill_attention(query, k_cache, v_cache, prefill_seqs, tables, scale, window,
-                                 out=out)
+                                 out=out, seq_info=prefill_seq_info)
     return out

@@ -109,13 +109,17 @@ def triton_prefill_attention(
     out: torch.Tensor | None = None,
     rows: int | None = None,
     block_n: int | None = None,
+    seq_info: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed new tokens over their sequences' paged contexts, into `out`.
 
     query: [tokens, heads, D]; seqs: (query start, query length, context length incl. the
     queries) per sequence, as AttentionMetadata.prefill_seqs; block_tables: [len(seqs),
     blocks] (0-padded); the new tokens' K/V must already be in the cache (store_kv). Rows of
-    `out` outside the seqs are left as they are. rows / block_n override the tile (tests)."""
+    `out` outside the seqs are left as they are. seq_info: the seqs as a [3, len(seqs)] int
+    tensor on the device (starts, query lengths, context lengths) when the caller has one
+    (built here otherwise: three copies to the device, each a sync on a GPU). rows / block_n
+    override the tile (tests)."""
     _, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
@@ -133,8 +137,11 @@ def triton_prefill_attention(
                          f"cannot hold a context of {longest} tokens")
     device = query.device
     block_tables = block_tables.contiguous()
-    starts, q_lens, ctx_lens = (torch.tensor(col, dtype=torch.int32, device=device)
-                                for col in zip(*seqs, strict=True))
+    if seq_info is None:
+        seq_info = torch.tensor(list(zip(*seqs, strict=True)), dtype=torch.long, device=device)
+    elif seq_info.shape != (3, len(seqs)):
+        raise ValueError(f"seq_info of shape {tuple(seq_info.shape)} for {len(seqs)} sequences")
+    starts, q_lens, ctx_lens = seq_info
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = max((rows or ROWS) // group_pad, 1)
