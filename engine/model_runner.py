@@ -10,6 +10,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,13 +27,15 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.step_batch import StepBatch, build_step_batch
 from engine.step_inputs import Part, StepInputs, Table
-from engine.structured.masks import GrammarMasks, StepMasks
-from engine.structured.state import GrammarState
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
 from kernels.kernel_paths import KernelPaths
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
+
+if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
+    from engine.structured.masks import GrammarMasks, StepMasks
+    from engine.structured.state import GrammarState
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -362,6 +365,8 @@ class ModelRunner:
 
     def _grammar_masks(self) -> GrammarMasks:
         if self.grammar_masks is None:
+            from engine.structured.masks import GrammarMasks
+
             self.grammar_masks = GrammarMasks(self.model_config.path, self.model_config.vocab_size,
                                               self.model_config.eos_token_ids)
         return self.grammar_masks

@@ -24,12 +24,12 @@ class KernelPaths:
            native_prefill: bool, small_m_linear: bool, fused_decode: bool, head_dim: int,
            query_heads_per_kv_head: int, small_m_max_rows: int,
            triton: bool = False) -> KernelPaths:
+        if triton:  # CUDA, or the tests' interpreter on CPU
+            return cls("triton paged decode attention (split-K)",
+                       "triton varlen prefill attention over the paged prefix",
+                       "torch F.linear", "off (triton RMS norm, rotary + KV write)",
+                       _name(dtype), str(device))
         if device.type != "cpu":
-            if triton:
-                return cls("triton paged decode attention (split-K)",
-                           "triton varlen prefill attention over the paged prefix",
-                           "torch F.linear", "off (triton RMS norm, rotary + KV write)",
-                           _name(dtype), str(device))
             torch_path = "torch reference (--attention-backend torch)"
             return cls(torch_path, torch_path, "torch F.linear", "off", _name(dtype), str(device))
         if native_decode:

@@ -1,10 +1,11 @@
 """The python steps of bench/gpu/check.sh: what the machine has (env), Triton kernels against
-the torch reference and SDPA (kernels: max error and time), and the summary table.
+the torch reference and SDPA (kernels: max error and time), the engine against transformers
+(parity) and timed on an 8B shape (engine; both in engine_check.py), and the summary table.
 
-    python bench/gpu/check.py env|kernels|summary --out DIR [--smoke]
-Each step writes DIR/<step>.json. Without CUDA, `kernels` records that it skipped (exit 0);
-`--smoke` runs it on CPU under TRITON_INTERPRET=1 at tiny sizes instead (times meaningless:
-it only checks this script's code paths).
+    python bench/gpu/check.py env|kernels|parity|engine|summary --out DIR [--smoke]
+Each step writes DIR/<step>.json. Without CUDA, kernels, parity and engine record that they
+skipped (exit 0); `--smoke` runs them on CPU under TRITON_INTERPRET=1 at tiny sizes instead
+(times meaningless: it only checks this script's code paths).
 """
 
 from __future__ import annotations
@@ -313,7 +314,7 @@ def step_summary(out: Path) -> int:
             name, rc, seconds = (line.split("\t") + ["", ""])[:3]
             steps.append({"step": name, "rc": rc, "seconds": seconds})
     data = {"steps": steps}
-    for name in ("env", "kernels"):
+    for name in ("env", "kernels", "parity", "engine"):
         path = out / f"{name}.json"
         if path.exists():
             data[name] = json.loads(path.read_text())
@@ -334,11 +335,28 @@ def step_summary(out: Path) -> int:
     if kernels.get("skipped"):
         lines.append(f"  skipped: {kernels['skipped']}")
     lines += ["  " + format_row(row) for row in kernels.get("rows", [])]
+    lines += engine_lines(data)
     text = "\n".join(lines) + "\n"
     (out / "summary.txt").write_text(text)
     write(out, "summary", data)
     print(text)
     return 0
+
+
+def engine_lines(data: dict) -> list[str]:
+    from bench.gpu.engine_check import format_engine, format_parity
+
+    lines = ["", "engine against transformers (greedy, random weights):"]
+    parity = data.get("parity", {})
+    lines += [f"  skipped: {parity['skipped']}"] if parity.get("skipped") else []
+    lines += ["  " + format_parity(row) for row in parity.get("rows", [])] or ["  (no results)"]
+    engine = data.get("engine")
+    lines += ["", "engine timings:"]
+    if not engine:
+        return lines + ["  (no results)"]
+    if engine.get("skipped"):
+        return lines + [f"  skipped: {engine['skipped']}"]
+    return lines + ["  " + line for line in format_engine(engine)]
 
 
 def junit_counts(path: Path) -> dict:
@@ -357,7 +375,7 @@ def junit_counts(path: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("env", "kernels", "summary"))
+    parser.add_argument("step", choices=("env", "kernels", "parity", "engine", "summary"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/gpu/out")))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, interpreted")
     args = parser.parse_args()
@@ -365,6 +383,12 @@ def main() -> int:
         return step_env(args.out)
     if args.step == "kernels":
         return step_kernels(args.out, args.smoke)
+    if args.step in ("parity", "engine"):
+        from bench.gpu.engine_check import run_step
+
+        data, code = run_step(args.step, args.smoke)
+        write(args.out, args.step, data)
+        return code
     return step_summary(args.out)
 
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The one prepared device check of issue #22, for a fresh CUDA machine (an H200) holding a copy
-# of this working tree and no network: what the machine has, the gpu-marked tests, and the
-# Triton kernels timed against the torch reference and SDPA. At most ~7.5 minutes in all.
+# of this working tree and no network: what the machine has; the engine on an 8B-shaped Llama
+# (batch-1 decode against the HBM read floor with and without CUDA graphs, offline throughput
+# at batch 32 and 256, prefill MFU at 4k tokens); greedy parity with transformers; the Triton
+# kernels timed against the torch reference and SDPA; the gpu-marked tests. At most ~7.5
+# minutes in all (a 7-minute budget for the steps, then the summary).
 #
 #   bash bench/gpu/check.sh [OUT_DIR]      (default: $OUT, else bench/gpu/out)
 # Writes OUT_DIR/summary.txt and summary.json (and each step's log and json). Every step has
-# its own time limit and the script goes on after a failed one. CHECK_SMOKE=1 runs the
-# kernel step on CPU at tiny sizes under the Triton interpreter (a check of this script).
+# its own time limit and the script goes on after a failed one. CHECK_SMOKE=1 runs the engine,
+# parity and kernel steps on CPU at tiny sizes under the Triton interpreter (a check of this
+# script, which CI makes).
 set -u
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -50,20 +54,25 @@ step() {
 }
 
 echo "splitserve device check: repo $REPO, out $OUT_DIR, python $PYTHON, smoke $SMOKE"
-step env 60 "$PYTHON" bench/gpu/check.py env --out "$OUT_DIR"
+step env 45 "$PYTHON" bench/gpu/check.py env --out "$OUT_DIR"
 if command -v nvidia-smi >/dev/null; then
   step nvidia-smi 20 nvidia-smi
 fi
 
+SMOKE_ARGS=()
+[ "$SMOKE" = 1 ] && SMOKE_ARGS=(--smoke)
+# Most telling first: the engine on an 8B shape (decode against the read floor, throughput,
+# prefill MFU), parity with transformers, the kernels timed, then the gpu-marked tests.
+step engine 180 "$PYTHON" bench/gpu/check.py engine --out "$OUT_DIR" ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
+step parity 100 "$PYTHON" bench/gpu/check.py parity --out "$OUT_DIR" ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
+step kernels 90 "$PYTHON" bench/gpu/check.py kernels --out "$OUT_DIR" ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
+
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -o addopts= -rfE)
-step gpu-kernel-tests 240 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu-kernel-tests.xml" \
+step gpu-tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu-tests.xml" \
+  tests/kernels/test_decode_graphs.py tests/engine/test_step_inputs.py \
   tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_prefill_attention.py \
   tests/kernels/test_triton_rmsnorm.py tests/kernels/test_triton_rotary_kv.py
 # (tests/kv_transfer/test_kv_nccl.py is gpu-marked too but needs two GPUs: not run here.)
-
-KERNEL_ARGS=()
-[ "$SMOKE" = 1 ] && KERNEL_ARGS=(--smoke)
-step kernels 150 "$PYTHON" bench/gpu/check.py kernels --out "$OUT_DIR" ${KERNEL_ARGS[@]+"${KERNEL_ARGS[@]}"}
 
 BUDGET_S=$((BUDGET_S + 30))  # the summary runs whatever happened before it
 step summary 20 "$PYTHON" bench/gpu/check.py summary --out "$OUT_DIR"

@@ -61,3 +61,40 @@ def test_kernel_step_without_cuda_records_a_skip(tmp_path):
 def test_smoke_without_the_interpreter_is_refused(tmp_path):
     done = run(["kernels", "--smoke", "--out", str(tmp_path)], {"TRITON_INTERPRET": None})
     assert done.returncode == 2 and "TRITON_INTERPRET=1" in done.stdout
+
+
+def test_engine_steps_run_interpreted_and_the_summary_tabulates_them(tmp_path):
+    """parity and engine at tiny sizes: every code path of the device run but CUDA graphs."""
+    env = {"TRITON_INTERPRET": "1"}
+    done = run(["parity", "--smoke", "--out", str(tmp_path)], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    parity = json.loads((tmp_path / "parity.json").read_text())["rows"]
+    assert len(parity) == 2 and all(r["ok"] and r["compared"] == 12 for r in parity), parity
+    done = run(["engine", "--smoke", "--out", str(tmp_path)], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    engine = json.loads((tmp_path / "engine.json").read_text())
+    assert engine["batch1_ms"] > 0 and engine["batch1_eager_ms"] > 0
+    assert [t["batch"] for t in engine["throughput"]] == [2, 4]
+    assert engine["prefill_tok_s"] > 0 and "triton paged decode" in engine["kernels"]
+    done = run(["summary", "--out", str(tmp_path)], {})
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "summary.txt").read_text()
+    assert text.count("tokens equal, 0 near-ties, 0 failures") == 2
+    assert "batch-1 decode" in text and "offline batch 4" in text and "prefill 64 tokens" in text
+
+
+def test_parity_fails_an_engine_that_rotates_nothing(monkeypatch):
+    """The parity step can fail: with every rotary angle zero the engine's tokens leave
+    transformers' at once, and not as near-ties."""
+    import torch
+
+    from bench.gpu.engine_check import parity_case
+    from engine.layers.rotary import RotaryEmbedding
+
+    def no_rotation(self, positions, dtype):
+        ones = torch.ones(len(positions), 1, self.cos.shape[-1], dtype=dtype)
+        return ones, torch.zeros_like(ones)
+
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin", no_rotation)
+    row = parity_case("smollm2-135m", torch.float32, torch.device("cpu"), smoke=True)
+    assert not row["ok"] and row["failures"] >= 1, row
