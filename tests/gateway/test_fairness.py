@@ -203,7 +203,7 @@ def test_weights_two_to_one_split_served_tokens_two_to_one(fair_gateway, small_m
     async def scenario():
         # Both tenants keep more requests outstanding than the in-flight limit: both backlogged.
         return await asyncio.gather(
-            run_closed(url, small_model.name, loads, INFLIGHT, 28.0),
+            run_closed(url, small_model.name, loads, 2 * INFLIGHT, 28.0),
             _served_in_windows(url, start_at, [(4.0, 28.0, "both")], ("heavy", "light")))
 
     _, windows = asyncio.run(scenario())
