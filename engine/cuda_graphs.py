@@ -14,14 +14,15 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
-from engine.step_inputs import Part, Table
+from engine.step_batch import StepBatch
+from engine.step_inputs import StepInputs, Table
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class DecodeGraphs:
         return DecodeGraph(batch, inputs, logits, replay)
 
     def _views(self, inputs: torch.Tensor, batch: int) -> list[torch.Tensor]:
-        """The regions of a graph's flat buffer, in the order parts() packs them."""
+        """The regions of a graph's flat buffer, in the order replay() packs them."""
         rows = list(inputs[: 4 * batch].view(4, batch).unbind(0))
         return rows + [inputs[4 * batch :].view(batch, self.width)]
 
@@ -135,16 +136,19 @@ class DecodeGraphs:
             return None
         return self.graphs[self.sizes[bisect.bisect_left(self.sizes, num_rows)]]
 
-    def parts(self, graph: DecodeGraph, input_ids: Sequence[int], positions: Sequence[int],
-              slots: Sequence[int], seq_lens: Sequence[int],
-              tables: Sequence[Sequence[int]]) -> list[Part]:
-        """The step's inputs padded to the graph's batch, in its buffer's layout (for
-        StepInputs.pack into graph.inputs)."""
-        pad = graph.batch - len(input_ids)
-        return [
-            [*input_ids, *[0] * pad], [*positions, *[0] * pad], [*slots, *[PAD_SLOT] * pad],
-            [*seq_lens, *[PAD_SEQ_LEN] * pad], Table(tables, self.width, num_rows=graph.batch),
-        ]
+    def replay(self, graph: DecodeGraph, inputs: StepInputs, batch: StepBatch) -> torch.Tensor:
+        """Run a decode step through `graph`: the step's inputs, padded to the graph's batch,
+        go into its static buffer in one copy; returns the logits of every row (the first
+        len(batch.decode_lens) are the step's), valid until the next replay."""
+        pad = graph.batch - len(batch.input_ids)
+        inputs.pack([
+            [*batch.input_ids, *[0] * pad], [*batch.positions, *[0] * pad],
+            [*batch.slots, *[PAD_SLOT] * pad], [*batch.decode_lens, *[PAD_SEQ_LEN] * pad],
+            Table(batch.decode_tables, self.width, num_rows=graph.batch),
+        ], out=graph.inputs)
+        graph.replay()
+        self.replays += 1
+        return graph.logits
 
     def describe(self) -> str:
         return (f"CUDA graphs for decode steps: batch sizes {self.sizes[0]}..{self.sizes[-1]} "

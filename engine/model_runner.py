@@ -227,15 +227,8 @@ class ModelRunner:
             [self.requests[rid].grammar for rid, _ in sample_rows], self.dtype, self.device,
         ) if self._constrained else None
         graph = self._decode_graph(batch)
-        if graph is not None:
-            self.inputs.pack(self.graphs.parts(graph, batch.input_ids, batch.positions,
-                                               batch.slots, batch.decode_lens,
-                                               batch.decode_tables), out=graph.inputs)
-            graph.replay()
-            self.graphs.replays += 1
-            hidden = None
-        else:
-            hidden = self._forward(batch)
+        graph_logits = self.graphs.replay(graph, self.inputs, batch) if graph is not None else None
+        hidden = self._forward(batch) if graph is None else None
         for rid, n in batch.order:
             self.requests[rid].num_computed_tokens += n
         prompt_lps = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else {}
@@ -249,7 +242,8 @@ class ModelRunner:
         # Rows 0..n-1 (every decode-only step) are a slice: no gather, no index to copy over.
         at = (slice(len(sample_rows)) if batch.sample_rows_are_leading
               else [row for _, row in sample_rows])
-        logits = graph.logits[at] if graph is not None else self.model.compute_logits(hidden[at])
+        logits = (graph_logits[at] if graph_logits is not None
+                  else self.model.compute_logits(hidden[at]))
         if masks is not None:
             masks.apply(logits, "sample")
         rows = []

@@ -354,8 +354,8 @@ def engine_lines(data: dict) -> list[str]:
     lines += ["", "engine timings:"]
     if not engine:
         return lines + ["  (no results)"]
-    if engine.get("skipped"):
-        return lines + [f"  skipped: {engine['skipped']}"]
+    if engine.get("skipped") or "shape" not in engine:
+        return lines + [f"  skipped: {engine.get('skipped', engine)}"]
     return lines + ["  " + line for line in format_engine(engine)]
 
 
@@ -386,9 +386,7 @@ def main() -> int:
     if args.step in ("parity", "engine"):
         from bench.gpu.engine_check import run_step
 
-        data, code = run_step(args.step, args.smoke)
-        write(args.out, args.step, data)
-        return code
+        return run_step(args.step, args.smoke, lambda data: write(args.out, args.step, data))
     return step_summary(args.out)
 
 

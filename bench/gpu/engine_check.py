@@ -120,7 +120,7 @@ def compare(hf, prompt, result, new_tokens: int, near_tie: float, row: dict) -> 
         row["max_logprob_diff"] = max(row["max_logprob_diff"], diff)
 
 
-def step_parity(device: torch.device, smoke: bool) -> list[dict]:
+def step_parity(device: torch.device, smoke: bool, save) -> list[dict]:
     """float32 on the SmolLM2 shape (exact rule), bfloat16 on the 1B (bf16 near-tie rule);
     both float32 in --smoke (CPU bf16 would take the C++ kernels' paths, not Triton's)."""
     cases = (("smollm2-135m", torch.float32),
@@ -132,6 +132,7 @@ def step_parity(device: torch.device, smoke: bool) -> list[dict]:
         except Exception as exc:  # one model failing (out of memory, say) must not hide the other
             rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:300], "ok": False})
         print(format_parity(rows[-1]), flush=True)
+        save(rows)
     return rows
 
 
@@ -145,18 +146,24 @@ def format_parity(row: dict) -> str:
 
 
 def format_engine(rows: dict) -> list[str]:
+    """The engine step's lines, from whatever it measured (a step cut short has fewer)."""
+    lines = [f"engine on {rows.get('shape')}, {rows.get('dtype')}; {rows.get('settings')}"]
     if "error" in rows:
-        return [f"engine: FAILED {rows['error']}"]
-    lines = [f"engine on {rows['shape']}, {rows['dtype']}; {rows['settings']}",
-             f"  {rows['kernels']}", f"  {rows['memory']}"]
-    if "batch1_ms" in rows:
-        lines.append(
-            f"  batch-1 decode {rows['batch1_ms']:.2f} ms/token with CUDA graphs "
-            f"{rows['cuda_graphs']}, {rows['batch1_eager_ms']:.2f} eager; read floor "
-            f"{rows['read_floor_ms_copy']:.2f} ms (copy reads, {rows['copy_read_gbs']:.0f} GB/s): "
-            f"{rows['batch1_ms'] / rows['read_floor_ms_copy']:.2f}x; "
-            f"{rows['read_floor_ms_sum']:.2f} ms (sum, {rows['sum_read_gbs']:.0f} GB/s): "
-            f"{rows['batch1_ms'] / rows['read_floor_ms_sum']:.2f}x")
+        lines.append(f"  FAILED {rows['error']}")
+    lines += [f"  {rows[key]}" for key in ("kernels", "memory") if key in rows]
+    if "engine_start_s" in rows:
+        lines.append(f"  engine start {rows['engine_start_s']:.1f} s; CUDA graphs "
+                     f"{rows['cuda_graphs']}" + (f" (batches {rows['graph_sizes']}, captured in "
+                                                 f"{rows['capture_s']} s, {rows['graph_replays']} "
+                                                 "replays)" if rows["cuda_graphs"] else ""))
+    for key, label in (("batch1_ms", "with CUDA graphs where on"), ("batch1_eager_ms", "eager")):
+        if key in rows:
+            lines.append(
+                f"  batch-1 decode {label}: {rows[key]:.2f} ms/token; read floor "
+                f"{rows['read_floor_ms_copy']:.2f} ms by a copy's reads "
+                f"({rows['copy_read_gbs']:.0f} GB/s): {rows[key] / rows['read_floor_ms_copy']:.2f}x, "
+                f"{rows['read_floor_ms_sum']:.2f} ms by a sum ({rows['sum_read_gbs']:.0f} GB/s): "
+                f"{rows[key] / rows['read_floor_ms_sum']:.2f}x")
     lines += [f"  offline batch {t['batch']}: {t['output_tok_s']:.0f} output tok/s "
               f"({t['seconds']:.2f} s)" for t in rows.get("throughput", [])]
     if "prefill_tok_s" in rows:
@@ -167,30 +174,39 @@ def format_engine(rows: dict) -> list[str]:
     return lines
 
 
-def run_step(step: str, smoke: bool) -> tuple[object, int]:
-    """The step's results and exit code: parity (a row per model) or engine (one dict)."""
+def run_step(step: str, smoke: bool, save) -> int:
+    """Runs parity (a row per model) or engine (one dict), handing `save` what it has measured
+    as it goes; returns the exit code."""
     if smoke:
         import os
 
         if not os.environ.get("TRITON_INTERPRET"):
             print("--smoke needs TRITON_INTERPRET=1 (the kernels run interpreted on CPU)")
-            return {"error": "--smoke without TRITON_INTERPRET=1"}, 2
+            return 2
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
         print(f"{step}: skipped, no CUDA device")
-        return {"skipped": "no CUDA device"}, 0
+        save({"skipped": "no CUDA device"})
+        return 0
     else:
         device = torch.device("cuda")
     if step == "parity":
-        rows = step_parity(device, smoke)
-        return {"rows": rows}, 0 if all(r.get("ok") for r in rows) else 1
+        rows = step_parity(device, smoke, lambda rows: save({"rows": rows}))
+        return 0 if all(r.get("ok") for r in rows) else 1
+    partial: dict = {}
+
+    def keep(rows: dict) -> None:
+        partial.update(rows)
+        save(rows)
+
     try:
-        rows = step_engine(device, smoke)
-    except Exception as exc:
-        rows = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        rows = step_engine(device, smoke, keep)
+    except Exception as exc:  # what was measured before stays, with the error beside it
+        rows = {**partial, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        save(rows)
     for line in format_engine(rows):
         print(line, flush=True)
-    return rows, 1 if "error" in rows else 0
+    return 1 if "error" in rows else 0
 
 
 # -- the 8B shape: decode, throughput, prefill -------------------------------------------------
@@ -302,13 +318,18 @@ def weight_read_bytes(shape: dict, dtype: torch.dtype) -> int:
     return params * dtype.itemsize
 
 
-def step_engine(device: torch.device, smoke: bool) -> dict:
+def step_engine(device: torch.device, smoke: bool, save) -> dict:
+    """The 8B shape's figures; `save(rows)` after each, so a step cut by its time limit still
+    leaves what it measured."""
     shape = SHAPES["tiny" if smoke else "llama-8b"]
     dtype = torch.float32 if smoke else torch.bfloat16
     rows: dict = {"shape": "tiny" if smoke else "llama-8b (Llama 3.1 8B's shape, random weights)",
                   "dtype": str(dtype).removeprefix("torch.")}
     rows.update(read_bandwidth(device, smoke))
     rows["matmul_tflops"] = matmul_tflops(device, smoke)
+    floor_bytes = weight_read_bytes(shape, dtype)
+    rows["read_floor_ms_copy"] = floor_bytes / (rows["copy_read_gbs"] * 1e9) * 1e3
+    rows["read_floor_ms_sum"] = floor_bytes / (rows["sum_read_gbs"] * 1e9) * 1e3
     scheduler = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                 long_prefill_token_threshold=8192)
     # What differs from a worker's defaults, and why: a 4,096-token prompt in one step (the
@@ -316,24 +337,30 @@ def step_engine(device: torch.device, smoke: bool) -> dict:
     # worker's --max-num-seqs is 128); the KV pool is sized from --gpu-memory-utilization 0.9.
     rows["settings"] = ("max_num_batched_tokens 8192, long_prefill_token_threshold 8192, "
                         "max_num_seqs 256, kv_cache_memory auto")
+    save(rows)
+    prompt_len, steps = (16, 4) if smoke else (128, 64)
     with tempfile.TemporaryDirectory() as tmp, weights_drawn_in_place(std_for(shape)):
+        start = time.perf_counter()
         engine = engine_for(write_config(Path(tmp), shape), rows["dtype"], device,
                             scheduler=scheduler, kv_cache_memory=0,
                             num_kv_blocks=256 if smoke else None,
                             attention_backend="triton" if smoke else "auto")
+        rows["engine_start_s"] = time.perf_counter() - start
         rows["kernels"] = str(engine.runner.kernel_paths)
         rows["memory"] = engine.runner.memory.describe()
         rows.update(graph_facts(engine))
-        steps = 4 if smoke else 64
-        rows["batch1_ms"] = decode_step_ms(engine, 1, 16 if smoke else 128, steps, 1, device)
-        floor_bytes = weight_read_bytes(shape, dtype)
-        rows["read_floor_ms_copy"] = floor_bytes / (rows["copy_read_gbs"] * 1e9) * 1e3
-        rows["read_floor_ms_sum"] = floor_bytes / (rows["sum_read_gbs"] * 1e9) * 1e3
+        save(rows)
+        rows["batch1_ms"] = decode_step_ms(engine, 1, prompt_len, steps, 1, device)
+        save(rows)
         graphs, engine.runner.graphs = engine.runner.graphs, None
-        rows["batch1_eager_ms"] = decode_step_ms(engine, 1, 16 if smoke else 128, steps, 2, device)
+        rows["batch1_eager_ms"] = decode_step_ms(engine, 1, prompt_len, steps, 2, device)
         engine.runner.graphs = graphs
-        rows["throughput"] = [throughput(engine, b, 16 if smoke else 128, 8 if smoke else 128,
-                                         10 + b, device) for b in ((2, 4) if smoke else (32, 256))]
+        save(rows)
+        rows["throughput"] = []
+        for batch in (2, 4) if smoke else (32, 256):
+            rows["throughput"].append(throughput(engine, batch, prompt_len, 8 if smoke else 128,
+                                                 10 + batch, device))
+            save(rows)
         tokens = 64 if smoke else 4096
         seconds = prefill(engine, tokens, 1 if smoke else 3, device)
         rows["prefill_tokens"] = tokens
@@ -341,5 +368,6 @@ def step_engine(device: torch.device, smoke: bool) -> dict:
         rows["prefill_tflops"] = prefill_flops(shape, tokens) / seconds / 1e12
         rows["prefill_mfu"] = rows["prefill_tflops"] / H200_BF16_PEAK_TFLOPS
         rows.update(graph_facts(engine))
+        save(rows)
         free(engine)
     return rows

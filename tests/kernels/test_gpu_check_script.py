@@ -98,3 +98,18 @@ def test_parity_fails_an_engine_that_rotates_nothing(monkeypatch):
     monkeypatch.setattr(RotaryEmbedding, "cos_sin", no_rotation)
     row = parity_case("smollm2-135m", torch.float32, torch.device("cpu"), smoke=True)
     assert not row["ok"] and row["failures"] >= 1, row
+
+
+def test_a_cut_short_engine_step_still_tabulates_what_it_measured():
+    """check.sh kills a step at its time limit; the engine step saves after each figure, and
+    the summary must read such a partial record."""
+    from bench.gpu.engine_check import format_engine
+
+    partial = {"shape": "llama-8b", "dtype": "bfloat16", "settings": "s", "copy_read_gbs": 2000.0,
+               "sum_read_gbs": 4000.0, "read_floor_ms_copy": 7.5, "read_floor_ms_sum": 3.75,
+               "engine_start_s": 30.0, "cuda_graphs": True, "graph_sizes": "1..256",
+               "capture_s": 2.0, "graph_replays": 70, "batch1_ms": 4.5}
+    lines = format_engine(partial)
+    assert any("4.50 ms/token" in line and "0.60x" in line and "1.20x" in line for line in lines)
+    assert not any("eager" in line or "prefill" in line for line in lines)
+    assert "FAILED boom" in "\n".join(format_engine({**partial, "error": "boom"}))
