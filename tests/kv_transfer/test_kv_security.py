@@ -86,8 +86,9 @@ def test_a_forged_proof_is_refused_and_no_process_group_is_built():
 def test_a_sender_with_the_secret_refuses_a_receiver_without_it():
     inbox = Inbox()
     # Short: the receiver's half-built channel waits this long for a group that never forms.
-    # Not shorter: it also bounds the receiver's store connects, which a loaded machine slows.
-    with open_receiver(inbox, timeout_s=3.0) as receiver:
+    # Not shorter: it also bounds the receiver's store connects, which a loaded machine slows
+    # (a clean-clone CI run timed out connecting to its own store after 3 s).
+    with open_receiver(inbox, timeout_s=6.0) as receiver:
         sender = KVSender(receiver.endpoint, LAYOUT, timeout_s=TIMEOUT_S, secret=SECRET)
         with pytest.raises(KVAuthError, match="did not prove"):
             sender.wait_ready()
