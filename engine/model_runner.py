@@ -285,21 +285,22 @@ class ModelRunner:
             if self.triton:  # the prefill kernel's (start, q_len, ctx_len) columns
                 parts.append(Table(list(zip(*batch.prefill_seqs, strict=True)),
                                    len(batch.prefill_seqs)))
-        tensors = self.inputs.pack(parts)
-        input_ids, positions, slot_mapping = tensors[:3]
+        input_ids, positions, slot_mapping, *rest = self.inputs.pack(parts)
+        seq_lens, tables = (rest.pop(0), rest.pop(0)) if decode_lens else (None, None)
+        prefill_tables = rest.pop(0) if batch.prefill_seqs else []
         max_decode_len = batch.max_decode_len
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decode_tokens=len(decode_lens),
-            decode_block_tables=tensors[4] if decode_lens else None,
+            decode_block_tables=tables,
             # The reference needs no lengths when nothing is masked (batch 1); the C++ kernel
             # always takes them, and reads each context at its own length: no groups needed.
-            decode_seq_lens=tensors[3] if decode_lens and (
+            decode_seq_lens=seq_lens if decode_lens and (
                 self.native_decode or min(decode_lens) < max_decode_len) else None,
             decode_max_seq_len=max_decode_len,
             prefill_seqs=batch.prefill_seqs,
-            prefill_block_tables=tensors[5 if decode_lens else 3] if batch.prefill_seqs else [],
-            prefill_seq_info=tensors[-1] if batch.prefill_seqs and self.triton else None,
+            prefill_block_tables=prefill_tables,
+            prefill_seq_info=rest.pop(0) if rest else None,  # packed for Triton only
             # The torch reference's groups (the C++ and Triton kernels read every length).
             decode_groups=plan_decode_groups(decode_lens, decode_tables, self.block_size, dev)
             if decode_lens and not self.native_decode and not self.triton else None,
