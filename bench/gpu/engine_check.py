@@ -17,6 +17,7 @@ this file; its times mean nothing, and CPU has no CUDA graphs).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -178,8 +179,6 @@ def run_step(step: str, smoke: bool, save) -> int:
     """Runs parity (a row per model) or engine (one dict), handing `save` what it has measured
     as it goes; returns the exit code."""
     if smoke:
-        import os
-
         if not os.environ.get("TRITON_INTERPRET"):
             print("--smoke needs TRITON_INTERPRET=1 (the kernels run interpreted on CPU)")
             return 2
