@@ -77,7 +77,9 @@ class WorkerProcess:
 
 def start_worker(role: str, model, *extra: str, port: int | None = None,
                  timeout: float = 90.0, env: dict | None = None) -> WorkerProcess:
-    port = port or free_port()
+    """Without `port` the worker binds an ephemeral one itself and reports it on its READY
+    line: a port picked here and passed down could be taken by another process in between."""
+    port = port or 0
     cmd = [sys.executable, "-m", "splitserve_cli.main", "worker", "--role", role,
            "--model", str(model), "--port", str(port), "--num-threads", "1", *extra]
     env = {**os.environ, **(env or {})}
@@ -90,7 +92,9 @@ def start_worker(role: str, model, *extra: str, port: int | None = None,
         for line in process.stdout:
             worker.lines.append(line.rstrip())
             if line.startswith("SPLITSERVE_READY"):
-                fields = dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
+                words = line.split()
+                worker.port = int(words[2].rsplit(":", 1)[1])
+                fields = dict(f.split("=", 1) for f in words[3:] if "=" in f)
                 worker.kv_endpoint = fields.get("kv", "")
                 worker.metrics_address = fields.get("metrics", "")
                 worker.rank_pids = [int(p) for p in fields.get("tp_pids", "").split(",") if p]
