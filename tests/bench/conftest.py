@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,17 +102,11 @@ def _app(server: FakeServer) -> FastAPI:
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fake_server():
-    port = _free_port()
-    server = FakeServer(f"http://127.0.0.1:{port}", FakeBehaviour())
-    uv = uvicorn.Server(uvicorn.Config(_app(server), host="127.0.0.1", port=port,
+    # Port 0: the server binds a free port itself (one picked here could be taken meanwhile).
+    server = FakeServer("", FakeBehaviour())
+    uv = uvicorn.Server(uvicorn.Config(_app(server), host="127.0.0.1", port=0,
                                        log_level="warning", lifespan="off"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -122,6 +115,8 @@ def fake_server():
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the fake SSE server did not start")
         time.sleep(0.02)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    server.url = f"http://127.0.0.1:{port}"
     yield server
     uv.should_exit = True
     thread.join(10)
