@@ -9,9 +9,11 @@ Owned by the engine thread (ModelRunner and its Sampler build theirs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -25,17 +27,20 @@ class Table:
     fill: int = 0
     num_rows: int = 0
 
-    def flatten_into(self, flat: list[int]) -> tuple[int, int]:
+    @property
+    def shape(self) -> tuple[int, int]:
+        return max(self.num_rows, len(self.rows)), self.width
+
+    def write_into(self, array: np.ndarray) -> None:
+        """Fill `array` ([rows, width], this table's shape) in place. Each row's ints are
+        converted once; padding is a fill, not a list: a CUDA graph's table at batch 256 is
+        131,072 entries, mostly padding."""
         fill, width = self.fill, self.width
-        for row in self.rows:
-            if len(row) > width:  # blocks reserved past the columns the step reads
-                row = row[:width]
-            flat.extend(row)
-            flat.extend([fill] * (width - len(row)))
-        extra = self.num_rows - len(self.rows)
-        if extra > 0:
-            flat.extend([fill] * (extra * width))
-        return max(self.num_rows, len(self.rows)), width
+        array.fill(fill)
+        for i, row in enumerate(self.rows):
+            n = min(len(row), width)  # blocks reserved past the columns the step reads: cut
+            if n:
+                array[i, :n] = row if n == len(row) else row[:n]
 
 
 Part = Sequence[int] | Table
@@ -58,34 +63,33 @@ class StepInputs:
         """One tensor on the device per part ([rows, width] for a Table), each a view of one
         buffer: `out` when given (a flat device buffer of this dtype at least as long, such as
         a CUDA graph's static inputs), else a new one."""
-        flat: list[int] = []
-        shapes: list[tuple[int, ...]] = []
-        for part in parts:
+        shapes = [part.shape if isinstance(part, Table) else (len(part),) for part in parts]
+        sizes = [math.prod(shape) for shape in shapes]
+        n = sum(sizes)
+        if out is not None and out.numel() < n:
+            raise ValueError(f"{n} inputs do not fit a buffer of {out.numel()}")
+        # The host side: this turn's pinned buffer on CUDA, a new tensor on the CPU.
+        host = self._staging(n) if self._pinned else torch.empty(n, dtype=self.dtype)
+        array, at = host.numpy(), 0
+        for part, shape, size in zip(parts, shapes, sizes, strict=True):
             if isinstance(part, Table):
-                shapes.append(part.flatten_into(flat))
-            else:
-                flat.extend(part)
-                shapes.append((len(part),))
-        buffer = self._to_device(flat, out)
+                part.write_into(array[at : at + size].reshape(shape))
+            elif size:
+                array[at : at + size] = part
+            at += size
+        buffer = self._to_device(host, n, out)
         views, at = [], 0
-        for shape in shapes:
-            size = shape[0] * (shape[1] if len(shape) == 2 else 1)
+        for shape, size in zip(shapes, sizes, strict=True):
             views.append(buffer[at : at + size].view(shape))
             at += size
         return views
 
-    def _to_device(self, flat: list[int], out: torch.Tensor | None) -> torch.Tensor:
-        n = len(flat)
-        if out is not None and out.numel() < n:
-            raise ValueError(f"{n} inputs do not fit a buffer of {out.numel()}")
-        if not self._pinned:  # the CPU: the list's tensor is the buffer
-            host = torch.tensor(flat, dtype=self.dtype)
+    def _to_device(self, host: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+        if not self._pinned:  # the CPU: the host tensor is the buffer
             if out is None:
                 return host
             out[:n].copy_(host)
             return out
-        host = self._staging(n)
-        host.numpy()[:n] = flat
         target = out if out is not None else torch.empty(n, dtype=self.dtype, device=self.device)
         target[:n].copy_(host[:n], non_blocking=True)
         event = self._copied[self._turn]

@@ -1,5 +1,5 @@
 """StepInputs packs a step's int lists and padded tables into one buffer and hands back views
-of it; on a CPU device the buffer is the lists' own tensor. (The pinned copy to a GPU is
+of it; on a CPU device the buffer is a new host tensor the lists were written into. (The pinned copy to a GPU is
 checked by the gpu-marked test.)"""
 
 from __future__ import annotations
@@ -41,5 +41,14 @@ def test_pinned_copies_to_the_gpu_arrive_whole_step_after_step():
     inputs = StepInputs(torch.device("cuda"))
     for step in range(6):  # the two pinned buffers take turns, and grow
         values = list(range(step, step + 1000 * (step + 1)))
-        (got,) = inputs.pack([values])
+        got, table = inputs.pack([values, Table([[step, 1], [2]], width=3, num_rows=3)])
         assert got.is_cuda and got.tolist() == values
+        assert table.tolist() == [[step, 1, 0], [2, 0, 0], [0, 0, 0]]
+
+
+def test_float_settings_and_empty_parts_pack_in_the_buffers_dtype():
+    temps, empty, table = StepInputs(torch.device("cpu"), torch.float64).pack(
+        [[0.7, 1.0], [], Table([[0.5]], width=2, fill=-1.0, num_rows=2)])
+    assert temps.dtype == torch.float64 and temps.tolist() == [0.7, 1.0]
+    assert empty.numel() == 0
+    assert table.tolist() == [[0.5, -1.0], [-1.0, -1.0]]
