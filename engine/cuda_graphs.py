@@ -78,7 +78,7 @@ def eager_replay(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Cal
 class DecodeGraph:
     batch: int
     inputs: torch.Tensor  # flat int64 [batch * (4 + width)]: ids, positions, slots, lens, table
-    logits: torch.Tensor  # [batch, vocab], rewritten by each replay
+    logits: torch.Tensor  # [batch, vocab]: a view shared by all graphs, rewritten by each replay
     replay: Callable[[], None]
 
 
@@ -95,8 +95,13 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self._capture = capture
         self.graphs: dict[int, DecodeGraph] = {}
+        # Every graph writes its logits into the head of this one buffer (only one replays at
+        # a time): [max_batch, vocab] once, not per graph (1.1 GB of fp32 for a 128k
+        # vocabulary's 17 graphs up to batch 256, against 131 MB shared).
+        self._logits: torch.Tensor | None = None
         self.replays = 0  # steps served by a graph (tests and logs read it)
         self.capture_seconds = 0.0
+        self.memory_bytes = 0  # what the capture reserved on the device (CUDA)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -119,7 +124,13 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            if self._logits is None:  # the first (largest) graph's warm-up run: not captured
+                self._logits = torch.empty(self.sizes[-1], logits.shape[1], dtype=logits.dtype,
+                                           device=logits.device)
+            out = self._logits[:batch]
+            out.copy_(logits)
+            return out
 
         logits, replay = self._capture(forward)
         return DecodeGraph(batch, inputs, logits, replay)
@@ -139,7 +150,7 @@ class DecodeGraphs:
     def replay(self, graph: DecodeGraph, inputs: StepInputs, batch: StepBatch) -> torch.Tensor:
         """Run a decode step through `graph`: the step's inputs, padded to the graph's batch,
         go into its static buffer in one copy; returns the logits of every row (the first
-        len(batch.decode_lens) are the step's), valid until the next replay."""
+        len(batch.decode_lens) are the step's), valid until the next replay of any graph."""
         pad = graph.batch - len(batch.input_ids)
         inputs.pack([
             [*batch.input_ids, *[0] * pad], [*batch.positions, *[0] * pad],
@@ -153,7 +164,7 @@ class DecodeGraphs:
     def describe(self) -> str:
         return (f"CUDA graphs for decode steps: batch sizes {self.sizes[0]}..{self.sizes[-1]} "
                 f"({len(self.sizes)} graphs), contexts up to {self.max_context} tokens, captured "
-                f"in {self.capture_seconds:.2f}s")
+                f"in {self.capture_seconds:.2f}s, {self.memory_bytes / 2**20:.0f} MiB")
 
 
 def capture_decode_graphs(config: EngineConfig, model_config: ModelConfig,
@@ -173,8 +184,11 @@ def capture_decode_graphs(config: EngineConfig, model_config: ModelConfig,
         max_context=min(config.cuda_graph_max_context or CUDA_GRAPH_MAX_CONTEXT, max_model_len),
         max_batch=min(config.cuda_graph_max_batch or max_num_seqs, max_num_seqs),
         capture=cuda_capture(device))
+    reserved = torch.cuda.memory_reserved(device)
     try:
         graphs.capture_all()
+        # Outside the KV pool's sizing: it comes out of what --gpu-memory-utilization leaves.
+        graphs.memory_bytes = torch.cuda.memory_reserved(device) - reserved
     except Exception:  # eager still serves; the reason goes to the log
         log.exception("CUDA graph capture failed; decode steps run eagerly")
         return None

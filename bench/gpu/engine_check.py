@@ -70,7 +70,8 @@ def graph_facts(engine: LLMEngine) -> dict:
     if graphs is None:
         return {"cuda_graphs": False}
     return {"cuda_graphs": True, "graph_sizes": f"{graphs.sizes[0]}..{graphs.sizes[-1]}",
-            "graph_replays": graphs.replays, "capture_s": round(graphs.capture_seconds, 2)}
+            "graph_replays": graphs.replays, "capture_s": round(graphs.capture_seconds, 2),
+            "graph_mib": round(graphs.memory_bytes / 2**20)}
 
 
 # -- parity ----------------------------------------------------------------------------------
@@ -155,8 +156,10 @@ def format_engine(rows: dict) -> list[str]:
     if "engine_start_s" in rows:
         lines.append(f"  engine start {rows['engine_start_s']:.1f} s; CUDA graphs "
                      f"{rows['cuda_graphs']}" + (f" (batches {rows['graph_sizes']}, captured in "
-                                                 f"{rows['capture_s']} s, {rows['graph_replays']} "
-                                                 "replays)" if rows["cuda_graphs"] else ""))
+                                                 f"{rows['capture_s']} s, "
+                                                 f"{rows.get('graph_mib', '?')} MiB, "
+                                                 f"{rows['graph_replays']} replays)"
+                                                 if rows["cuda_graphs"] else ""))
     for key, label in (("batch1_ms", "with CUDA graphs where on"), ("batch1_eager_ms", "eager")):
         if key in rows:
             lines.append(

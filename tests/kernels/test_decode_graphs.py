@@ -72,6 +72,13 @@ def test_graph_for_picks_the_smallest_graph_that_holds_the_batch(tiny_llama_dir)
     assert graphs.graph_for(1, 32) is not None
 
 
+def test_all_graphs_write_their_logits_into_one_buffer(tiny_llama_dir):
+    graphs = with_graphs(engine_for(tiny_llama_dir), max_batch=8)
+    pointers = {graph.logits.data_ptr() for graph in graphs.graphs.values()}
+    assert len(pointers) == 1
+    assert [graphs.graphs[b].logits.shape[0] for b in (1, 2, 4, 8)] == [1, 2, 4, 8]
+
+
 def test_decode_graphs_give_the_eager_tokens(tiny_llama_dir):
     """Five greedy requests finishing one after another (decode batches of 5, 4, 3, 2, 1 rows:
     graphs of 8, 4, 4, 2, 1, so padded) whose contexts grow past the graphs' 32 tokens, where
