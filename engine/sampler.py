@@ -14,7 +14,7 @@ from engine.outputs import Logprobs
 from engine.sampling_batched import draw_batched
 from engine.sampling_draw import draw, truncates, uniform_for
 from engine.sampling_params import SamplingParams
-from engine.step_inputs import StepInputs, fetch
+from engine.step_inputs import StepInputs, fetch, to_device
 from engine.token_counts import TokenCounts, with_output_tokens
 
 _MASK63 = (1 << 63) - 1
@@ -60,11 +60,11 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
     counted = [_penalty_counts(row, vocab, device) for row in rows]
     output = torch.stack([c[0] for c in counted])
     seen = torch.stack([c[1] for c in counted])
-    at = torch.tensor(list(index), device=device)
+    at = to_device(list(index), torch.long, device)
     sub = logits[at]
 
     def column(values):
-        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+        return to_device(values, sub.dtype, device).unsqueeze(1)
 
     rep = column([r.params.repetition_penalty for r in rows])
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -82,8 +82,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     top_ks = [r.params.top_k for r in rows]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[-1]
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=device)
-        kmax = int(ks.max())
+        ks_list = [k if 0 < k < vocab else vocab for k in top_ks]
+        ks, kmax = to_device(ks_list, torch.long, device), max(ks_list)
         top = logits.topk(kmax, dim=-1).values
         threshold = top.gather(1, (ks - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -92,14 +92,14 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(p < 1.0 for p in top_ps):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly ahead of each token
-        ps = torch.tensor(top_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+        ps = to_device(top_ps, probs.dtype, device).unsqueeze(1)
         # Rows with top_p == 1 are exempt: their float32 cumsum can reach 1.0 before the tail,
         # which would drop tail tokens only when a neighbour in the batch uses top_p.
         sorted_probs = sorted_probs.masked_fill((before >= ps) & (ps < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     min_ps = [r.params.min_p for r in rows]
     if any(m > 0 for m in min_ps):
-        ms = torch.tensor(min_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+        ms = to_device(min_ps, probs.dtype, device).unsqueeze(1)
         probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
     if any(p < 1.0 for p in top_ps) or any(m > 0 for m in min_ps):
         probs = probs / probs.sum(dim=-1, keepdim=True)  # the top token always survives: sum > 0
@@ -113,7 +113,7 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     penalised = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if penalised:
         _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
-    temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+    temps = to_device([r.params.temperature for r in rows], torch.float32, logits.device)
     return _filter(logits / temps.unsqueeze(1), rows)
 
 

@@ -113,6 +113,17 @@ class StepInputs:
         return self._host[self._turn]
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list as a tensor on `device` without waiting for it: on CUDA through pinned memory
+    with a non-blocking copy (torch's pinned allocator keeps the host block until the copy has
+    run), where torch.tensor(values, device=...) copies from pageable memory and so waits for
+    every kernel queued before it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def fetch(*tensors: torch.Tensor) -> list[list]:
     """Each tensor's .tolist(), with one wait for the device: on CUDA every copy to the host is
     queued without blocking and the stream is synchronized once (a .tolist() apiece would

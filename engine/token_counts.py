@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.step_inputs import to_device
+
 
 class TokenCounts:
     """Penalty state of one request, mirroring its token list (prompt, then output).
@@ -61,4 +63,4 @@ def with_output_tokens(output: torch.Tensor, seen: torch.Tensor, token_ids: Sequ
 
 
 def _ids(token_ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([t for t in token_ids if 0 <= t < vocab], dtype=torch.long, device=device)
+    return to_device([t for t in token_ids if 0 <= t < vocab], torch.long, device)

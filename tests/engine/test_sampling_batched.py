@@ -101,3 +101,31 @@ def test_an_all_greedy_batch_needs_no_draw():
     rows = [SamplingRow(SamplingParams(max_tokens=1, temperature=0.0), 0, 5, [1, 2], 2)] * 3
     tokens, logprobs = Sampler(batched=True)(logits, rows)
     assert tokens == logits.argmax(-1).tolist() and logprobs == [None] * 3
+
+
+@pytest.mark.gpu
+def test_on_cuda_penalties_and_sampling_queue_without_waiting_until_the_fetch():
+    """Every list the sampler moves to the GPU (penalty columns, counted token ids, per-row
+    settings) goes through pinned memory without a sync: CUDA's sync debug mode raises on any
+    wait (a pageable copy, .item(), .tolist()) before the final fetch, which is let through.
+    Tokens equal the host sampler's on the CPU."""
+    from engine import sampler as sampler_module
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(11)) * 3
+    want, _ = Sampler(batched=False)(logits, sampler_rows())
+    fetch = sampler_module.fetch
+
+    def fetch_allowed(*tensors):
+        torch.cuda.set_sync_debug_mode(0)
+        return fetch(*tensors)
+
+    sampler_module.fetch = fetch_allowed
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        got, _ = Sampler(batched=True)(logits.cuda(), sampler_rows())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        sampler_module.fetch = fetch
+    assert got == want
