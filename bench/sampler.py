@@ -6,7 +6,7 @@ answers it samples, so they have a language model's shape: a few likely tokens a
 (uniform random logits would make top-p keep thousands of tokens and flatter neither draw).
 The previous draw is rebuilt from what the tree still has: sampler._filter (a full sort for
 top-p) and an exponential race over vocabulary-wide noise from one torch.Generator per row
-(noise_for), with the per-row penalty and logprob loops it used. Each case is the median of
+(noise_for, kept here), with the per-row penalty and logprob loops it used. Each case is the median of
 --repeats calls after one warm-up.
 
     python bench/sampler.py [--model DIR] [--threads 2] [--repeats 10]
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.outputs import Logprobs  # noqa: E402
-from engine.sampler import Sampler, SamplingRow, _filter, noise_for, top_logprobs  # noqa: E402
+from engine.sampler import Sampler, SamplingRow, _filter, top_logprobs  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.token_counts import TokenCounts, with_output_tokens  # noqa: E402
 
@@ -73,6 +73,13 @@ def previous_sampler(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[lis
     logprobs: list[Logprobs] = [top_logprobs(raw[at], tokens[i], rows[i].params.logprobs)
                                 for at, i in enumerate(asked)]
     return tokens, logprobs
+
+
+def noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The previous draw's noise: exponential, from a generator seeded by (seed, position)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash((seed, position)) & ((1 << 63) - 1))
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
 def _penalise_one(logits: torch.Tensor, row: SamplingRow) -> None:

@@ -1,7 +1,7 @@
 """Turns logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
 logprobs. Randomness belongs to the request: a sampled token inverts its filtered distribution
 at a uniform keyed by (seed, position) (sampling_draw), so batch composition and the worker that
-samples do not matter. noise_for is the exponential noise the speculative residual draws use."""
+samples do not matter."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from engine.sampling_draw import draw, truncates, uniform_for
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import StepInputs, fetch, to_device
 from engine.token_counts import TokenCounts, with_output_tokens
-
-_MASK63 = (1 << 63) - 1
 
 
 @dataclass
@@ -115,12 +113,6 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
     temps = to_device([r.params.temperature for r in rows], torch.float32, logits.device)
     return _filter(logits / temps.unsqueeze(1), rows)
-
-
-def noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(hash((seed, position)) & _MASK63)
-    return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
 class Sampler:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling_draw import invert_index
+from engine.step_inputs import to_device
 
 
 def draw_batched(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -56,6 +57,14 @@ def _draw_sorted(scaled, top_k, top_p, min_p, uniforms) -> torch.Tensor:
     kept = probs.masked_fill(~keep, 0.0)
     chosen = kept_index(kept, invert_index(kept, uniforms))
     return ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def draw_from(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Each row's token from a given distribution ([rows, vocab], any scale) at its uniform, on
+    the distribution's device: the speculative paths' draws (a draft's sample, a residual, a
+    bonus token), the same on every device for the same uniforms."""
+    u = to_device(uniforms, torch.float64, probs.device)
+    return kept_index(probs, invert_index(probs, u))
 
 
 def kept_index(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ from engine.block_pool import BlockPool, KVCacheBlock
 from engine.config import ModelConfig
 from engine.request import Request
 from engine.sampler import SamplingRow, sampling_probs
+from engine.sampling_batched import draw_from
 from engine.spec_decode.draft_runner import DraftRunner, DraftSeq
 from engine.spec_decode.proposer import Proposals, Proposer
-from engine.spec_decode.rejection_sampler import draft_noise_for
+from engine.spec_decode.rejection_sampler import draft_uniform
 from engine.token_counts import TokenCounts
 
 
@@ -154,9 +155,7 @@ class DraftModelProposer(Proposer):
                 pending_token_ids=drafted[j] if params.needs_penalties else (),
             ))
         q = sampling_probs(logits[sampled], rows)
-        noise = torch.stack([draft_noise_for(r.seed, r.position, q.shape[-1], q.device)
-                             for r in rows])
-        draws = (q / noise).argmax(dim=-1).tolist()
+        draws = draw_from(q, [draft_uniform(r.seed, r.position) for r in rows]).tolist()
         q_rows: list[torch.Tensor | None] = [None] * len(requests)
         for row, j in enumerate(sampled):
             tokens[j] = draws[row]

@@ -21,25 +21,25 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import Logprobs
-from engine.sampler import Sampler, SamplingRow, batch_logprobs, noise_for, sampling_probs
+from engine.sampler import Sampler, SamplingRow, batch_logprobs, sampling_probs
+from engine.sampling_batched import draw_from
 from engine.sampling_draw import uniform_for
 from engine.sampling_params import SamplingParams
 from engine.token_counts import TokenCounts
 
-_MASK63 = (1 << 63) - 1
-# Tags that separate the random streams derived from one (seed, position). The accept test's
-# uniform is sampling_draw.uniform_for's counter-based one (no generator, the same on any
-# device), in its own stream.
+# Tags that separate the random streams derived from one (seed, position). Every uniform is
+# sampling_draw.uniform_for's counter-based one (no generator, the same on any device): the
+# accept test and the draft's sample in their own streams; the target's draws (a residual
+# after a rejection, the bonus token) in the plain sampler's, so a bonus token is the one the
+# request would sample there without speculation.
 ACCEPT_STREAM = 0xACCE
 DRAFT_STREAM = 0xD4AF
 
 
-def draft_noise_for(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exponential noise for the draft's own sample at a position (independent of the
-    target's noise_for stream, as the rejection rule requires)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(hash((seed, position, DRAFT_STREAM)) & _MASK63)
-    return torch.empty(vocab, device=device).exponential_(generator=generator)
+def draft_uniform(seed: int, position: int) -> float:
+    """The uniform of the draft's own sample at a position (independent of the target's draw
+    and accept streams, as the rejection rule requires)."""
+    return uniform_for(seed, position, DRAFT_STREAM)
 
 
 @dataclass
@@ -136,12 +136,10 @@ def _rejection_sample(logits: torch.Tensor, item: VerifyItem) -> tuple[list[int]
         residual = (p[i] - q[i]).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing left to correct
             residual = p[i]
-        noise = noise_for(item.seed, rows[i].position, vocab, device)
-        tokens.append(int((residual / noise).argmax()))
+        tokens.append(int(draw_from(residual[None], [uniform_for(item.seed, rows[i].position)])))
         break
     else:
-        noise = noise_for(item.seed, rows[k].position, vocab, device)
-        tokens.append(int((p[k] / noise).argmax()))
+        tokens.append(int(draw_from(p[k : k + 1], [uniform_for(item.seed, rows[k].position)])))
     logprobs: list[Logprobs] = []
     if item.params.logprobs is not None:
         raw = logits[: len(tokens)].float().log_softmax(-1)

@@ -283,24 +283,30 @@ def test_filtered_tokens_are_never_sampled():
     assert set(tokens) == {0, 1}
 
 
-def test_the_noise_for_a_seed_and_position_is_the_same_in_another_process():
+def test_the_uniforms_and_draws_for_a_seed_and_position_are_the_same_in_another_process():
     # Python salts str hashes per process; the (seed, position) key must not depend on that.
+    # The speculative draws (draw_from) invert at these uniforms.
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from engine.sampler import noise_for
+    from engine.sampling_batched import draw_from
+    from engine.sampling_draw import uniform_for
 
     code = (
-        "import torch; from engine.sampler import noise_for; "
-        "print(noise_for(2024, 17, 8, torch.device('cpu')).tolist())"
+        "import torch; from engine.sampling_draw import uniform_for; "
+        "from engine.sampling_batched import draw_from; "
+        "u = [uniform_for(2024, p, s) for p in range(17, 21) for s in (0xC0F, 0xD4AF)]; "
+        "print(u, draw_from(torch.linspace(0, 1, 50).repeat(8, 1), u).tolist())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,
         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": "123"},
     ).stdout
-    assert out.strip() == str(noise_for(2024, 17, 8, torch.device("cpu")).tolist())
+    here = [uniform_for(2024, p, s) for p in range(17, 21) for s in (0xC0F, 0xD4AF)]
+    assert len(set(here)) == 8
+    assert out.strip() == f"{here} {draw_from(torch.linspace(0, 1, 50).repeat(8, 1), here).tolist()}"
 
 
 def test_penalties_and_logprobs_in_a_batch_equal_each_row_alone():

@@ -17,8 +17,9 @@ from spec_decode_harness import (
 )
 
 from engine.sampler import SamplingRow, sampling_probs
+from engine.sampling_batched import draw_from
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem, draft_noise_for
+from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem, draft_uniform
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,8 +49,7 @@ def test_rejection_rule_outputs_the_target_distribution_at_every_position():
     counts = torch.zeros(k + 1, vocab)
     first_accepted = 0
     for seed in range(n):
-        proposals = [int((q[i] / draft_noise_for(seed, len(history) + i, vocab, q.device)).argmax())
-                     for i in range(k)]
+        proposals = draw_from(q, [draft_uniform(seed, len(history) + i) for i in range(k)]).tolist()
         item = VerifyItem(params, seed, history, len(history), proposals, draft_probs=q)
         ((tokens, _),) = sampler(p.log(), [item])
         assert 1 <= len(tokens) <= k + 1
@@ -118,8 +118,7 @@ def test_rejection_rule_outputs_the_filtered_target_under_top_p_and_min_p(top_p,
     sampler = RejectionSampler()
     counts = torch.zeros(k + 1, vocab)
     for seed in range(n):
-        proposals = [int((q[i] / draft_noise_for(seed, len(history) + i, vocab, q.device)).argmax())
-                     for i in range(k)]
+        proposals = draw_from(q, [draft_uniform(seed, len(history) + i) for i in range(k)]).tolist()
         item = VerifyItem(params, seed, history, len(history), proposals, draft_probs=q)
         ((tokens, _),) = sampler(target_logits, [item])
         for i, token in enumerate(tokens):
