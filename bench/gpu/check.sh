@@ -70,6 +70,7 @@ step kernels 90 "$PYTHON" bench/gpu/check.py kernels --out "$OUT_DIR" ${SMOKE_AR
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -o addopts= -rfE)
 step gpu-tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu-tests.xml" \
   tests/kernels/test_decode_graphs.py tests/engine/test_step_inputs.py \
+  tests/engine/test_sampling_batched.py \
   tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_prefill_attention.py \
   tests/kernels/test_triton_rmsnorm.py tests/kernels/test_triton_rotary_kv.py
 # (tests/kv_transfer/test_kv_nccl.py is gpu-marked too but needs two GPUs: not run here.)

@@ -1,7 +1,9 @@
 """The per-step token masks of constrained requests: llguidance's bitmask, unpacked into an
 additive bias (0 or -inf per token), all built on a helper thread while the forward runs (it
 needs only the grammar states, not the logits); the step then pays one vectorized add on the
-logits. Steps without a constrained request never get here."""
+logits. On CUDA the bitmask goes to the device (pinned, without a wait) and is unpacked there:
+32 times fewer bytes cross than the bias's. Steps without a constrained request never get
+here."""
 
 from __future__ import annotations
 
@@ -14,21 +16,24 @@ import llguidance
 import torch
 
 from engine.sampling_params import StructuredOutput
+from engine.step_inputs import to_device
 from engine.structured.grammar import GrammarCompiler
 from engine.structured.state import GrammarState
 
 # bit b of byte k of a little-endian int32 word w allows token 32 w + 8 k + b (llguidance's
 # layout); one lookup (an embedding of the 256 byte values) turns each byte into 8 biases.
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
-_BIAS_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_BIAS_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def bias_from_bitmask(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab_size] bias: 0 where allowed, else -inf."""
-    table = _BIAS_TABLES.get(dtype)
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bias: 0 where allowed, else -inf, on
+    the bitmask's device."""
+    key = (dtype, bitmask.device)
+    table = _BIAS_TABLES.get(key)
     if table is None:  # [256, 8]: the biases of a byte's 8 tokens (a benign race: same value)
-        table = _BIAS_TABLES[dtype] = torch.zeros(_BYTE_BITS.shape, dtype=dtype).masked_fill_(
-            ~_BYTE_BITS, float("-inf"))
+        table = _BIAS_TABLES[key] = torch.zeros(_BYTE_BITS.shape, dtype=dtype).masked_fill_(
+            ~_BYTE_BITS, float("-inf")).to(bitmask.device)
     bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table)
     return bias.view(bitmask.shape[0], -1)[:, :vocab_size]
 
@@ -129,12 +134,14 @@ class GrammarMasks:
             for row in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():
                 for token in self.eos:
                     bitmask[row, token // 32] |= _signed_bit(token % 32)
-            bias = bias_from_bitmask(bitmask, self.vocab_size, dtype)
+            if device.type == "cuda":  # the bitmask (1 bit a token) crosses, not the bias
+                bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+            bias = bias_from_bitmask(bitmask, self.vocab_size, dtype).to(device)
             rows = [r.row + i for r in group.rows for i in range(len(r.proposals) + 1)]
             index = None
             if rows != list(range(group.num_rows)):
-                index = torch.tensor(rows, dtype=torch.long, device=device)
-            built[name] = (index, bias.to(device, non_blocking=True))
+                index = to_device(rows, torch.long, device)
+            built[name] = (index, bias)
         return built
 
     def _fill(self, rows: list[MaskRow]) -> torch.Tensor:

@@ -203,14 +203,17 @@ def test_requests_without_a_constraint_build_no_grammar(tiny_llama_dir):
     assert engine.runner.grammar_masks is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_bias_allows_exactly_the_tokens_of_the_bitmask(dtype):
+def test_the_bias_allows_exactly_the_tokens_of_the_bitmask(dtype, device):
+    """Unpacked where the bitmask is: on the host on a CPU, on the device on CUDA."""
     generator = torch.Generator().manual_seed(0)
     bitmask = torch.randint(-(1 << 31), 1 << 31, (3, 4), dtype=torch.int64, generator=generator)
     bitmask = bitmask.to(torch.int32)
     bitmask[1] = -1  # all allowed (bit 31 is the sign)
-    bias = bias_from_bitmask(bitmask, 120, dtype)  # 120 of the 128 bits are tokens
-    assert bias.shape == (3, 120) and bias.dtype == dtype
+    bias = bias_from_bitmask(bitmask.to(device), 120, dtype)  # 120 of the 128 bits are tokens
+    assert bias.shape == (3, 120) and bias.dtype == dtype and bias.device.type == device
+    bias = bias.cpu()
     for row in range(3):
         for token in range(120):
             allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
