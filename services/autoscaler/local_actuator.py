@@ -12,6 +12,7 @@ bookkeeping is under one lock: starter threads and the control loop both touch i
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from services.autoscaler.actuators import worker_load
 from services.common.registry import WorkerInfo
 from services.common.standby import activate
-from splitserve_cli.processes import WorkerProcess, free_port, start_worker
+from splitserve_cli.processes import WorkerProcess, start_worker
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class LocalWorker:
     role: str
-    port: int
+    port: int  # 0 until the worker has bound one and reported it
     worker_id: str
     started: float = field(default_factory=time.monotonic)
     process: WorkerProcess | None = None  # None while starting
@@ -57,6 +58,7 @@ class LocalActuator:
         self.workers: list[LocalWorker] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._started = 0  # workers started so far: numbers their ids
 
     # -- the Actuator interface ----------------------------------------------------------
 
@@ -134,8 +136,11 @@ class LocalActuator:
         worker.state = "ready"
 
     def _start(self, role: str, standby: bool = False) -> None:
-        port = free_port()
-        worker = LocalWorker(role, port, f"{role}-local-{port}", standby=standby)
+        # The worker binds a free port itself and reports it: one picked here could be taken
+        # by another process before the worker binds it.
+        self._started += 1
+        worker = LocalWorker(role, 0, f"{role}-local-{os.getpid()}-{self._started}",
+                             standby=standby)
         self.workers.append(worker)
         log.info("starting %s worker %s%s", role, worker.worker_id, " (standby)" if standby else "")
         thread = threading.Thread(target=self._launch, args=(worker,), daemon=True,
@@ -149,7 +154,7 @@ class LocalActuator:
                 worker.role, self.model, "--redis-url", self.redis_url,
                 "--worker-id", worker.worker_id, *self.worker_args.get(worker.role, ()),
                 *(("--standby",) if worker.standby else ()),
-                port=worker.port, timeout=self.start_timeout_s,
+                timeout=self.start_timeout_s,
             )
         except Exception as exc:
             log.error("%s worker %s failed to start: %s", worker.role, worker.worker_id, exc)
@@ -158,6 +163,7 @@ class LocalActuator:
             return
         with self._lock:
             worker.process = process
+            worker.port = process.port
             if worker.state == "draining":  # asked to stop while it was starting
                 process.process.send_signal(signal.SIGTERM)
             else:
