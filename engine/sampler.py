@@ -200,12 +200,11 @@ def batch_logprobs(row_logprobs: torch.Tensor, tokens: Sequence[int],
                    ns: Sequence[int]) -> list[Logprobs]:
     """Each row's chosen token's logprob, its rank (1 = the most likely) and the row's n most
     likely alternatives, for all rows of [rows, vocab] logprobs at once: one gather, one count
-    of the better tokens, one topk for the largest n asked."""
+    of the better tokens, one topk for the largest n asked, and one wait for the device."""
     if not ns:
         return []
-    chosen = torch.tensor(list(tokens), device=row_logprobs.device)
-    return assemble_logprobs([t.tolist() for t in logprob_tensors(row_logprobs, chosen, max(ns))],
-                             ns)
+    chosen = to_device(list(tokens), torch.long, row_logprobs.device)
+    return assemble_logprobs(fetch(*logprob_tensors(row_logprobs, chosen, max(ns))), ns)
 
 
 def logprob_tensors(row_logprobs: torch.Tensor, tokens: torch.Tensor,
