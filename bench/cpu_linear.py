@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("the C++ small-M linear kernel needs the C++ kernels and avx512_bf16")
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
-    print(f"cpu_linear: {args.threads} threads, engine threshold M <= {SMALL_M_MAX_ROWS}", flush=True)
+    print(f"cpu_linear: {args.threads} threads; the engine measures at start up to which M (at "
+          f"most {SMALL_M_MAX_ROWS}) the kernel wins, and takes it up to there", flush=True)
     report = {"micro": micro(model_shapes(ModelConfig.from_dir(args.model)), rows, args.repeats,
                              args.rotate_mb << 20)}
     if not args.skip_engine:

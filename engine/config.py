@@ -172,6 +172,10 @@ class EngineConfig:
     # all rows with AVX-512 BF16 dot products (kernels/linear.py), "torch" is torch's mm;
     # "auto": cpp where the CPU has avx512_bf16 and the kernels build.
     cpu_linear: str = "auto"
+    # Most rows of x that take that kernel (0-64); -1: measured at start against torch's mm on
+    # the model's weights (kernels/linear.py calibrate_small_m_max_rows), or 64 with cpu_linear
+    # "cpp". Past a handful of rows torch's mm (oneDNN, AMX where present) can be faster.
+    cpu_small_m_max_rows: int = -1
     # CPU steps of decode rows only, in bfloat16 with the C++ attention: "cpp" runs all decoder
     # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),
     # "torch" runs the modules; "auto": cpp wherever it applies (one rank, Llama family).

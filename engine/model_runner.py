@@ -31,7 +31,12 @@ from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
 from kernels.kernel_paths import KernelPaths
-from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available
+from kernels.linear import (
+    SMALL_M_MAX_ROWS,
+    calibrate_small_m_max_rows,
+    calibration_weights,
+    small_m_linear_available,
+)
 
 if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
     from engine.structured.masks import GrammarMasks, StepMasks
@@ -86,18 +91,19 @@ class ModelRunner:
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = self._use_small_m_linear()
-        use_small_m_linear(self.model, SMALL_M_MAX_ROWS if self.small_m_linear else 0)
+        self.small_m_max_rows = self._small_m_max_rows() if self.small_m_linear else 0
+        use_small_m_linear(self.model, self.small_m_max_rows)
         self.fused_decode = self._use_fused_decode()
         if self.fused_decode:
-            self.model.use_fused_decode(SMALL_M_MAX_ROWS if self.small_m_linear else 0)
+            self.model.use_fused_decode(self.small_m_max_rows)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
         self.kernel_paths = KernelPaths.of(
             device=self.device, dtype=self.dtype, native_decode=self.native_decode,
-            native_prefill=self.native_prefill, small_m_linear=self.small_m_linear,
+            native_prefill=self.native_prefill, small_m_linear=self.small_m_max_rows > 0,
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
-            small_m_max_rows=SMALL_M_MAX_ROWS,
+            small_m_max_rows=self.small_m_max_rows,
             triton=self.triton,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
@@ -147,6 +153,19 @@ class ModelRunner:
             raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
                              "and the C++ kernels built")
         return False
+
+    def _small_m_max_rows(self) -> int:
+        """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows
+        when set (>= 0), every row count up to SMALL_M_MAX_ROWS with cpu_linear "cpp", else
+        measured now on this model's weights (kernels/linear.py), the same on every rank."""
+        fixed = self.config.cpu_small_m_max_rows
+        if fixed >= 0:
+            return min(fixed, SMALL_M_MAX_ROWS)
+        if self.config.cpu_linear == "cpp":
+            return SMALL_M_MAX_ROWS
+        calibration = calibrate_small_m_max_rows(calibration_weights(self.model))
+        logging.getLogger(__name__).info("%s", calibration.describe())
+        return get_tp().min_over_ranks(calibration.max_rows)
 
     def _use_fused_decode(self) -> bool:
         choice = self.config.cpu_fused_decode

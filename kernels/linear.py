@@ -4,17 +4,29 @@ once for all rows. small_m_linear_reference is what that kernel is tested agains
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
 
-# Most rows of x the C++ kernel takes; more go to torch. Measured with bench/cpu_linear.py
-# --rows 1,8,16,24,32,64 on SmolLM2's shapes (2 threads, AVX-512 BF16, built with OpenMP): the
-# kernel took 1.6-2.1x less time than torch's bf16 mm at 1 row, 1.6-2.5x at 8 to 24 rows, and
-# still 1.15-1.67x at 64 rows (gate_up_proj 278 vs 334 us, lm_head 4.55 vs 5.25 ms), so every
-# decode batch of up to 64 rows (and prefill chunks that short) takes it.
+# Most rows of x the C++ kernel may take; more go to torch. The engine measures, at start, up to
+# how many rows it beats torch's bf16 mm on this host (calibrate_small_m_max_rows): at 1 row it
+# reads the weights 2-3.5x faster, but past a handful of rows the step is compute-bound, and
+# torch's mm (oneDNN, on AMX where the CPU has it) can win by far: on one host the kernel took
+# 1.15-1.67x less time than torch at 64 rows (November 29), on another it took 3x more from 32
+# rows up and broke even at about 12 (`python bench/cpu_linear.py --rows 1,8,12,16,32,64`).
 SMALL_M_MAX_ROWS = 64
+# Rows tried, in order, by the calibration: the kernel keeps each while it wins by a margin.
+SMALL_M_CANDIDATES = (1, 4, 8, 16, 32, 64)
+# The kernel must take at most this share of torch's time to keep a row count: near the
+# crossover the two are within noise, and either choice costs little there.
+SMALL_M_MARGIN = 0.9
+# Weights the calibration cycles through (the model's own, in order): more than the L2, so
+# the weights stream as they do in a step.
+CALIBRATION_WEIGHT_BYTES = 32 << 20
 
 
 def small_m_linear_reference(
@@ -41,3 +53,62 @@ def linear(
     if x.dim() == 2 and 0 < x.shape[0] <= small_m_max_rows:
         return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class SmallMCalibration:
+    """Up to how many rows the C++ kernel beats torch's mm here, and what was timed: (rows,
+    kernel seconds, torch seconds) per row count tried, each over the same weights."""
+
+    max_rows: int
+    timings: tuple[tuple[int, float, float], ...]
+
+    def describe(self) -> str:
+        times = ", ".join(f"{m}: {cpp * 1e3:.2f} vs {ref * 1e3:.2f} ms" for m, cpp, ref in self.timings)
+        return f"small-M linear up to {self.max_rows} rows (kernel vs torch per pass: {times})"
+
+
+def calibrate_small_m_max_rows(weights: list[torch.Tensor], repeats: int = 3,
+                               candidates: tuple[int, ...] = SMALL_M_CANDIDATES,
+                               margin: float = SMALL_M_MARGIN) -> SmallMCalibration:
+    """Times the C++ kernel and F.linear on `weights` (bf16 [N, K], e.g. a model's first
+    layers) for each row count in `candidates`, in order, alternating the two and keeping the
+    best of `repeats` passes over all the weights; stops at the first count where the kernel
+    takes more than `margin` of torch's time. max_rows: the last count it won (0: none)."""
+    max_rows, timings = 0, []
+    generator = torch.Generator().manual_seed(0)
+    for rows in candidates:
+        xs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
+        best = {"cpp": float("inf"), "torch": float("inf")}
+        for attempt in range(repeats + 1):  # the first pass warms up both, untimed
+            for name in best:
+                start = time.perf_counter()
+                for x, w in zip(xs, weights, strict=True):
+                    if name == "cpp":
+                        torch.ops.splitserve_cpu.small_m_linear(x, w, None)
+                    else:
+                        F.linear(x, w)
+                elapsed = time.perf_counter() - start
+                if attempt > 0:
+                    best[name] = min(best[name], elapsed)
+        timings.append((rows, best["cpp"], best["torch"]))
+        if best["cpp"] > margin * best["torch"]:
+            break
+        max_rows = rows
+    return SmallMCalibration(max_rows, tuple(timings))
+
+
+def calibration_weights(model: torch.nn.Module, budget: int = CALIBRATION_WEIGHT_BYTES) -> list[torch.Tensor]:
+    """The model's linear weights in module order (its first layers' projections) up to
+    `budget` bytes: the shapes a decode step multiplies."""
+    chosen, total = [], 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (not hasattr(module, "small_m_max_rows") or weight is None or weight.dim() != 2
+                or module is getattr(model, "lm_head", None)):
+            continue
+        chosen.append(weight.detach())
+        total += weight.numel() * weight.element_size()
+        if total >= budget:
+            break
+    return chosen

@@ -77,6 +77,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("cuda_graph_max_context", 0)),
                         help="CUDA: decode graphs cover contexts up to this many tokens (0: "
                              "8192, at most --max-model-len); longer ones run eagerly")
+    parser.add_argument("--cpu-small-m-max-rows", type=int,
+                        default=int(_env("cpu_small_m_max_rows", -1)),
+                        help="CPU bf16: most rows the C++ small-M linear takes (0-64; torch's mm "
+                             "above); -1: measured at start against torch's mm on this host")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
@@ -184,6 +188,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         cuda_graph_max_context=args.cuda_graph_max_context,
+        cpu_small_m_max_rows=args.cpu_small_m_max_rows,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,

@@ -82,6 +82,8 @@ class WorkerConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 0
     cuda_graph_max_context: int = 0
+    # CPU bf16: most rows the C++ small-M linear takes; -1: measured at start (engine/config.py).
+    cpu_small_m_max_rows: int = -1
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -151,6 +153,8 @@ class WorkerConfig:
         if self.cuda_graph_max_batch < 0 or self.cuda_graph_max_context < 0:
             raise ValueError("--cuda-graph-max-batch and --cuda-graph-max-context must be >= 0 "
                              "(0: the defaults)")
+        if not -1 <= self.cpu_small_m_max_rows <= 64:
+            raise ValueError("--cpu-small-m-max-rows must be -1 (measured at start) or 0 to 64")
         self._check_speculative()
         self.tls.check()
         if self.cluster_secret_file:
@@ -253,6 +257,7 @@ class WorkerConfig:
             enforce_eager=self.enforce_eager,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
             cuda_graph_max_context=self.cuda_graph_max_context,
+            cpu_small_m_max_rows=self.cpu_small_m_max_rows,
             speculative=self.speculative_config(),
         )
 

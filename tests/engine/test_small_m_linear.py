@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import drive
+from engine_harness import drive, make_engine
 from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
@@ -13,7 +13,14 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 from kernels import cpu_kernels
-from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available, small_m_linear_reference
+from kernels.linear import (
+    SMALL_M_CANDIDATES,
+    SMALL_M_MAX_ROWS,
+    calibrate_small_m_max_rows,
+    calibration_weights,
+    small_m_linear_available,
+    small_m_linear_reference,
+)
 
 pytestmark = require_cpu_kernels()
 
@@ -116,3 +123,61 @@ def test_cpu_linear_cpp_in_float32_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="cpu_linear 'cpp' needs --dtype bfloat16"):
         LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
                                num_kv_blocks=16, cpu_linear="cpp"))
+
+
+@needs_avx512_bf16
+def test_the_calibration_keeps_the_row_counts_the_kernel_wins_and_stops_at_the_first_loss():
+    """Real timings of both paths on small weights; the margin decides: a kernel that may take
+    any multiple of torch's time keeps every count tried, one that must take no time keeps
+    none and stops after the first."""
+    weights = [torch.randn(96, 64).bfloat16(), torch.randn(64, 96).bfloat16()]
+    every = calibrate_small_m_max_rows(weights, repeats=1, margin=1e9)
+    assert every.max_rows == SMALL_M_CANDIDATES[-1]
+    assert [rows for rows, _, _ in every.timings] == list(SMALL_M_CANDIDATES)
+    assert all(cpp > 0 and ref > 0 for _, cpp, ref in every.timings)
+    none = calibrate_small_m_max_rows(weights, repeats=1, margin=0.0)
+    assert none.max_rows == 0 and len(none.timings) == 1
+    assert "up to 0 rows" in none.describe()
+
+
+def test_calibration_weights_are_the_first_projections_not_the_lm_head(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    model = engine.runner.model
+    weights = calibration_weights(model, budget=1 << 30)  # all of them
+    assert weights and all(w.dim() == 2 for w in weights)
+    assert all(w.data_ptr() != model.lm_head.weight.data_ptr() for w in weights)
+    assert len(calibration_weights(model, budget=1)) == 1
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(("cpu_linear", "fixed", "expected"), [
+    ("auto", 4, 4), ("auto", 0, 0), ("cpp", -1, SMALL_M_MAX_ROWS), ("torch", 8, 0)])
+def test_a_fixed_row_count_or_cpu_linear_cpp_skips_the_calibration(tiny_llama_dir, cpu_linear,
+                                                                  fixed, expected):
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir), dtype="bfloat16", device="cpu", num_kv_blocks=16,
+        cpu_linear=cpu_linear, cpu_small_m_max_rows=fixed))
+    assert engine.runner.small_m_max_rows == expected
+    layers = [m for m in engine.runner.model.modules() if hasattr(m, "small_m_max_rows")]
+    assert {m.small_m_max_rows for m in layers} == {expected}
+
+
+def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llama_dir, monkeypatch):
+    import argparse
+
+    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
+    from services.common.worker_config import WorkerConfig
+
+    def parse(*argv: str) -> WorkerConfig:
+        parser = argparse.ArgumentParser()
+        add_worker_arguments(parser, role="decode")
+        return worker_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir), *argv]),
+                                       "decode")
+
+    assert parse().engine_config().cpu_small_m_max_rows == -1  # measured at start
+    assert parse("--cpu-small-m-max-rows", "16").engine_config().cpu_small_m_max_rows == 16
+    monkeypatch.setenv("SPLITSERVE_CPU_SMALL_M_MAX_ROWS", "0")
+    assert parse().cpu_small_m_max_rows == 0
+    for bad in (-2, 65):
+        with pytest.raises(ValueError, match="--cpu-small-m-max-rows must be -1"):
+            WorkerConfig(role="decode", model=str(tiny_llama_dir), cpu_small_m_max_rows=bad)
