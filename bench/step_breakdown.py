@@ -11,6 +11,10 @@ preparation of step N+1 with the forward of step N, so the last part and input p
 bound what it can gain; sampling stays on the critical path.
 
     python bench/step_breakdown.py [--batches 1,32] [--temperatures 0,0.8]
+
+--small-m-max-rows 64,8 builds one engine per value (the engine's cpu_small_m_max_rows: the most
+rows the C++ small-M linear takes; "auto" is the shipped measurement at start) and measures
+them side by side, alternating, --repeats times each, every run with fresh prompts.
 """
 
 from __future__ import annotations
@@ -110,24 +114,34 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,0.8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--small-m-max-rows", default="auto",
+                        help="comma-separated: auto (measured at start, shipped) or 0-64")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per batch, alternating")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="auto", device="cpu",
-                                    num_threads=args.threads, seed=0))
+    engines = {}
+    for value in args.small_m_max_rows.split(","):
+        engines[value] = LLMEngine(EngineConfig(
+            model=args.model, dtype="auto", device="cpu", num_threads=args.threads, seed=0,
+            cpu_small_m_max_rows=-1 if value == "auto" else int(value)))
+    engine = next(iter(engines.values()))
     rng = random.Random(0)
     print(f"engine decode step, {args.threads} threads, prompts {args.prompt_len} random "
           f"tokens, {args.output_len} output tokens, top_p 0.95 when sampled; each figure is "
           "the mean over one batch's decode steps")
-    print("| batch | temperature | step ms | forward ms | logits + sampling + input prep ms "
-          "| scheduler + update ms | outside the forward |")
-    print("|---|---|---|---|---|---|---|")
+    print("| small-M rows | batch | temperature | step ms | forward ms | logits + sampling + "
+          "input prep ms | scheduler + update ms | outside the forward |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            breakdown(engine, batch, temperature, args.prompt_len, 16, rng)  # warm-up
-            r = breakdown(engine, batch, temperature, args.prompt_len, args.output_len, rng)
-            outside = 1 - r["forward_ms"] / r["step_ms"]
-            print(f"| {batch} | {temperature:g} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
-                  f"{r['logits_sampling_prep_ms']:.2f} | {r['scheduler_update_ms']:.2f} | "
-                  f"{outside:.0%} |", flush=True)
+            for _ in range(args.repeats):
+                for value, each in engines.items():
+                    breakdown(each, batch, temperature, args.prompt_len, 16, rng)  # warm-up
+                    r = breakdown(each, batch, temperature, args.prompt_len, args.output_len, rng)
+                    outside = 1 - r["forward_ms"] / r["step_ms"]
+                    rows = f"{value} ({each.runner.small_m_max_rows})" if value == "auto" else value
+                    print(f"| {rows} | {batch} | {temperature:g} | {r['step_ms']:.2f} | "
+                          f"{r['forward_ms']:.2f} | {r['logits_sampling_prep_ms']:.2f} | "
+                          f"{r['scheduler_update_ms']:.2f} | {outside:.0%} |", flush=True)
     before, now, same = flat_draw_ms(engine.model_config.vocab_size)
     print(f"draw of 32 flat rows (top_p 0.95 keeps thousands of tokens): {before:.1f} ms with "
           f"the sort of the vocabulary, {now:.1f} ms binned; same tokens: {same}")

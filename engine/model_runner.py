@@ -29,7 +29,12 @@ from engine.step_batch import StepBatch, build_step_batch
 from engine.step_inputs import Part, StepInputs, Table
 from engine.token_counts import TokenCounts
 from kernels import cpu_kernels
-from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
+from kernels.attention import (
+    AttentionMetadata,
+    calibrate_prefill_attention,
+    plan_decode_groups,
+    uses_triton,
+)
 from kernels.kernel_paths import KernelPaths
 from kernels.linear import (
     SMALL_M_MAX_ROWS,
@@ -86,7 +91,7 @@ class ModelRunner:
         self.native_decode = self._use_native_decode()
         self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
                                and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
-                               and small_m_linear_available())
+                               and small_m_linear_available() and self._native_prefill_wins())
         # Raises now, not at the first step, for a backend this device cannot run.
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
@@ -153,6 +158,20 @@ class ModelRunner:
             raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
                              "and the C++ kernels built")
         return False
+
+    def _native_prefill_wins(self) -> bool:
+        """Whether the C++ prefill attention beats torch's SDPA on this host: measured now on
+        the model's head shape (kernels/attention.py), unless cpu_attention "cpp" asks for it;
+        the same on every rank."""
+        if self.config.cpu_attention == "cpp":
+            return True
+        mc = self.model_config
+        tp = get_tp()
+        calibration = calibrate_prefill_attention(
+            mc.num_heads // tp.size, max(mc.num_kv_heads // tp.size, 1),
+            mc.head_dim, self.config.scheduler.long_prefill_token_threshold)
+        logging.getLogger(__name__).info("%s", calibration.describe())
+        return tp.min_over_ranks(int(calibration.native)) == 1
 
     def _small_m_max_rows(self) -> int:
         """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows

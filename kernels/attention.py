@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -289,3 +290,46 @@ def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetada
         query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens,
         group.decode_max_seq_len, scale, group.decode_attn_mask, window,
     )
+
+
+@dataclass(frozen=True)
+class PrefillCalibration:
+    """Whether the C++ prefill attention beat torch's SDPA here, on what was timed: seconds of
+    each over one prompt's chunks (the best of the passes)."""
+
+    native: bool
+    cpp_s: float
+    torch_s: float
+
+    def describe(self) -> str:
+        return (f"prefill attention {'cpp' if self.native else 'torch SDPA'} (one layer of a "
+                f"prompt in chunks: cpp {self.cpp_s * 1e3:.1f} vs torch {self.torch_s * 1e3:.1f} "
+                "ms)")
+
+
+def calibrate_prefill_attention(heads: int, kv_heads: int, head_dim: int, chunk: int,
+                                chunks: int = 4, repeats: int = 1,
+                                margin: float = 0.9) -> PrefillCalibration:
+    """Times the C++ prefill attention (torch.ops.splitserve_cpu.prefill_attention, bf16) and
+    prefill_attention (torch's SDPA) on one layer of a prompt of `chunks` chunks of `chunk`
+    tokens, each chunk attending over the prompt so far (the first causally over itself), as
+    a chunked prefill runs them; the best of `repeats` passes after a warm-up. The C++ kernel
+    is kept unless it takes more than `margin` of SDPA's time: its own dot products beat
+    torch's flash kernel by 3-5x on one host, while torch's (oneDNN, AMX where present) took
+    less than half the kernel's time on another."""
+    generator = torch.Generator().manual_seed(0)
+    length = chunk * chunks
+    q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
+    k = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
+    v = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
+    scale = head_dim ** -0.5
+    paths = {"cpp": torch.ops.splitserve_cpu.prefill_attention, "torch": prefill_attention}
+    best = {name: float("inf") for name in paths}
+    for attempt in range(repeats + 1):  # the first pass warms up both, untimed
+        for name, attend in paths.items():
+            start = time.perf_counter()
+            for end in range(chunk, length + 1, chunk):
+                attend(q[end - chunk : end], k[:end], v[:end], scale, 0)
+            if attempt:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return PrefillCalibration(best["cpp"] <= margin * best["torch"], best["cpp"], best["torch"])

@@ -107,15 +107,18 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), device="cpu", num_kv_blocks=4))
     (line,) = _kernel_lines(caplog)
     assert engine.runner.dtype == torch.bfloat16
-    # Up to how many rows the small-M kernel beats torch's mm is measured at start.
+    # Up to how many rows the small-M kernel beats torch's mm is measured at start...
     rows = engine.runner.small_m_max_rows
     assert rows in (0, *SMALL_M_CANDIDATES)
     linear = (f"cpp small_m_linear (AVX-512 BF16, <= {rows} rows), torch above" if rows
               else "torch F.linear")
+    # So is whether the C++ prefill attention beats torch's SDPA here.
+    prefill = ("cpp prefill_attention (AVX-512 BF16)" if engine.runner.native_prefill
+               else "torch SDPA reference")
     assert line == (
         "kernels on cpu in bfloat16: decode attention cpp paged_decode_attention (AVX-512 "
-        "head_dim-64); prefill attention cpp prefill_attention (AVX-512 BF16); linear "
-        f"{linear}; fused decode cpp decode_layers"
+        f"head_dim-64); prefill attention {prefill}; linear {linear}; fused decode cpp "
+        "decode_layers"
     )
 
 

@@ -11,7 +11,7 @@ from kernel_build import require_cpu_kernels
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kernels.attention import prefill_attention
+from kernels.attention import calibrate_prefill_attention, prefill_attention
 from kernels.linear import small_m_linear_available
 
 pytestmark = require_cpu_kernels(small_m_linear_available(), "needs a CPU with avx512_bf16")
@@ -120,3 +120,14 @@ def test_engine_prompt_logprobs_agree_with_either_prefill_attention(tmp_path):
         logprobs[choice] = torch.tensor([p.logprob for p in result.prompt_logprobs[1:]])
     assert calls["torch"] == 0 and calls["cpp"] >= 3
     torch.testing.assert_close(logprobs["cpp"], logprobs["torch"], rtol=1.6e-2, atol=2e-2)
+
+
+def test_the_calibration_keeps_the_kernel_only_when_it_wins_by_the_margin():
+    """Real timings of both on a small head shape; the margin decides (a kernel that may take
+    any multiple of SDPA's time is kept, one that must take none is not)."""
+    kept = calibrate_prefill_attention(6, 2, 32, chunk=32, chunks=2, margin=1e9)
+    dropped = calibrate_prefill_attention(6, 2, 32, chunk=32, chunks=2, margin=0.0)
+    assert kept.native and not dropped.native
+    assert kept.cpp_s > 0 and kept.torch_s > 0
+    assert "prefill attention cpp" in kept.describe()
+    assert "prefill attention torch SDPA" in dropped.describe()
