@@ -55,18 +55,55 @@ struct Partial {
   float* acc;  // [group, dim]
 };
 
+// Context tokens t0, t0 + 1, ... of one KV head through the block table: next() is the row of
+// the current token, then steps on (a division per token, t / block_size, cost more than the
+// dot products it addresses).
+template <typename scalar_t>
+struct TokenRows {
+  const scalar_t* data;
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride, head_offset;
+  int64_t block, offset;
+
+  TokenRows(const scalar_t* data, const int64_t* table, int64_t t0, int64_t block_size,
+            int64_t block_stride, int64_t token_stride, int64_t head_offset)
+      : data(data), table(table), block_size(block_size), block_stride(block_stride),
+        token_stride(token_stride), head_offset(head_offset), block(t0 / block_size),
+        offset(t0 % block_size) {}
+
+  const scalar_t* next() {
+    const scalar_t* row = data + table[block] * block_stride + offset * token_stride + head_offset;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+    return row;
+  }
+};
+
 // Scores [group, len] -> exp(score - the row's maximum), in place; each row's maximum and sum
 // into part.
 inline void exp_scores(float* scores, int64_t group, int64_t len, Partial part) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
+    float lane_max[kLanes];
+    std::fill(lane_max, lane_max + kLanes, s[0]);
+    int64_t i = 0;
+    for (; i + kLanes <= len; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane_max[j] = std::max(lane_max[j], s[i + j]);
     float max = s[0];
-    for (int64_t t = 1; t < len; ++t) max = std::max(max, s[t]);
+    for (int j = 0; j < kLanes; ++j) max = std::max(max, lane_max[j]);
+    for (; i < len; ++i) max = std::max(max, s[i]);
+    // Two loops: with the running sum in it, the exp loop stays scalar (a float sum may not be
+    // reordered); alone it vectorizes, and the sum runs in kLanes partial sums.
+    for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
+    float lanes[kLanes] = {0.0f};
+    int64_t t = 0;
+    for (; t + kLanes <= len; t += kLanes)
+      for (int j = 0; j < kLanes; ++j) lanes[j] += s[t + j];
     float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_nonpositive(s[t] - max);
-      sum += s[t];
-    }
+    for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+    for (; t < len; ++t) sum += s[t];
     part.max[g] = max;
     part.sum[g] = sum;
   }
@@ -94,19 +131,83 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+#define SPLITSERVE_DECODE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16") != 0;
+  return has;
+}
+
+// r[i] = the sum of a[i]'s 16 lanes, for 16 vectors at once: halves, quarters, then pairs and
+// fours within 128-bit lanes are added across vectors (46 instructions for 16 sums, where a
+// horizontal reduction apiece costs about 8 each and a chain of dependent shuffles).
+SPLITSERVE_DECODE_BF16 inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int j = 0; j < 8; ++j)  // lanes 0-1: a[2j]'s partial sums, lanes 2-3: a[2j + 1]'s
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L: four partial sums of a[4k + L]
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  // Lane L, element m: the sum of a[4m + L]; the permutation puts it at 4m + L.
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(d0, d1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// Scores of kGroup query heads (bf16 rows of 64, unscaled) over context tokens [t0, t1) of
+// bf16 keys, times `scale`, into scores [kGroup, t1 - t0]: bf16 dot products (vdpbf16ps, two
+// per key row, no widening), summed 16 tokens at a time by reduce16.
+template <int kGroup>
+SPLITSERVE_DECODE_BF16 void scores_bf16_d64(const c10::BFloat16* const* q_rows,
+                                            const c10::BFloat16* k_data, const int64_t* table,
+                                            int64_t t0, int64_t t1, int64_t block_size,
+                                            int64_t block_stride, int64_t token_stride,
+                                            int64_t head_offset, float scale, float* scores) {
+  const int64_t len = t1 - t0;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int g = 0; g < kGroup; ++g) {
+    TokenRows<c10::BFloat16> keys(k_data, table, t0, block_size, block_stride, token_stride, head_offset);
+    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q_rows[g]);
+    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q_rows[g] + 32);
+    float* out = scores + g * len;
+    int64_t t = t0;
+    __m512 acc[16];
+    for (; t + 16 <= t1; t += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const c10::BFloat16* k = keys.next();
+        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k));
+        acc[i] = _mm512_dpbf16_ps(acc[i], q1, (__m512bh)_mm512_loadu_si512(k + 32));
+      }
+      _mm512_storeu_ps(out + (t - t0), _mm512_mul_ps(reduce16(acc), scale_v));
+    }
+    for (; t < t1; ++t) {
+      const c10::BFloat16* k = keys.next();
+      __m512 one = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k));
+      one = _mm512_dpbf16_ps(one, q1, (__m512bh)_mm512_loadu_si512(k + 32));
+      out[t - t0] = _mm512_reduce_add_ps(one) * scale;
+    }
+  }
+}
+
 // The head_dim == 64 case (SmolLM2, Llama 3.2 1B uses 64 too): q, the accumulators and one
 // K/V row in registers, scores written once, K and V each read once.
+// `scored`: the scores are in `scores` already (scores_bf16_d64).
 template <typename scalar_t, int kGroup>
 void decode_task_d64(const float* q /* [kGroup, 64], scaled */, const scalar_t* k_data,
                      const scalar_t* v_data, const int64_t* table, int64_t t0, int64_t t1,
                      int64_t block_size, int64_t block_stride, int64_t token_stride,
-                     int64_t head_offset, float* scores, Partial part) {
+                     int64_t head_offset, float* scores, Partial part, bool scored = false) {
   const int64_t len = t1 - t0;
   __m512 qv[kGroup][4];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
-  for (int64_t t = t0; t < t1; ++t) {
-    const scalar_t* k = k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+  TokenRows<scalar_t> keys(k_data, table, t0, block_size, block_stride, token_stride, head_offset);
+  for (int64_t t = scored ? t1 : t0; t < t1; ++t) {
+    const scalar_t* k = keys.next();
     __m512 kv[4];
     for (int c = 0; c < 4; ++c) kv[c] = load16(k + c * 16);
     for (int g = 0; g < kGroup; ++g) {
@@ -119,8 +220,9 @@ void decode_task_d64(const float* q /* [kGroup, 64], scaled */, const scalar_t* 
   __m512 acc[kGroup][4];
   for (int g = 0; g < kGroup; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  TokenRows<scalar_t> values(v_data, table, t0, block_size, block_stride, token_stride, head_offset);
   for (int64_t t = t0; t < t1; ++t) {
-    const scalar_t* v = v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+    const scalar_t* v = values.next();
     __m512 vv[4];
     for (int c = 0; c < 4; ++c) vv[c] = load16(v + c * 16);
     for (int g = 0; g < kGroup; ++g) {
@@ -140,14 +242,16 @@ void decode_task_generic(const float* q, const scalar_t* k_data, const scalar_t*
                          int64_t block_size, int64_t block_stride, int64_t token_stride,
                          int64_t head_offset, float* scores, float* row, Partial part) {
   const int64_t len = t1 - t0;
+  TokenRows<scalar_t> keys(k_data, table, t0, block_size, block_stride, token_stride, head_offset);
   for (int64_t t = t0; t < t1; ++t) {
-    to_float(k_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
+    to_float(keys.next(), row, dim);
     for (int64_t g = 0; g < group; ++g) scores[g * len + t - t0] = dot(q + g * dim, row, dim);
   }
   exp_scores(scores, group, len, part);
   std::fill(part.acc, part.acc + group * dim, 0.0f);
+  TokenRows<scalar_t> values(v_data, table, t0, block_size, block_stride, token_stride, head_offset);
   for (int64_t t = t0; t < t1; ++t) {
-    to_float(v_data + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset, row, dim);
+    to_float(values.next(), row, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + t - t0];
       float* a = part.acc + g * dim;
@@ -217,11 +321,26 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
       const int64_t offset = kvh * dim;
 #ifdef __AVX512F__
       if (dim == 64 && group >= 1 && group <= 4) {
+        bool scored = false;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (cpu_has_avx512_bf16()) {  // bf16 dot products on the raw rows; scaled after
+            const c10::BFloat16* q_rows[4];
+            for (int64_t g = 0; g < group; ++g)
+              q_rows[g] = q_data + b * q_stride_b + (kvh * group + g) * q_stride_h;
+            switch (group) {
+              case 1: scores_bf16_d64<1>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              case 2: scores_bf16_d64<2>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              case 3: scores_bf16_d64<3>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              default: scores_bf16_d64<4>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+            }
+            scored = true;
+          }
+        }
         switch (group) {
-          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
-          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
-          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
-          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part); break;
+          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
         }
         continue;
       }
