@@ -18,7 +18,7 @@ import torch
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.config import ModelConfig
 from engine.request import Request
-from engine.sampler import SamplingRow, sampling_probs
+from engine.sampler import SamplingRow, greedy_tokens, sampling_probs
 from engine.sampling_batched import draw_from
 from engine.spec_decode.draft_runner import DraftRunner, DraftSeq
 from engine.spec_decode.proposer import Proposals, Proposer
@@ -139,7 +139,7 @@ class DraftModelProposer(Proposer):
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafted: list[list[int]]):
         """The draft's token per row: argmax for greedy requests, else a draw from the
         draft's own filtered distribution q (returned, for the rejection rule)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits).tolist()
         sampled = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
         if not sampled:
             return tokens, None
