@@ -136,6 +136,9 @@ def test_smollm2_bf16_matches_transformers_bf16(smollm2_dir):
     params = SamplingParams(max_tokens=SMOL_TOKENS, temperature=0.0, logprobs=5)
     add_all(engine, prompts, params)
     compared = _check(smollm2_dir, prompts, drive(engine), SMOL_TOKENS)
-    # Measured here: 8 (EOS), 32 and 20 tokens before a one-step (0.125 nat) near-tie.
-    assert compared >= 50
+    # Tokens before a one-step (0.125 nat) near-tie, which moves with the kernels' summation
+    # order: 8 (EOS), 32 and 20 with the earlier decode attention; with the bf16-dot one, 8, 17
+    # and 32 with the C++ prefill attention, 8, 17 and 20 with SDPA (which the start-up
+    # measurement picks on some hosts). At least 40 of the 3 x 32 keeps the check's power.
+    assert compared >= 40
     assert_no_leak(engine)
