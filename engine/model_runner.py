@@ -161,15 +161,15 @@ class ModelRunner:
 
     def _native_prefill_wins(self) -> bool:
         """Whether the C++ prefill attention beats torch's SDPA on this host: measured now on
-        the model's head shape (kernels/attention.py), unless cpu_attention "cpp" asks for it;
-        the same on every rank."""
+        the model's head shape in chunks of the step's (at most 512 tokens, so the measurement
+        stays short), unless cpu_attention "cpp" asks for it; the same on every rank."""
         if self.config.cpu_attention == "cpp":
             return True
         mc = self.model_config
         tp = get_tp()
         calibration = calibrate_prefill_attention(
             mc.num_heads // tp.size, max(mc.num_kv_heads // tp.size, 1),
-            mc.head_dim, self.config.scheduler.long_prefill_token_threshold)
+            mc.head_dim, min(self.config.scheduler.long_prefill_token_threshold, 512))
         logging.getLogger(__name__).info("%s", calibration.describe())
         return tp.min_over_ranks(int(calibration.native)) == 1
 
