@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import kernel_choice
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraph, DecodeGraphs, capture_decode_graphs
 from engine.distributed import get_tp
@@ -28,20 +29,8 @@ from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.step_batch import StepBatch, build_step_batch
 from engine.step_inputs import Part, StepInputs, Table
 from engine.token_counts import TokenCounts
-from kernels import cpu_kernels
-from kernels.attention import (
-    AttentionMetadata,
-    calibrate_prefill_attention,
-    plan_decode_groups,
-    uses_triton,
-)
+from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
 from kernels.kernel_paths import KernelPaths
-from kernels.linear import (
-    SMALL_M_MAX_ROWS,
-    calibrate_small_m_max_rows,
-    calibration_weights,
-    small_m_linear_available,
-)
 
 if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
     from engine.structured.masks import GrammarMasks, StepMasks
@@ -88,17 +77,18 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.native_decode = self._use_native_decode()
-        self.native_prefill = (self.native_decode and self.dtype == torch.bfloat16
-                               and model_config.head_dim % 16 == 0 and model_config.head_dim <= 256
-                               and small_m_linear_available() and self._native_prefill_wins())
+        self.native_decode = kernel_choice.native_decode(config, self.device)
+        self.native_prefill = kernel_choice.native_prefill(config, model_config, self.dtype,
+                                                           self.native_decode)
         # Raises now, not at the first step, for a backend this device cannot run.
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
-        self.small_m_linear = self._use_small_m_linear()
-        self.small_m_max_rows = self._small_m_max_rows() if self.small_m_linear else 0
+        self.small_m_linear = kernel_choice.small_m_linear(config, self.device, self.dtype)
+        self.small_m_max_rows = (kernel_choice.small_m_max_rows(config, self.model)
+                                 if self.small_m_linear else 0)
         use_small_m_linear(self.model, self.small_m_max_rows)
-        self.fused_decode = self._use_fused_decode()
+        self.fused_decode = kernel_choice.fused_decode(config, self.device, self.dtype,
+                                                       self.native_decode, self.model)
         if self.fused_decode:
             self.model.use_fused_decode(self.small_m_max_rows)
         attn = self.model.layers[0].self_attn
@@ -133,72 +123,6 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.graphs = capture_decode_graphs(config, model_config, self.model, self.kv_caches,
                                             triton=self.triton)
-
-    def _use_native_decode(self) -> bool:
-        choice = self.config.cpu_attention
-        if choice not in ("auto", "torch", "cpp"):
-            raise ValueError(f"unknown cpu_attention {choice!r} (choose auto, torch or cpp)")
-        if self.device.type != "cpu" or choice == "torch":
-            return False
-        if cpu_kernels.load():
-            return True
-        if choice == "cpp":
-            raise ValueError("cpu_attention 'cpp' was asked for but the C++ kernels did not build")
-        return False
-
-    def _use_small_m_linear(self) -> bool:
-        choice = self.config.cpu_linear
-        if choice not in ("auto", "torch", "cpp"):
-            raise ValueError(f"unknown cpu_linear {choice!r} (choose auto, torch or cpp)")
-        if self.device.type != "cpu" or choice == "torch":
-            return False
-        if self.dtype == torch.bfloat16 and small_m_linear_available():
-            return True
-        if choice == "cpp":
-            raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
-                             "and the C++ kernels built")
-        return False
-
-    def _native_prefill_wins(self) -> bool:
-        """Whether the C++ prefill attention beats torch's SDPA on this host: measured now on
-        the model's head shape in chunks of the step's (at most 512 tokens, so the measurement
-        stays short), unless cpu_attention "cpp" asks for it; the same on every rank."""
-        if self.config.cpu_attention == "cpp":
-            return True
-        mc = self.model_config
-        tp = get_tp()
-        calibration = calibrate_prefill_attention(
-            mc.num_heads // tp.size, max(mc.num_kv_heads // tp.size, 1),
-            mc.head_dim, min(self.config.scheduler.long_prefill_token_threshold, 512))
-        logging.getLogger(__name__).info("%s", calibration.describe())
-        return tp.min_over_ranks(int(calibration.native)) == 1
-
-    def _small_m_max_rows(self) -> int:
-        """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows
-        when set (>= 0), every row count up to SMALL_M_MAX_ROWS with cpu_linear "cpp", else
-        measured now on this model's weights (kernels/linear.py), the same on every rank."""
-        fixed = self.config.cpu_small_m_max_rows
-        if fixed >= 0:
-            return min(fixed, SMALL_M_MAX_ROWS)
-        if self.config.cpu_linear == "cpp":
-            return SMALL_M_MAX_ROWS
-        calibration = calibrate_small_m_max_rows(calibration_weights(self.model))
-        logging.getLogger(__name__).info("%s", calibration.describe())
-        return get_tp().min_over_ranks(calibration.max_rows)
-
-    def _use_fused_decode(self) -> bool:
-        choice = self.config.cpu_fused_decode
-        if choice not in ("auto", "torch", "cpp"):
-            raise ValueError(f"unknown cpu_fused_decode {choice!r} (choose auto, torch or cpp)")
-        if choice == "torch":
-            return False
-        applies = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.native_decode
-                   and get_tp().size == 1 and hasattr(self.model, "use_fused_decode"))
-        if choice == "cpp" and not applies:
-            raise ValueError("cpu_fused_decode 'cpp' needs the CPU, --dtype bfloat16, the C++ "
-                             "attention (cpu_attention auto or cpp), one tensor-parallel rank "
-                             "and a Llama-family model")
-        return applies
 
     # -- KV movement (prefill -> decode) -------------------------------------------------
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.timing import best_seconds
 
 
 @dataclass
@@ -323,13 +324,13 @@ def calibrate_prefill_attention(heads: int, kv_heads: int, head_dim: int, chunk:
     k = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
     v = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
     scale = head_dim ** -0.5
-    paths = {"cpp": torch.ops.splitserve_cpu.prefill_attention, "torch": prefill_attention}
-    best = {name: float("inf") for name in paths}
-    for attempt in range(repeats + 1):  # the first pass warms up both, untimed
-        for name, attend in paths.items():
-            start = time.perf_counter()
-            for end in range(chunk, length + 1, chunk):
-                attend(q[end - chunk : end], k[:end], v[:end], scale, 0)
-            if attempt:
-                best[name] = min(best[name], time.perf_counter() - start)
+
+    def chunks_through(attend) -> None:
+        for end in range(chunk, length + 1, chunk):
+            attend(q[end - chunk : end], k[:end], v[:end], scale, 0)
+
+    best = best_seconds({
+        "cpp": lambda: chunks_through(torch.ops.splitserve_cpu.prefill_attention),
+        "torch": lambda: chunks_through(prefill_attention),
+    }, repeats)
     return PrefillCalibration(best["cpp"] <= margin * best["torch"], best["cpp"], best["torch"])

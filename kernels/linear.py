@@ -4,13 +4,13 @@ once for all rows. small_m_linear_reference is what that kernel is tested agains
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
+from kernels.timing import best_seconds
 
 # Most rows of x the C++ kernel may take; more go to torch. The engine measures, at start, up to
 # how many rows it beats torch's bf16 mm on this host (calibrate_small_m_max_rows): at 1 row it
@@ -79,18 +79,12 @@ def calibrate_small_m_max_rows(weights: list[torch.Tensor], repeats: int = 3,
     generator = torch.Generator().manual_seed(0)
     for rows in candidates:
         xs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
-        best = {"cpp": float("inf"), "torch": float("inf")}
-        for attempt in range(repeats + 1):  # the first pass warms up both, untimed
-            for name in best:
-                start = time.perf_counter()
-                for x, w in zip(xs, weights, strict=True):
-                    if name == "cpp":
-                        torch.ops.splitserve_cpu.small_m_linear(x, w, None)
-                    else:
-                        F.linear(x, w)
-                elapsed = time.perf_counter() - start
-                if attempt > 0:
-                    best[name] = min(best[name], elapsed)
+        pairs = list(zip(xs, weights, strict=True))
+        best = best_seconds({
+            "cpp": lambda pairs=pairs: [torch.ops.splitserve_cpu.small_m_linear(x, w, None)
+                                        for x, w in pairs],
+            "torch": lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
+        }, repeats)
         timings.append((rows, best["cpp"], best["torch"]))
         if best["cpp"] > margin * best["torch"]:
             break

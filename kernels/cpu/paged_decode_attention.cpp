@@ -133,11 +133,6 @@ inline __m512 load16(const c10::Half* p) {
 
 #define SPLITSERVE_DECODE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16") != 0;
-  return has;
-}
-
 // r[i] = the sum of a[i]'s 16 lanes, for 16 vectors at once: halves, quarters, then pairs and
 // fours within 128-bit lanes are added across vectors (46 instructions for 16 sums, where a
 // horizontal reduction apiece costs about 8 each and a chain of dependent shuffles).
@@ -323,7 +318,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
       if (dim == 64 && group >= 1 && group <= 4) {
         bool scored = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (cpu_has_avx512_bf16()) {  // bf16 dot products on the raw rows; scaled after
+          if (splitserve_cpu::has_avx512_bf16()) {  // bf16 dot products on the raw rows; scaled after
             const c10::BFloat16* q_rows[4];
             for (int64_t g = 0; g < group; ++g)
               q_rows[g] = q_data + b * q_stride_b + (kvh * group + g) * q_stride_h;

@@ -207,14 +207,9 @@ BF16_TARGET void attend_tile(const Problem& p, int64_t h, int64_t row0, int64_t 
   }
 }
 
-bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16") != 0;
-  return has;
-}
-
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              double scale, int64_t window) {
-  TORCH_CHECK(cpu_has_avx512_bf16(), "prefill_attention needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(splitserve_cpu::has_avx512_bf16(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "query [q_len, heads, D], key and value [ctx, kv_heads, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define SPLITSERVE_X86_BF16 1
@@ -244,18 +246,6 @@ BF16_TARGET void rows_bf16(const Problem& p, int64_t n_begin, int64_t n_end) {
   rows_bf16<false>(p, n_begin, n_end);
 }
 
-bool cpu_has_avx512_bf16_impl() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
-  }();
-  return has;
-}
-
-#else
-
-bool cpu_has_avx512_bf16_impl() { return false; }
-
 #endif
 
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -281,7 +271,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
       reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()),
       b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr,
       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K};
-  const bool fast = !portable && cpu_has_avx512_bf16_impl();
+  const bool fast = !portable && splitserve_cpu::has_avx512_bf16();
   // Threads split N in whole tiles; a chunk under ~64 KB of weights is not worth a thread.
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileRows * K * 2));
@@ -295,7 +285,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-bool cpu_has_avx512_bf16() { return cpu_has_avx512_bf16_impl(); }
+bool cpu_has_avx512_bf16() { return splitserve_cpu::has_avx512_bf16(); }
 
 }  // namespace
 

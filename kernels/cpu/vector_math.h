@@ -1,4 +1,5 @@
-// Element-wise math the CPU kernels share, written so that the compiler vectorizes it.
+// What the CPU kernels share: element-wise math written so that the compiler vectorizes it, and
+// the run-time check for AVX-512 BF16 that their bf16 dot-product paths need.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,19 @@
 #include <cstring>
 
 namespace splitserve_cpu {
+
+// Whether this CPU has AVX-512 BF16 (vdpbf16ps, vcvtneps2bf16): checked once per process.
+inline bool has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), written so the compiler
 // vectorizes it: 2^n * 2^f with n = round(x / ln 2), |f| <= 1/2, 2^f by its Taylor series to

@@ -1,0 +1,106 @@
+"""Which kernels a ModelRunner runs on its device: the config's choices (auto | torch | cpp),
+checked against what this device, dtype, model and build allow, with a clear error for a
+choice that cannot run; and where both a C++ kernel and torch's would do, which one is faster
+on this host, measured at start (the prefill attention; the small-M linear's row count).
+
+Every tensor-parallel rank calls these in the same order: the measurements agree across ranks
+through a collective (min_over_ranks)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed import get_tp
+from kernels import cpu_kernels
+from kernels.attention import calibrate_prefill_attention
+from kernels.linear import (
+    SMALL_M_MAX_ROWS,
+    calibrate_small_m_max_rows,
+    calibration_weights,
+    small_m_linear_available,
+)
+
+log = logging.getLogger("engine.model_runner")  # the runner's log: its kernel line is there too
+
+
+def _check(name: str, choice: str) -> None:
+    if choice not in ("auto", "torch", "cpp"):
+        raise ValueError(f"unknown {name} {choice!r} (choose auto, torch or cpp)")
+
+
+def native_decode(config: EngineConfig, device: torch.device) -> bool:
+    """The C++ paged decode attention (cpu_attention)."""
+    choice = config.cpu_attention
+    _check("cpu_attention", choice)
+    if device.type != "cpu" or choice == "torch":
+        return False
+    if cpu_kernels.load():
+        return True
+    if choice == "cpp":
+        raise ValueError("cpu_attention 'cpp' was asked for but the C++ kernels did not build")
+    return False
+
+
+def native_prefill(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                   decode: bool) -> bool:
+    """The C++ prefill attention: where it applies (with the C++ decode attention, bf16, a
+    head_dim it takes, AVX-512 BF16), and only if it beats torch's SDPA on this host, measured
+    now on the model's head shape in chunks of the step's (at most 512 tokens, so the
+    measurement stays short), unless cpu_attention "cpp" asks for it."""
+    applies = (decode and dtype == torch.bfloat16 and model_config.head_dim % 16 == 0
+               and model_config.head_dim <= 256 and small_m_linear_available())
+    if not applies or config.cpu_attention == "cpp":
+        return applies
+    tp = get_tp()
+    calibration = calibrate_prefill_attention(
+        model_config.num_heads // tp.size, max(model_config.num_kv_heads // tp.size, 1),
+        model_config.head_dim, min(config.scheduler.long_prefill_token_threshold, 512))
+    log.info("%s", calibration.describe())
+    return tp.min_over_ranks(int(calibration.native)) == 1
+
+
+def small_m_linear(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """The C++ small-M linear for few rows in bf16 (cpu_linear)."""
+    choice = config.cpu_linear
+    _check("cpu_linear", choice)
+    if device.type != "cpu" or choice == "torch":
+        return False
+    if dtype == torch.bfloat16 and small_m_linear_available():
+        return True
+    if choice == "cpp":
+        raise ValueError("cpu_linear 'cpp' needs --dtype bfloat16, a CPU with avx512_bf16 "
+                         "and the C++ kernels built")
+    return False
+
+
+def small_m_max_rows(config: EngineConfig, model: torch.nn.Module) -> int:
+    """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows
+    when set (>= 0), every row count up to SMALL_M_MAX_ROWS with cpu_linear "cpp", else
+    measured now on this model's weights (kernels/linear.py)."""
+    fixed = config.cpu_small_m_max_rows
+    if fixed >= 0:
+        return min(fixed, SMALL_M_MAX_ROWS)
+    if config.cpu_linear == "cpp":
+        return SMALL_M_MAX_ROWS
+    calibration = calibrate_small_m_max_rows(calibration_weights(model))
+    log.info("%s", calibration.describe())
+    return get_tp().min_over_ranks(calibration.max_rows)
+
+
+def fused_decode(config: EngineConfig, device: torch.device, dtype: torch.dtype, decode: bool,
+                 model: torch.nn.Module) -> bool:
+    """All decoder layers of a decode-only step in one C++ call (cpu_fused_decode)."""
+    choice = config.cpu_fused_decode
+    _check("cpu_fused_decode", choice)
+    if choice == "torch":
+        return False
+    applies = (device.type == "cpu" and dtype == torch.bfloat16 and decode
+               and get_tp().size == 1 and hasattr(model, "use_fused_decode"))
+    if choice == "cpp" and not applies:
+        raise ValueError("cpu_fused_decode 'cpp' needs the CPU, --dtype bfloat16, the C++ "
+                         "attention (cpu_attention auto or cpp), one tensor-parallel rank "
+                         "and a Llama-family model")
+    return applies
