@@ -165,8 +165,8 @@ class EngineConfig:
     small_step_threads: int | None = None
     # CPU attention: "cpp" runs the C++ kernels (kernels/cpu, built on first use): decode reads
     # K/V in place from the paged cache, and in bfloat16 on a CPU with AVX-512 BF16 prefill is
-    # a flash kernel of bf16 dot products; "torch" is the reference (SDPA); "auto": cpp if it
-    # builds.
+    # a flash kernel (on AMX tiles where the CPU has them, else bf16 dot products), kept where
+    # it beats SDPA at start; "torch" is the reference (SDPA); "auto": cpp if it builds.
     cpu_attention: str = "auto"
     # CPU linear layers in bfloat16 with few rows (decode): "cpp" reads each weight row once for
     # all rows with AVX-512 BF16 dot products (kernels/linear.py), "torch" is torch's mm;

@@ -41,8 +41,7 @@ class KernelPaths:
             decode = "torch SDPA reference"
         return cls(
             decode_attention=decode,
-            prefill_attention="cpp prefill_attention (AVX-512 BF16)" if native_prefill
-            else "torch SDPA reference",
+            prefill_attention=_cpp_prefill() if native_prefill else "torch SDPA reference",
             linear=f"cpp small_m_linear (AVX-512 BF16, <= {small_m_max_rows} rows), torch above"
             if small_m_linear else "torch F.linear",
             fused_decode="cpp decode_layers" if fused_decode else "off (per-layer modules)",
@@ -54,6 +53,12 @@ class KernelPaths:
         return (f"kernels on {self.device} in {self.dtype}: decode attention {self.decode_attention}; "
                 f"prefill attention {self.prefill_attention}; linear {self.linear}; "
                 f"fused decode {self.fused_decode}")
+
+
+def _cpp_prefill() -> str:
+    """The C++ prefill attention takes AMX tiles where the CPU has them (has_amx_bf16)."""
+    tiles = torch.ops.splitserve_cpu.has_amx_bf16()
+    return f"cpp prefill_attention ({'AMX tiles' if tiles else 'AVX-512 BF16'})"
 
 
 def _name(dtype: torch.dtype) -> str:

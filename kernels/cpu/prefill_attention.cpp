@@ -30,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include "prefill_attention_amx.h"
 #include "vector_math.h"
 
 namespace {
@@ -208,7 +209,7 @@ BF16_TARGET void attend_tile(const Problem& p, int64_t h, int64_t row0, int64_t 
 }
 
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                             double scale, int64_t window) {
+                             double scale, int64_t window, bool amx) {
   TORCH_CHECK(splitserve_cpu::has_avx512_bf16(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "query [q_len, heads, D], key and value [ctx, kv_heads, D]");
@@ -223,6 +224,7 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
   TORCH_CHECK(q_len >= 1 && ctx >= q_len, "need 1 <= q_len <= ctx");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  if (amx && splitserve_cpu::has_amx_bf16()) return splitserve_cpu::prefill_attention_amx(q, k, v, scale, window);
   at::Tensor out = at::empty_like(q);
   Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
             reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), nullptr, nullptr,
@@ -248,7 +250,9 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window=0) -> Tensor");
+  m.def("prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window=0, "
+        "bool amx=True) -> Tensor");
+  m.def("has_amx_bf16() -> bool", &splitserve_cpu::has_amx_bf16);
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -113,7 +113,8 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
     linear = (f"cpp small_m_linear (AVX-512 BF16, <= {rows} rows), torch above" if rows
               else "torch F.linear")
     # So is whether the C++ prefill attention beats torch's SDPA here.
-    prefill = ("cpp prefill_attention (AVX-512 BF16)" if engine.runner.native_prefill
+    tiles = "AMX tiles" if torch.ops.splitserve_cpu.has_amx_bf16() else "AVX-512 BF16"
+    prefill = (f"cpp prefill_attention ({tiles})" if engine.runner.native_prefill
                else "torch SDPA reference")
     assert line == (
         "kernels on cpu in bfloat16: decode attention cpp paged_decode_attention (AVX-512 "

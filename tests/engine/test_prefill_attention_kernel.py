@@ -1,5 +1,6 @@
-"""The C++ CPU prefill attention (kernels/cpu/prefill_attention.cpp) against its torch
-reference, kernels.attention.prefill_attention, and the engine's prompt logprobs with either."""
+"""The C++ CPU prefill attention (kernels/cpu/prefill_attention.cpp, and its AMX path in
+prefill_attention_amx.cpp) against its torch reference, kernels.attention.prefill_attention,
+and the engine's prompt logprobs with either."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ from kernels.attention import calibrate_prefill_attention, prefill_attention
 from kernels.linear import small_m_linear_available
 
 pytestmark = require_cpu_kernels(small_m_linear_available(), "needs a CPU with avx512_bf16")
+
+
+def _has_amx() -> bool:
+    return small_m_linear_available() and torch.ops.splitserve_cpu.has_amx_bf16()
+
+
+# Both paths of the op: amx=False is the AVX-512 BF16 dot-product kernel on every CPU that has
+# it; amx=True takes AMX tiles where has_amx_bf16(), and is tested only there.
+PATHS = pytest.mark.parametrize("amx", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not _has_amx(), reason="needs AMX (bf16)")),
+])
 
 
 def _inputs(q_len, ctx, heads, kv_heads, head_dim, seed=0):
@@ -36,12 +48,13 @@ def _inputs(q_len, ctx, heads, kv_heads, head_dim, seed=0):
     (8, 2, 32),
     (16, 1, 128),
 ])
-def test_cpp_prefill_attention_matches_the_torch_reference(q_len, ctx, heads, kv_heads, head_dim):
+@PATHS
+def test_cpp_prefill_attention_matches_the_torch_reference(q_len, ctx, heads, kv_heads, head_dim, amx):
     query, key, value = _inputs(q_len, ctx, heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
     exact = prefill_attention(query.float(), key.float(), value.float(), scale)
     torch_bf16 = prefill_attention(query, key, value, scale).float()
-    cpp = torch.ops.splitserve_cpu.prefill_attention(query, key, value, scale)
+    cpp = torch.ops.splitserve_cpu.prefill_attention(query, key, value, scale, 0, amx)
     assert cpp.shape == query.shape and cpp.dtype == torch.bfloat16
     # Both round the float32 result to bf16 once (half an ulp: 2^-9 of values up to ~4); the
     # kernel also rounds probabilities to bf16 before multiplying V, as the flash kernel does.
@@ -51,18 +64,20 @@ def test_cpp_prefill_attention_matches_the_torch_reference(q_len, ctx, heads, kv
 
 @pytest.mark.parametrize("q_len,ctx", [(64, 64), (200, 200), (70, 200), (1, 300), (130, 130)])
 @pytest.mark.parametrize("window", [1, 7, 64, 65, 100, 4096])
-def test_cpp_prefill_attention_honours_a_sliding_window(q_len, ctx, window):
+@PATHS
+def test_cpp_prefill_attention_honours_a_sliding_window(q_len, ctx, window, amx):
     query, key, value = _inputs(q_len, ctx, 9, 3, 64)
     scale = 0.125
     exact = prefill_attention(query.float(), key.float(), value.float(), scale, window)
     torch_bf16 = prefill_attention(query, key, value, scale, window).float()
     # Chunks of 64 keys wholly before every query's window are never read: NaN there would
-    # spread. (Inside a chunk the kernel reads and masks; a cache holds no NaN.)
+    # spread. (Inside a chunk the kernel reads and masks; a cache holds no NaN.) The AMX path
+    # starts a query block's keys at its first window rounded down to 32 keys.
     skipped = max(0, ctx - q_len + 1 - window) // 64 * 64
     key, value = key.clone(), value.clone()
     key[:skipped] = float("nan")
     value[:skipped] = float("nan")
-    cpp = torch.ops.splitserve_cpu.prefill_attention(query, key, value, scale, window)
+    cpp = torch.ops.splitserve_cpu.prefill_attention(query, key, value, scale, window, amx)
     error = (cpp.float() - exact).abs().max().item()
     assert error <= 1.5 * (torch_bf16 - exact).abs().max().item() + 2e-3, error
     if window < ctx:  # the window matters: full causal attention differs
@@ -70,14 +85,16 @@ def test_cpp_prefill_attention_honours_a_sliding_window(q_len, ctx, window):
         assert (full - exact).abs().max().item() > 1e-2
 
 
-def test_cpp_prefill_attention_is_causal():
+@pytest.mark.parametrize("length", [40, 300])
+@PATHS
+def test_cpp_prefill_attention_is_causal(length, amx):
     """Changing the last key and value changes only the last query's output."""
-    query, key, value = _inputs(40, 40, 9, 3, 64)
-    before = torch.ops.splitserve_cpu.prefill_attention(query, key, value, 0.125)
+    query, key, value = _inputs(length, length, 9, 3, 64)
+    before = torch.ops.splitserve_cpu.prefill_attention(query, key, value, 0.125, 0, amx)
     key, value = key.clone(), value.clone()
     key[-1] += 3
     value[-1] -= 3
-    after = torch.ops.splitserve_cpu.prefill_attention(query, key, value, 0.125)
+    after = torch.ops.splitserve_cpu.prefill_attention(query, key, value, 0.125, 0, amx)
     assert torch.equal(before[:-1], after[:-1]) and not torch.equal(before[-1], after[-1])
 
 

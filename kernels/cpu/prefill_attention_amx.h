@@ -1,0 +1,15 @@
+// The AMX prefill attention (prefill_attention_amx.cpp), called by prefill_attention.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace splitserve_cpu {
+
+// Whether this CPU and torch's oneDNN run bf16 GEMM micro-kernels on AMX tiles.
+bool has_amx_bf16();
+
+// prefill_attention's contract, on inputs it has checked and made contiguous.
+at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 double scale, int64_t window);
+
+}  // namespace splitserve_cpu
