@@ -1,7 +1,8 @@
 """Benchmark: CPU prefill in bfloat16, the C++ prefill attention against torch's SDPA, in the
-same run: one attention layer on random inputs (SmolLM2's 9 query and 3 KV heads of 64), then a
-whole prompt through the engine with `cpu_attention` torch and cpp (every repetition a new
-prompt: a cold prefix cache).
+same run: one attention layer on random inputs (SmolLM2's 9 query and 3 KV heads of 64), whole
+and in 512-token chunks as a chunked prefill runs it, by SDPA, the C++ kernel's AVX-512 BF16
+dot products and its AMX path (where the CPU has AMX); then a whole prompt through the engine
+with `cpu_attention` torch and cpp (every repetition a new prompt: a cold prefix cache).
 
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
@@ -32,14 +33,25 @@ def _best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
-def attention_layer(lengths: list[int], repeats: int) -> None:
-    print("one attention layer, 9 query / 3 KV heads of 64, bf16 (best of", repeats, "):")
+def attention_layer(lengths: list[int], repeats: int, chunk: int = 512) -> None:
+    print(f"one attention layer, 9 query / 3 KV heads of 64, bf16, whole and in {chunk}-token "
+          f"chunks (best of {repeats}):")
+    paths = {"SDPA": prefill_attention,
+             "C++ dot": lambda q, k, v, s: torch.ops.splitserve_cpu.prefill_attention(q, k, v, s, 0, False)}
+    if torch.ops.splitserve_cpu.has_amx_bf16():
+        paths["C++ AMX"] = lambda q, k, v, s: torch.ops.splitserve_cpu.prefill_attention(q, k, v, s, 0, True)
     for n in lengths:
         q, k, v = (torch.randn(n, heads, 64).bfloat16() for heads in (9, 3, 3))
-        sdpa = _best_ms(lambda q=q, k=k, v=v: prefill_attention(q, k, v, 0.125), repeats)
-        cpp = _best_ms(lambda q=q, k=k, v=v: torch.ops.splitserve_cpu.prefill_attention(
-            q, k, v, 0.125), repeats)
-        print(f"  {n:5d} tokens: SDPA {sdpa:7.2f} ms  C++ {cpp:7.2f} ms  ({sdpa / cpp:.2f}x)")
+
+        def chunks(attend, q=q, k=k, v=v, n=n):
+            for end in range(min(chunk, n), n + 1, chunk):
+                attend(q[end - chunk:end], k[:end], v[:end], 0.125)
+
+        whole = {name: _best_ms(lambda f=f: f(q, k, v, 0.125), repeats) for name, f in paths.items()}
+        chunked = {name: _best_ms(lambda f=f: chunks(f), repeats) for name, f in paths.items()}
+        print(f"  {n:5d} tokens: " + "  ".join(
+            f"{name} {whole[name]:6.2f} / {chunked[name]:6.2f} ms ({chunked['SDPA'] / chunked[name]:.2f}x)"
+            for name in paths) + "   (whole / chunked; x: SDPA's chunked time over this)")
 
 
 def whole_prefill(model: str, lengths: list[int], repeats: int, threads: int) -> None:
