@@ -47,7 +47,8 @@ def attention_layer(lengths: list[int], repeats: int, chunk: int = 512) -> None:
             for end in range(min(chunk, n), n + 1, chunk):
                 attend(q[end - chunk:end], k[:end], v[:end], 0.125)
 
-        whole = {name: _best_ms(lambda f=f: f(q, k, v, 0.125), repeats) for name, f in paths.items()}
+        whole = {name: _best_ms(lambda f=f, q=q, k=k, v=v: f(q, k, v, 0.125), repeats)
+                 for name, f in paths.items()}
         chunked = {name: _best_ms(lambda f=f: chunks(f), repeats) for name, f in paths.items()}
         print(f"  {n:5d} tokens: " + "  ".join(
             f"{name} {whole[name]:6.2f} / {chunked[name]:6.2f} ms ({chunked['SDPA'] / chunked[name]:.2f}x)"

@@ -1,7 +1,8 @@
 """Which kernels a ModelRunner runs on its device: the config's choices (auto | torch | cpp),
 checked against what this device, dtype, model and build allow, with a clear error for a
 choice that cannot run; and where both a C++ kernel and torch's would do, which one is faster
-on this host, measured at start (the prefill attention; the small-M linear's row count).
+on this host, measured at start (the prefill attention; the linear weights' layout; the
+small-M linear's row count).
 
 Every tensor-parallel rank calls these in the same order: the measurements agree across ranks
 through a collective (min_over_ranks)."""
@@ -22,6 +23,7 @@ from kernels.linear import (
     calibration_weights,
     small_m_linear_available,
 )
+from kernels.packed_weights import calibrate_packing, pack_weight, packing_available
 
 log = logging.getLogger("engine.model_runner")  # the runner's log: its kernel line is there too
 
@@ -76,16 +78,40 @@ def small_m_linear(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     return False
 
 
-def small_m_max_rows(config: EngineConfig, model: torch.nn.Module) -> int:
+def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   model: torch.nn.Module) -> bool:
+    """Whether the linear layers get weights packed for oneDNN (cpu_weight_layout): where it
+    applies (CPU, bf16, a torch with mkldnn), "packed" asks for it, "auto" measures now on the
+    model's weights whether it wins (kernels/packed_weights.py)."""
+    choice = config.cpu_weight_layout
+    if choice not in ("auto", "packed", "plain"):
+        raise ValueError(f"unknown cpu_weight_layout {choice!r} (choose auto, packed or plain)")
+    applies = device.type == "cpu" and dtype == torch.bfloat16 and packing_available()
+    if choice == "packed" and not applies:
+        raise ValueError("cpu_weight_layout 'packed' needs the CPU, --dtype bfloat16 and a torch "
+                         "built with mkldnn (oneDNN)")
+    if not applies or choice == "plain":
+        return False
+    if choice == "packed":
+        return True
+    calibration = calibrate_packing(calibration_weights(model))
+    log.info("%s", calibration.describe())
+    return get_tp().min_over_ranks(int(calibration.packed)) == 1
+
+
+def small_m_max_rows(config: EngineConfig, model: torch.nn.Module, packed: bool) -> int:
     """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows
     when set (>= 0), every row count up to SMALL_M_MAX_ROWS with cpu_linear "cpp", else
-    measured now on this model's weights (kernels/linear.py)."""
+    measured now on this model's weights against the path larger batches take (`packed`
+    weights or plain F.linear; kernels/linear.py)."""
     fixed = config.cpu_small_m_max_rows
     if fixed >= 0:
         return min(fixed, SMALL_M_MAX_ROWS)
     if config.cpu_linear == "cpp":
         return SMALL_M_MAX_ROWS
-    calibration = calibrate_small_m_max_rows(calibration_weights(model))
+    weights = calibration_weights(model)
+    calibration = calibrate_small_m_max_rows(
+        weights, packed=[pack_weight(w) for w in weights] if packed else None)
     log.info("%s", calibration.describe())
     return get_tp().min_over_ranks(calibration.max_rows)
 

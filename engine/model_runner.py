@@ -19,7 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraph, DecodeGraphs, capture_decode_graphs
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
-from engine.layers.linear import use_small_m_linear
+from engine.layers.linear import use_packed_weights, use_small_m_linear
 from engine.memory_profile import size_kv_pool
 from engine.models.loader import load_model
 from engine.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -84,7 +84,14 @@ class ModelRunner:
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = kernel_choice.small_m_linear(config, self.device, self.dtype)
-        self.small_m_max_rows = (kernel_choice.small_m_max_rows(config, self.model)
+        self.packed_weights = kernel_choice.packed_weights(config, self.device, self.dtype,
+                                                           self.model)
+        if self.packed_weights:
+            packed_bytes = use_packed_weights(self.model)
+            logging.getLogger(__name__).info("linear weights packed for oneDNN: %.0f MiB more",
+                                             packed_bytes / 2**20)
+        self.small_m_max_rows = (kernel_choice.small_m_max_rows(config, self.model,
+                                                                self.packed_weights)
                                  if self.small_m_linear else 0)
         use_small_m_linear(self.model, self.small_m_max_rows)
         self.fused_decode = kernel_choice.fused_decode(config, self.device, self.dtype,
@@ -98,7 +105,7 @@ class ModelRunner:
             native_prefill=self.native_prefill, small_m_linear=self.small_m_max_rows > 0,
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
-            small_m_max_rows=self.small_m_max_rows,
+            small_m_max_rows=self.small_m_max_rows, packed_weights=self.packed_weights,
             triton=self.triton,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets

@@ -22,7 +22,7 @@ class KernelPaths:
     @classmethod
     def of(cls, *, device: torch.device, dtype: torch.dtype, native_decode: bool,
            native_prefill: bool, small_m_linear: bool, fused_decode: bool, head_dim: int,
-           query_heads_per_kv_head: int, small_m_max_rows: int,
+           query_heads_per_kv_head: int, small_m_max_rows: int, packed_weights: bool = False,
            triton: bool = False) -> KernelPaths:
         if triton:  # CUDA, or the tests' interpreter on CPU
             return cls("triton paged decode attention (split-K)",
@@ -39,11 +39,12 @@ class KernelPaths:
                 "AVX-512 head_dim-64" if wide else "portable") + ")"
         else:
             decode = "torch SDPA reference"
+        torch_linear = "torch F.linear" + (" (oneDNN packed weights)" if packed_weights else "")
         return cls(
             decode_attention=decode,
             prefill_attention=_cpp_prefill() if native_prefill else "torch SDPA reference",
-            linear=f"cpp small_m_linear (AVX-512 BF16, <= {small_m_max_rows} rows), torch above"
-            if small_m_linear else "torch F.linear",
+            linear=f"cpp small_m_linear (AVX-512 BF16, <= {small_m_max_rows} rows), {torch_linear} above"
+            if small_m_linear else torch_linear,
             fused_decode="cpp decode_layers" if fused_decode else "off (per-layer modules)",
             dtype=_name(dtype),
             device=str(device),

@@ -1,4 +1,5 @@
-"""The matmul of the linear layers: torch's F.linear, or on CPU in bfloat16 for a few rows
+"""The matmul of the linear layers: torch's F.linear (on CPU in bfloat16 with the weight packed
+for oneDNN where that wins: kernels/packed_weights.py), or on CPU in bfloat16 for a few rows
 (decode) the C++ small-M kernel (kernels/cpu/small_m_linear.cpp), which reads each weight row
 once for all rows. small_m_linear_reference is what that kernel is tested against."""
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
+from kernels.packed_weights import packed_linear
 from kernels.timing import best_seconds
 
 # Most rows of x the C++ kernel may take; more go to torch. The engine measures, at start, up to
@@ -46,12 +48,17 @@ def small_m_linear_available() -> bool:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m_max_rows: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m_max_rows: int,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, by the C++ kernel when x is [M, K] with 0 < M <= small_m_max_rows (0: never).
-    The caller enables it only for CPU bfloat16 weights (see small_m_linear_available)."""
-    if x.dim() == 2 and 0 < x.shape[0] <= small_m_max_rows:
-        return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
+    """F.linear, by the C++ kernel when x is [M, K] with 0 < M <= small_m_max_rows (0: never),
+    else from `packed` (the weight as kernels.packed_weights.pack_weight returned it) when
+    given and x is [M, K]. The caller enables both only for CPU bfloat16 weights."""
+    if x.dim() == 2:
+        if 0 < x.shape[0] <= small_m_max_rows:
+            return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
+        if packed is not None:
+            return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
@@ -70,9 +77,11 @@ class SmallMCalibration:
 
 def calibrate_small_m_max_rows(weights: list[torch.Tensor], repeats: int = 3,
                                candidates: tuple[int, ...] = SMALL_M_CANDIDATES,
-                               margin: float = SMALL_M_MARGIN) -> SmallMCalibration:
-    """Times the C++ kernel and F.linear on `weights` (bf16 [N, K], e.g. a model's first
-    layers) for each row count in `candidates`, in order, alternating the two and keeping the
+                               margin: float = SMALL_M_MARGIN,
+                               packed: list[torch.Tensor] | None = None) -> SmallMCalibration:
+    """Times the C++ kernel and torch's path on `weights` (bf16 [N, K], e.g. a model's first
+    layers: F.linear, or from `packed`, the same weights packed, when the layers will use
+    them) for each row count in `candidates`, in order, alternating the two and keeping the
     best of `repeats` passes over all the weights; stops at the first count where the kernel
     takes more than `margin` of torch's time. max_rows: the last count it won (0: none)."""
     max_rows, timings = 0, []
@@ -83,7 +92,8 @@ def calibrate_small_m_max_rows(weights: list[torch.Tensor], repeats: int = 3,
         best = best_seconds({
             "cpp": lambda pairs=pairs: [torch.ops.splitserve_cpu.small_m_linear(x, w, None)
                                         for x, w in pairs],
-            "torch": lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
+            "torch": lambda pairs=pairs: [linear(x, w, None, 0, p)
+                                          for (x, w), p in zip(pairs, packed or [None] * len(pairs), strict=True)],
         }, repeats)
         timings.append((rows, best["cpp"], best["torch"]))
         if best["cpp"] > margin * best["torch"]:

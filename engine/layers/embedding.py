@@ -40,8 +40,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     and the vocab shards are gathered only then."""
 
     small_m_max_rows = 0  # see engine.layers.linear.use_small_m_linear
+    packed_weight: torch.Tensor | None = None  # see engine.layers.linear.use_packed_weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.small_m_max_rows)
+        logits = linear(hidden, self.weight, None, self.small_m_max_rows, self.packed_weight)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

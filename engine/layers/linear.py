@@ -3,7 +3,8 @@
 Column-parallel layers split output features, row-parallel layers split input features and
 all-reduce their output. Each parameter carries a `weight_loader` that takes the full
 checkpoint tensor and keeps this rank's shard, so no rank materialises the whole model.
-The matmul is kernels.linear.linear: torch's, or the C++ small-M kernel for decode on CPU.
+The matmul is kernels.linear.linear: torch's (on CPU in bf16 from weights packed for oneDNN,
+use_packed_weights), or the C++ small-M kernel for decode on CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from engine.distributed import get_tp
 from kernels.linear import linear
+from kernels.packed_weights import pack_weight
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -31,8 +33,22 @@ def use_small_m_linear(model: nn.Module, max_rows: int) -> int:
     return len(layers)
 
 
+def use_packed_weights(model: nn.Module) -> int:
+    """Give every linear layer (and the LM head) a copy of its weight packed for oneDNN, which
+    its matmuls then read past the small-M kernel's rows; the caller has checked the weights
+    are CPU bfloat16 and packing wins here (kernels/packed_weights.py). Returns the bytes the
+    copies take."""
+    total = 0
+    for layer in model.modules():
+        if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None:
+            layer.packed_weight = pack_weight(layer.weight)
+            total += layer.weight.numel() * layer.weight.element_size()
+    return total
+
+
 class ColumnParallelLinear(nn.Module):
     small_m_max_rows = 0  # see use_small_m_linear
+    packed_weight: torch.Tensor | None = None  # see use_packed_weights
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -53,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.small_m_max_rows)
+        return linear(x, self.weight, self.bias, self.small_m_max_rows, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,6 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     small_m_max_rows = 0  # see use_small_m_linear
+    packed_weight: torch.Tensor | None = None  # see use_packed_weights
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -123,6 +140,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.small_m_max_rows))
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.small_m_max_rows,
+                                        self.packed_weight))
         # The bias is added once, after the reduction.
         return out if self.bias is None else out + self.bias

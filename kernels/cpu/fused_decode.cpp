@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -142,6 +143,8 @@ void check_bf16_vector(const at::Tensor& t, int64_t size, const char* what) {
 // rotary angles (signed sin, see engine/layers/rotary.py). slot_mapping, block_tables and
 // seq_lens as paged_decode_attention takes them; one query token per row. windows: layer l's
 // sliding window (0: none), as paged_decode_attention takes it; empty: no layer has one.
+// packed: empty, or every layer's four weights packed for oneDNN (kernels/packed_weights.py),
+// layer by layer in the order qkv, o, gate_up, down: rows past small_m_max_rows read those.
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList input_norm, at::TensorList qkv_weight, at::TensorList qkv_bias,
                          at::TensorList o_weight, at::TensorList post_norm,
@@ -150,7 +153,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t heads, int64_t kv_heads, double eps, double scale,
-                         int64_t small_m_max_rows, at::IntArrayRef windows) {
+                         int64_t small_m_max_rows, at::TensorList packed, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16,
               "hidden must be [rows, hidden_size] bfloat16");
@@ -163,6 +166,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
               "windows: none or one per layer");
   for (const int64_t w : windows) TORCH_CHECK(w >= 0, "a window must be >= 0 (0: none)");
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == 4 * layers,
+              "packed: none or four per layer");
   const int64_t dim = k_caches[0].size(3);
   TORCH_CHECK(k_caches[0].size(2) == kv_heads && heads % kv_heads == 0 && dim % 2 == 0,
               "heads, kv_heads and the caches' shape disagree");
@@ -198,9 +203,18 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   static const auto small_m_linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("splitserve_cpu::small_m_linear", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
+  static const auto packed_linear = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const bool small = rows <= small_m_max_rows;
-  auto linear = [&](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-    return small ? small_m_linear.call(x, w, b, false) : at::linear(x, w, b);
+  // Weight `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
+  auto linear = [&](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                    int64_t l, int which) {
+    if (small) return small_m_linear.call(x, w, b, false);
+    if (packed.empty()) return at::linear(x, w, b);
+    torch::jit::Stack stack{x, packed[4 * l + which], b, std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), std::optional<std::string>("")};
+    packed_linear.callBoxed(&stack);
+    return stack[0].toTensor();
   };
 
   at::Tensor hidden = hidden_in.contiguous().clone();
@@ -213,16 +227,16 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     add_rms_norm(ptr(hidden), ptr(residual), ptr(input_norm[l]), rows, size, eps_f, l > 0);
     const std::optional<at::Tensor> bias =
         qkv_bias.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_bias[l]);
-    const at::Tensor qkv = linear(hidden, qkv_weight[l], bias);
+    const at::Tensor qkv = linear(hidden, qkv_weight[l], bias, l, 0);
     rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos_c), ptr(sin_c), rows, heads, kv_heads, dim,
                      ptr(q), ptr(k_caches[l]), ptr(v_caches[l]), slots);
     const at::Tensor attn = attention.call(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale,
                                             windows.empty() ? 0 : windows[l]);
-    hidden = linear(attn.view({rows, heads * dim}), o_weight[l], std::nullopt);
+    hidden = linear(attn.view({rows, heads * dim}), o_weight[l], std::nullopt, l, 1);
     add_rms_norm(ptr(hidden), ptr(residual), ptr(post_norm[l]), rows, size, eps_f, true);
-    const at::Tensor gate_up = linear(hidden, gate_up_weight[l], std::nullopt);
+    const at::Tensor gate_up = linear(hidden, gate_up_weight[l], std::nullopt, l, 2);
     silu_and_mul(ptr(gate_up), ptr(act), rows, inter);
-    hidden = linear(act, down_weight[l], std::nullopt);
+    hidden = linear(act, down_weight[l], std::nullopt, l, 3);
   }
   add_rms_norm(ptr(hidden), ptr(residual), ptr(final_norm), rows, size, eps_f, true);
   return hidden;
@@ -311,8 +325,12 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
         "Tensor[] qkv_weight, Tensor[] qkv_bias, Tensor[] o_weight, Tensor[] post_norm, "
         "Tensor[] gate_up_weight, Tensor[] down_weight, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
-        "int kv_heads, float eps, float scale, int small_m_max_rows, int[] windows=[]) -> Tensor");
+        "int kv_heads, float eps, float scale, int small_m_max_rows, Tensor[] packed, "
+        "int[] windows=[]) -> Tensor");
 }
+
+// The packed weights are oneDNN (MkldnnCPU) tensors, which send the call to that key.
+TORCH_LIBRARY_IMPL(splitserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);

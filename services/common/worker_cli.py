@@ -81,6 +81,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("cpu_small_m_max_rows", -1)),
                         help="CPU bf16: most rows the C++ small-M linear takes (0-64; torch's mm "
                              "above); -1: measured at start against torch's mm on this host")
+    parser.add_argument("--cpu-weight-layout", choices=("auto", "packed", "plain"),
+                        default=_env("cpu_weight_layout", "auto"),
+                        help="CPU bf16: 'packed' keeps the linear weights also in oneDNN's "
+                             "blocked layout (a second copy; faster decode batches), 'plain' "
+                             "does not; 'auto': packed if it wins at start on this host")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
@@ -189,6 +194,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         cuda_graph_max_context=args.cuda_graph_max_context,
         cpu_small_m_max_rows=args.cpu_small_m_max_rows,
+        cpu_weight_layout=args.cpu_weight_layout,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,

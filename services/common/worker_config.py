@@ -84,6 +84,8 @@ class WorkerConfig:
     cuda_graph_max_context: int = 0
     # CPU bf16: most rows the C++ small-M linear takes; -1: measured at start (engine/config.py).
     cpu_small_m_max_rows: int = -1
+    # CPU bf16: linear weights also packed for oneDNN (auto | packed | plain; engine/config.py).
+    cpu_weight_layout: str = "auto"
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -155,6 +157,8 @@ class WorkerConfig:
                              "(0: the defaults)")
         if not -1 <= self.cpu_small_m_max_rows <= 64:
             raise ValueError("--cpu-small-m-max-rows must be -1 (measured at start) or 0 to 64")
+        if self.cpu_weight_layout not in ("auto", "packed", "plain"):
+            raise ValueError("--cpu-weight-layout must be auto, packed or plain")
         self._check_speculative()
         self.tls.check()
         if self.cluster_secret_file:
@@ -258,6 +262,7 @@ class WorkerConfig:
             cuda_graph_max_batch=self.cuda_graph_max_batch,
             cuda_graph_max_context=self.cuda_graph_max_context,
             cpu_small_m_max_rows=self.cpu_small_m_max_rows,
+            cpu_weight_layout=self.cpu_weight_layout,
             speculative=self.speculative_config(),
         )
 

@@ -107,11 +107,14 @@ def _bf16_engine(model_dir, fused: str, **config) -> LLMEngine:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-@pytest.mark.parametrize("batch,linear", [(3, "auto"), (11, "torch")])  # torch: at::linear
-def test_a_decode_step_matches_the_module_path(request, model, batch, linear):
+# torch: at::linear, or oneDNN's matmul from packed weights
+@pytest.mark.parametrize("batch,linear,layout", [(3, "auto", "auto"), (11, "torch", "plain"),
+                                                 (11, "torch", "packed")])
+def test_a_decode_step_matches_the_module_path(request, model, batch, linear, layout):
     """The same decode step (rows of different context lengths) through both paths, from the
     same cache: the final hidden states and every layer's cache writes agree."""
-    engine = _bf16_engine(request.getfixturevalue(model), "cpp", cpu_linear=linear)
+    engine = _bf16_engine(request.getfixturevalue(model), "cpp", cpu_linear=linear,
+                          cpu_weight_layout=layout)
     model_ = engine.runner.model
     assert model_._fused is not None
     steps = []
@@ -175,7 +178,7 @@ def test_decode_layers_rejects_lists_of_the_wrong_length(tiny_llama_dir):
             hidden, cos, cos, f.input_norm, f.qkv_weight[:-1], f.qkv_bias, f.o_weight, f.post_norm,
             f.gate_up_weight, f.down_weight, f.final_norm, [kv[0] for kv in caches],
             [kv[1] for kv in caches], torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]),
-            f.heads, f.kv_heads, f.eps, f.scale, 8,
+            f.heads, f.kv_heads, f.eps, f.scale, 8, [],
         )
 
 

@@ -110,8 +110,11 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
     # Up to how many rows the small-M kernel beats torch's mm is measured at start...
     rows = engine.runner.small_m_max_rows
     assert rows in (0, *SMALL_M_CANDIDATES)
-    linear = (f"cpp small_m_linear (AVX-512 BF16, <= {rows} rows), torch above" if rows
-              else "torch F.linear")
+    # ...and whether weights packed for oneDNN beat plain ones.
+    torch_linear = "torch F.linear" + (" (oneDNN packed weights)" if engine.runner.packed_weights
+                                       else "")
+    linear = (f"cpp small_m_linear (AVX-512 BF16, <= {rows} rows), {torch_linear} above" if rows
+              else torch_linear)
     # So is whether the C++ prefill attention beats torch's SDPA here.
     tiles = "AMX tiles" if torch.ops.splitserve_cpu.has_amx_bf16() else "AVX-512 BF16"
     prefill = (f"cpp prefill_attention ({tiles})" if engine.runner.native_prefill
