@@ -15,6 +15,8 @@ bound what it can gain; sampling stays on the critical path.
 --small-m-max-rows 64,8 builds one engine per value (the engine's cpu_small_m_max_rows: the most
 rows the C++ small-M linear takes; "auto" is the shipped measurement at start) and measures
 them side by side, alternating, --repeats times each, every run with fresh prompts.
+--weight-layouts plain,packed does the same for the engine's cpu_weight_layout (the linear
+weights as loaded, or packed for oneDNN; "auto" is the shipped measurement at start).
 """
 
 from __future__ import annotations
@@ -116,30 +118,36 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--small-m-max-rows", default="auto",
                         help="comma-separated: auto (measured at start, shipped) or 0-64")
+    parser.add_argument("--weight-layouts", default="auto",
+                        help="comma-separated: auto (measured at start, shipped), packed, plain")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch, alternating")
     args = parser.parse_args()
     engines = {}
     for value in args.small_m_max_rows.split(","):
-        engines[value] = LLMEngine(EngineConfig(
-            model=args.model, dtype="auto", device="cpu", num_threads=args.threads, seed=0,
-            cpu_small_m_max_rows=-1 if value == "auto" else int(value)))
+        for layout in args.weight_layouts.split(","):
+            engines[value, layout] = LLMEngine(EngineConfig(
+                model=args.model, dtype="auto", device="cpu", num_threads=args.threads, seed=0,
+                cpu_small_m_max_rows=-1 if value == "auto" else int(value),
+                cpu_weight_layout=layout))
     engine = next(iter(engines.values()))
     rng = random.Random(0)
     print(f"engine decode step, {args.threads} threads, prompts {args.prompt_len} random "
           f"tokens, {args.output_len} output tokens, top_p 0.95 when sampled; each figure is "
           "the mean over one batch's decode steps")
-    print("| small-M rows | batch | temperature | step ms | forward ms | logits + sampling + "
-          "input prep ms | scheduler + update ms | outside the forward |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| small-M rows | weights | batch | temperature | step ms | forward ms | logits + "
+          "sampling + input prep ms | scheduler + update ms | outside the forward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         for temperature in (float(t) for t in args.temperatures.split(",")):
             for _ in range(args.repeats):
-                for value, each in engines.items():
+                for (value, layout), each in engines.items():
                     breakdown(each, batch, temperature, args.prompt_len, 16, rng)  # warm-up
                     r = breakdown(each, batch, temperature, args.prompt_len, args.output_len, rng)
                     outside = 1 - r["forward_ms"] / r["step_ms"]
                     rows = f"{value} ({each.runner.small_m_max_rows})" if value == "auto" else value
-                    print(f"| {rows} | {batch} | {temperature:g} | {r['step_ms']:.2f} | "
+                    packed = "packed" if each.runner.packed_weights else "plain"
+                    weights = f"{layout} ({packed})" if layout == "auto" else layout
+                    print(f"| {rows} | {weights} | {batch} | {temperature:g} | {r['step_ms']:.2f} | "
                           f"{r['forward_ms']:.2f} | {r['logits_sampling_prep_ms']:.2f} | "
                           f"{r['scheduler_update_ms']:.2f} | {outside:.0%} |", flush=True)
     before, now, same = flat_draw_ms(engine.model_config.vocab_size)

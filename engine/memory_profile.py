@@ -38,7 +38,7 @@ class MemoryFigures:
     """What the start-up profile found and what the KV pool got; read by logs and /metrics."""
 
     device: str  # "cpu" | "cuda"
-    weights_bytes: int  # parameters and buffers of the model on this rank
+    weights_bytes: int  # parameters and buffers of the model on this rank, packed copies too
     peak_step_bytes: int  # above the memory held before the profile step; -1: not profiled
     kv_pool_bytes: int
     num_blocks: int
@@ -263,8 +263,11 @@ class ProfileStep:
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied ones once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Parameters and buffers (tied ones once), and the weights' copies packed for oneDNN
+    (engine/layers/linear.py use_packed_weights)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return sum(t.numel() * t.element_size() for t in (*tensors.values(), *packed))
 
 
 def profile_peak_step(runner, reader: MemoryReader) -> tuple[int, ProfileStep]:

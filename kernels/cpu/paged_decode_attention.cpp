@@ -153,17 +153,39 @@ SPLITSERVE_DECODE_BF16 inline __m512 reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, e);
 }
 
+// Prefetches the K row (into L1) and the V row (into L2, read after all scores) of the context
+// tokens a cursor yields: the rows of one KV head are 128 bytes every kv_heads * 128, a stride
+// the hardware prefetchers follow poorly (a batch-64 layer read 12.8 GB/s of a ~27 without).
+SPLITSERVE_DECODE_BF16 inline void prefetch_rows(TokenRows<c10::BFloat16>& rows,
+                                                 const c10::BFloat16* k_data,
+                                                 const c10::BFloat16* v_data) {
+  const c10::BFloat16* k = rows.next();
+  const c10::BFloat16* v = v_data + (k - k_data);
+  _mm_prefetch(reinterpret_cast<const char*>(k), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(k + 32), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(v + 32), _MM_HINT_T1);
+}
+
+// Tokens ahead of the one being scored whose rows are prefetched.
+constexpr int64_t kPrefetchTokens = 32;
+
 // Scores of kGroup query heads (bf16 rows of 64, unscaled) over context tokens [t0, t1) of
 // bf16 keys, times `scale`, into scores [kGroup, t1 - t0]: bf16 dot products (vdpbf16ps, two
-// per key row, no widening), summed 16 tokens at a time by reduce16.
+// per key row, no widening), summed 16 tokens at a time by reduce16. The first head's pass
+// prefetches the K and V rows kPrefetchTokens ahead.
 template <int kGroup>
 SPLITSERVE_DECODE_BF16 void scores_bf16_d64(const c10::BFloat16* const* q_rows,
-                                            const c10::BFloat16* k_data, const int64_t* table,
+                                            const c10::BFloat16* k_data, const c10::BFloat16* v_data,
+                                            const int64_t* table,
                                             int64_t t0, int64_t t1, int64_t block_size,
                                             int64_t block_stride, int64_t token_stride,
                                             int64_t head_offset, float scale, float* scores) {
   const int64_t len = t1 - t0;
   const __m512 scale_v = _mm512_set1_ps(scale);
+  TokenRows<c10::BFloat16> ahead(k_data, table, t0, block_size, block_stride, token_stride, head_offset);
+  int64_t fetched = t0;  // rows of tokens before this one are prefetched
+  for (; fetched < std::min(t0 + kPrefetchTokens, t1); ++fetched) prefetch_rows(ahead, k_data, v_data);
   for (int g = 0; g < kGroup; ++g) {
     TokenRows<c10::BFloat16> keys(k_data, table, t0, block_size, block_stride, token_stride, head_offset);
     const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q_rows[g]);
@@ -173,6 +195,10 @@ SPLITSERVE_DECODE_BF16 void scores_bf16_d64(const c10::BFloat16* const* q_rows,
     __m512 acc[16];
     for (; t + 16 <= t1; t += 16) {
       for (int i = 0; i < 16; ++i) {
+        if (fetched < t1) {
+          prefetch_rows(ahead, k_data, v_data);
+          ++fetched;
+        }
         const c10::BFloat16* k = keys.next();
         acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k));
         acc[i] = _mm512_dpbf16_ps(acc[i], q1, (__m512bh)_mm512_loadu_si512(k + 32));
@@ -323,10 +349,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
             for (int64_t g = 0; g < group; ++g)
               q_rows[g] = q_data + b * q_stride_b + (kvh * group + g) * q_stride_h;
             switch (group) {
-              case 1: scores_bf16_d64<1>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              case 2: scores_bf16_d64<2>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              case 3: scores_bf16_d64<3>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              default: scores_bf16_d64<4>(q_rows, k_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              case 1: scores_bf16_d64<1>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              case 2: scores_bf16_d64<2>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              case 3: scores_bf16_d64<3>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+              default: scores_bf16_d64<4>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
             }
             scored = true;
           }

@@ -109,3 +109,16 @@ def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llam
     assert parse().cpu_weight_layout == "packed"
     with pytest.raises(ValueError, match="--cpu-weight-layout must be"):
         WorkerConfig(role="decode", model=str(tiny_llama_dir), cpu_weight_layout="blocked")
+
+
+def test_the_memory_figures_count_the_packed_copies(tiny_llama_dir):
+    figures = {}
+    for layout in ("plain", "packed"):
+        engine = _engine(tiny_llama_dir, layout)
+        model = engine.runner.model
+        params = {id(p): p for p in model.parameters()}
+        figures[layout] = (engine.runner.memory.weights_bytes,
+                           sum(p.numel() * p.element_size() for p in params.values()))
+        packed = sum(m.weight.numel() * 2 for m in model.modules() if hasattr(m, "small_m_max_rows"))
+    assert figures["plain"][0] == figures["plain"][1]
+    assert figures["packed"][0] == figures["packed"][1] + packed
