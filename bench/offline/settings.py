@@ -22,7 +22,11 @@ def splitserve_config(engine) -> dict:
             "long_prefill_token_threshold": s.long_prefill_token_threshold,
             "prefix_caching": c.enable_prefix_caching, "block_size": c.block_size,
             "kv_blocks": engine.kv.num_blocks, "cpu_attention": c.cpu_attention,
-            "cpu_linear": c.cpu_linear, "cpu_fused_decode": c.cpu_fused_decode}
+            "cpu_linear": c.cpu_linear, "cpu_fused_decode": c.cpu_fused_decode,
+            "cpu_weight_layout": f"{c.cpu_weight_layout} -> "
+                                 f"{'packed' if engine.runner.packed_weights else 'plain'}",
+            "small_m_max_rows": engine.runner.small_m_max_rows,
+            "prefill_attention": engine.runner.kernel_paths.prefill_attention}
 
 
 def vllm_config(child: dict, dtype: str, threads: int) -> dict:
