@@ -223,8 +223,11 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q_len >= 1 && ctx >= q_len, "need 1 <= q_len <= ctx");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  if (amx && splitserve_cpu::has_amx_bf16()) {
+    auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+    return splitserve_cpu::prefill_attention_amx(rows(query), rows(key), rows(value), scale, window);
+  }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
-  if (amx && splitserve_cpu::has_amx_bf16()) return splitserve_cpu::prefill_attention_amx(q, k, v, scale, window);
   at::Tensor out = at::empty_like(q);
   Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
             reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), nullptr, nullptr,

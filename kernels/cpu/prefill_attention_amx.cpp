@@ -40,7 +40,8 @@ constexpr int64_t kAlign = 32;      // a task's first key block starts on a mult
 constexpr int kLanes = 16;
 
 struct Problem {
-  const at::BFloat16* q;   // [q_len, heads, D]
+  const at::BFloat16* q;   // [q_len, heads, D], rows and heads at the strides below
+  int64_t q_row, q_head;
   at::BFloat16* out;       // [q_len, heads, D]
   const at::BFloat16* kt;  // [kv_heads][D/2][padded][2]
   const at::BFloat16* vv;  // [kv_heads][padded/2][D][2]
@@ -131,14 +132,14 @@ void attend_task(const Problem& p, Scratch& s, int64_t head, int64_t i0, int64_t
   const int64_t D = p.dim, h = head / p.group, offset = p.ctx - p.q_len;
   const int64_t pos0 = offset + i0, last = pos0 + rows - 1;
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos0 + 1 - p.window) : 0;
-  const at::BFloat16* q = p.q + (i0 * p.heads + head) * D;
+  const at::BFloat16* q = p.q + i0 * p.q_row + head * p.q_head;
   const at::BFloat16* kt = p.kt + h * (D / 2) * p.padded * 2;
   const at::BFloat16* vv = p.vv + h * (p.padded / 2) * D * 2;
   bool first = true;
   for (int64_t n0 = lo / kAlign * kAlign; n0 <= last; n0 += kKeys) {
     // Up to the last row's position, rounded up to 16 keys (the padding is zeros).
     const int64_t n = std::min<int64_t>(kKeys, (last + 1 - n0 + kLanes - 1) / kLanes * kLanes);
-    blas::brgemm(rows, n, D, p.heads * D, p.padded, kKeys, false, q, kt + n0 * 2, s.scores.data());
+    blas::brgemm(rows, n, D, p.q_row, p.padded, kKeys, false, q, kt + n0 * 2, s.scores.data());
     softmax_block(p, s, rows, pos0, n0, n, first);
     blas::brgemm(rows, D, n, kKeys, D, D, !first, s.probs.data(), vv + n0 * D, s.acc.data());
     first = false;
@@ -158,22 +159,56 @@ bool has_amx_bf16() {
   return has;
 }
 
+namespace {
+
+// K^T and V in the GEMMs' order (see the top of this file), read once from key/value rows of
+// any row and head strides; the keys past ctx up to `padded` are zeros.
+void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t padded, uint32_t* kt, uint16_t* vv) {
+  const int64_t ctx = k.size(0), kv_heads = k.size(1), D = k.size(2), pairs = D / 2;
+  const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
+  const int64_t spans = padded / kLanes;  // tasks of 16 keys per KV head
+  at::parallel_for(0, kv_heads * spans, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / spans, n0 = (task % spans) * kLanes;
+      uint32_t* kdst = kt + h * pairs * padded;
+      uint16_t* vdst = vv + h * padded * D;
+      for (int64_t n = n0; n < n0 + kLanes; ++n) {
+        if (n < ctx) {
+          const uint16_t* krow = kb + n * k_row + h * k_head;
+          for (int64_t d2 = 0; d2 < pairs; ++d2) {
+            uint32_t word;
+            std::memcpy(&word, krow + 2 * d2, sizeof(word));
+            kdst[d2 * padded + n] = word;
+          }
+          const uint16_t* vrow = vb + n * v_row + h * v_head;
+          uint16_t* vpair = vdst + (n / 2) * D * 2 + n % 2;
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow[d];
+        } else {
+          for (int64_t d2 = 0; d2 < pairs; ++d2) kdst[d2 * padded + n] = 0;
+          uint16_t* vpair = vdst + (n / 2) * D * 2 + n % 2;
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = 0;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, int64_t window) {
   const int64_t q_len = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t ctx = k.size(0), kv_heads = k.size(1);
   // A block ends at its last row's position rounded up to 16 keys, never past ctx rounded so.
   const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;
-  // K^T: the (d, d+1) pairs as 32-bit words, transposed to [kv_heads][D/2][padded].
-  at::Tensor kt = at::zeros({kv_heads, D / 2, padded}, at::kInt);
-  kt.narrow(2, 0, ctx).copy_(k.view(at::kInt).permute({1, 2, 0}));
-  // V: rows 2j and 2j + 1 interleaved, [kv_heads][padded/2][D][2].
-  at::Tensor vv = at::zeros({kv_heads, padded / 2, D, 2}, at::kBFloat16);
-  at::Tensor v_padded = at::zeros({padded, kv_heads, D}, at::kBFloat16);
-  v_padded.narrow(0, 0, ctx).copy_(v);
-  vv.copy_(v_padded.view({padded / 2, 2, kv_heads, D}).permute({2, 0, 3, 1}));
-  at::Tensor out = at::empty_like(q);
-  const Problem p{q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+  at::Tensor kt = at::empty({kv_heads, D / 2, padded}, at::kInt);
+  at::Tensor vv = at::empty({kv_heads, padded / 2, D, 2}, at::kBFloat16);
+  pack_kv(k, v, padded, reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()),
+          reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>()));
+  at::Tensor out = at::empty({q_len, heads, D}, q.options());
+  const Problem p{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), out.data_ptr<at::BFloat16>(),
                   reinterpret_cast<const at::BFloat16*>(kt.data_ptr<int32_t>()),
                   vv.data_ptr<at::BFloat16>(), q_len, ctx, heads, heads / kv_heads, D, padded,
                   static_cast<float>(scale * 1.44269504088896341), window};
