@@ -15,6 +15,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
+from engine.layers.linear import packable_bytes
+from engine.memory_profile import HostMemory
 from kernels import cpu_kernels
 from kernels.attention import calibrate_prefill_attention
 from kernels.linear import (
@@ -23,7 +25,12 @@ from kernels.linear import (
     calibration_weights,
     small_m_linear_available,
 )
-from kernels.packed_weights import calibrate_packing, pack_weight, packing_available
+from kernels.packed_weights import (
+    PACKED_MEMORY_SHARE,
+    calibrate_packing,
+    pack_weight,
+    packing_available,
+)
 
 log = logging.getLogger("engine.model_runner")  # the runner's log: its kernel line is there too
 
@@ -82,7 +89,8 @@ def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtyp
                    model: torch.nn.Module) -> bool:
     """Whether the linear layers get weights packed for oneDNN (cpu_weight_layout): where it
     applies (CPU, bf16, a torch with mkldnn), "packed" asks for it, "auto" measures now on the
-    model's weights whether it wins (kernels/packed_weights.py)."""
+    model's weights whether it wins (kernels/packed_weights.py) and packs only if the copies
+    take at most PACKED_MEMORY_SHARE of the host's available memory."""
     choice = config.cpu_weight_layout
     if choice not in ("auto", "packed", "plain"):
         raise ValueError(f"unknown cpu_weight_layout {choice!r} (choose auto, packed or plain)")
@@ -96,7 +104,13 @@ def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtyp
         return True
     calibration = calibrate_packing(calibration_weights(model))
     log.info("%s", calibration.describe())
-    return get_tp().min_over_ranks(int(calibration.packed)) == 1
+    needed, (available, _) = packable_bytes(model), HostMemory().free_and_total()
+    fits = needed <= PACKED_MEMORY_SHARE * available
+    if calibration.packed and not fits:
+        log.warning("linear weights stay plain: packed copies would take %.0f MiB of the %.0f MiB "
+                    "available (at most %.0f%% allowed; --cpu-weight-layout packed forces them)",
+                    needed / 2**20, available / 2**20, PACKED_MEMORY_SHARE * 100)
+    return get_tp().min_over_ranks(int(calibration.packed and fits)) == 1
 
 
 def small_m_max_rows(config: EngineConfig, model: torch.nn.Module, packed: bool) -> int:

@@ -29,6 +29,10 @@ PACK_ROWS_HINT = 64
 CALIBRATION_ROWS = (16, 64)
 # Packed weights are kept only if they take at most this share of plain F.linear's time.
 PACKING_MARGIN = 0.9
+# ... and, unless asked for, only if their copies take at most this share of the host's
+# available memory: the KV pool, the other processes of the host and the page cache need the
+# rest, and a model near the size of the RAM must still start.
+PACKED_MEMORY_SHARE = 0.25
 
 
 def packing_available() -> bool:

@@ -46,6 +46,12 @@ def use_packed_weights(model: nn.Module) -> int:
     return total
 
 
+def packable_bytes(model: nn.Module) -> int:
+    """What use_packed_weights would add: the bytes of the weights it packs."""
+    return sum(layer.weight.numel() * layer.weight.element_size() for layer in model.modules()
+               if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None)
+
+
 class ColumnParallelLinear(nn.Module):
     small_m_max_rows = 0  # see use_small_m_linear
     packed_weight: torch.Tensor | None = None  # see use_packed_weights

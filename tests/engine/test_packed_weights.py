@@ -122,3 +122,25 @@ def test_the_memory_figures_count_the_packed_copies(tiny_llama_dir):
         packed = sum(m.weight.numel() * 2 for m in model.modules() if hasattr(m, "small_m_max_rows"))
     assert figures["plain"][0] == figures["plain"][1]
     assert figures["packed"][0] == figures["packed"][1] + packed
+
+
+def test_auto_keeps_plain_weights_when_the_copies_would_crowd_memory(tiny_llama_dir, monkeypatch,
+                                                                       caplog):
+    """A host with little memory available (faked: a Kubernetes-free stand-in for a small
+    node) keeps plain weights under auto even where packing wins, and says why; asking for
+    packed still packs."""
+    import logging
+
+    from engine import kernel_choice
+    from engine.memory_profile import HostMemory
+    from kernels.packed_weights import PackingCalibration
+
+    monkeypatch.setattr(kernel_choice, "calibrate_packing",
+                        lambda weights: PackingCalibration(True, ((16, 1.0, 2.0),)))
+    monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (1 << 10, 1 << 30))
+    caplog.set_level(logging.WARNING, logger="engine.model_runner")
+    assert not _engine(tiny_llama_dir, "auto").runner.packed_weights
+    assert "linear weights stay plain: packed copies would take" in caplog.text
+    assert _engine(tiny_llama_dir, "packed").runner.packed_weights
+    monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (1 << 40, 1 << 40))
+    assert _engine(tiny_llama_dir, "auto").runner.packed_weights
