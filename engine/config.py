@@ -180,7 +180,8 @@ class EngineConfig:
     # (kernels/packed_weights.py), read by every matmul past the small-M kernel's rows, so
     # oneDNN does not reorder the weight on each call; it costs a second copy of the weights.
     # "plain": torch's F.linear on the weights as loaded; "auto": packed if it wins by 10% at
-    # 16 and 64 rows here, measured at start.
+    # 16 and 64 rows here, measured at start, and the copies take at most a quarter of the
+    # host's available memory.
     cpu_weight_layout: str = "auto"
     # CPU steps of decode rows only, in bfloat16 with the C++ attention: "cpp" runs all decoder
     # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),

@@ -85,7 +85,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=_env("cpu_weight_layout", "auto"),
                         help="CPU bf16: 'packed' keeps the linear weights also in oneDNN's "
                              "blocked layout (a second copy; faster decode batches), 'plain' "
-                             "does not; 'auto': packed if it wins at start on this host")
+                             "does not; 'auto': packed if it wins at start on this host and the copy "
+                             "takes at most a quarter of the available memory")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
