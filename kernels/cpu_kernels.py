@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in (
     "paged_decode_attention.cpp", "small_m_linear.cpp", "fused_decode.cpp",
-    "prefill_attention.cpp", "prefill_attention_amx.cpp")]
+    "prefill_attention.cpp", "prefill_attention_amx.cpp", "greedy_argmax.cpp")]
 _HEADERS = [Path(__file__).parent / "cpu" / name for name in (
     "vector_math.h", "prefill_attention_amx.h")]
 # A build lock older than this was left by a process killed mid-build (torch's own lock has no
@@ -54,6 +54,11 @@ def load() -> bool:
             _loaded = _build()
             _load_seconds = time.monotonic() - start
         return _loaded
+
+
+def loaded() -> bool:
+    """Whether `load()` has loaded the kernels in this process (never builds or waits)."""
+    return bool(_loaded)
 
 
 def load_seconds() -> float:
