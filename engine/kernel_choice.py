@@ -10,6 +10,7 @@ through a collective (min_over_ranks)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -90,7 +91,7 @@ def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     """Whether the linear layers get weights packed for oneDNN (cpu_weight_layout): where it
     applies (CPU, bf16, a torch with mkldnn), "packed" asks for it, "auto" measures now on the
     model's weights whether it wins (kernels/packed_weights.py) and packs only if the copies
-    take at most PACKED_MEMORY_SHARE of the host's available memory."""
+    take at most PACKED_MEMORY_SHARE of the memory available to it (available_memory)."""
     choice = config.cpu_weight_layout
     if choice not in ("auto", "packed", "plain"):
         raise ValueError(f"unknown cpu_weight_layout {choice!r} (choose auto, packed or plain)")
@@ -104,13 +105,27 @@ def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtyp
         return True
     calibration = calibrate_packing(calibration_weights(model))
     log.info("%s", calibration.describe())
-    needed, (available, _) = packable_bytes(model), HostMemory().free_and_total()
+    needed, available = packable_bytes(model), available_memory()
     fits = needed <= PACKED_MEMORY_SHARE * available
     if calibration.packed and not fits:
         log.warning("linear weights stay plain: packed copies would take %.0f MiB of the %.0f MiB "
                     "available (at most %.0f%% allowed; --cpu-weight-layout packed forces them)",
                     needed / 2**20, available / 2**20, PACKED_MEMORY_SHARE * 100)
     return get_tp().min_over_ranks(int(calibration.packed and fits)) == 1
+
+
+def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process may still take: the host's MemAvailable, or less where a container's
+    memory limit (cgroup v2 memory.max over memory.current) leaves less."""
+    available, _ = HostMemory().free_and_total()
+    try:
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        used = int(Path(cgroup, "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return available
+    if limit == "max":
+        return available
+    return max(0, min(available, int(limit) - used))
 
 
 def small_m_max_rows(config: EngineConfig, model: torch.nn.Module, packed: bool) -> int:

@@ -143,4 +143,22 @@ def test_auto_keeps_plain_weights_when_the_copies_would_crowd_memory(tiny_llama_
     assert "linear weights stay plain: packed copies would take" in caplog.text
     assert _engine(tiny_llama_dir, "packed").runner.packed_weights
     monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (1 << 40, 1 << 40))
+    monkeypatch.setattr(kernel_choice, "available_memory", lambda: 1 << 40)
     assert _engine(tiny_llama_dir, "auto").runner.packed_weights
+
+
+def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
+    """cgroup v2 files in a folder stand in for a pod's /sys/fs/cgroup (no container runtime
+    here): a limit leaves less than the host's MemAvailable; "max" or no files leave it."""
+    from engine import kernel_choice
+    from engine.memory_profile import HostMemory
+
+    monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (8 << 30, 16 << 30))
+    assert kernel_choice.available_memory(str(tmp_path)) == 8 << 30  # no cgroup files
+    (tmp_path / "memory.max").write_text("4294967296\n")
+    (tmp_path / "memory.current").write_text(f"{3 << 30}\n")
+    assert kernel_choice.available_memory(str(tmp_path)) == 1 << 30
+    (tmp_path / "memory.current").write_text(f"{5 << 30}\n")
+    assert kernel_choice.available_memory(str(tmp_path)) == 0
+    (tmp_path / "memory.max").write_text("max\n")
+    assert kernel_choice.available_memory(str(tmp_path)) == 8 << 30
