@@ -23,13 +23,13 @@ from kernels.attention import calibrate_prefill_attention
 from kernels.linear import (
     SMALL_M_MAX_ROWS,
     calibrate_small_m_max_rows,
+    calibration_layers,
     calibration_weights,
     small_m_linear_available,
 )
 from kernels.packed_weights import (
     PACKED_MEMORY_SHARE,
     calibrate_packing,
-    pack_weight,
     packing_available,
 )
 
@@ -131,16 +131,17 @@ def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:
 def small_m_max_rows(config: EngineConfig, model: torch.nn.Module, packed: bool) -> int:
     """Rows up to which the linear layers take the C++ small-M kernel: cpu_small_m_max_rows
     when set (>= 0), every row count up to SMALL_M_MAX_ROWS with cpu_linear "cpp", else
-    measured now on this model's weights against the path larger batches take (`packed`
-    weights or plain F.linear; kernels/linear.py)."""
+    measured now on this model's weights against the path larger batches take (the layers'
+    `packed` weights, use_packed_weights having run, or plain F.linear; kernels/linear.py)."""
     fixed = config.cpu_small_m_max_rows
     if fixed >= 0:
         return min(fixed, SMALL_M_MAX_ROWS)
     if config.cpu_linear == "cpp":
         return SMALL_M_MAX_ROWS
-    weights = calibration_weights(model)
+    layers = calibration_layers(model)
     calibration = calibrate_small_m_max_rows(
-        weights, packed=[pack_weight(w) for w in weights] if packed else None)
+        [layer.weight.detach() for layer in layers],
+        packed=[layer.packed_weight for layer in layers] if packed else None)
     log.info("%s", calibration.describe())
     return get_tp().min_over_ranks(calibration.max_rows)
 

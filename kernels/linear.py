@@ -102,17 +102,22 @@ def calibrate_small_m_max_rows(weights: list[torch.Tensor], repeats: int = 3,
     return SmallMCalibration(max_rows, tuple(timings))
 
 
-def calibration_weights(model: torch.nn.Module, budget: int = CALIBRATION_WEIGHT_BYTES) -> list[torch.Tensor]:
-    """The model's linear weights in module order (its first layers' projections) up to
-    `budget` bytes: the shapes a decode step multiplies."""
+def calibration_layers(model: torch.nn.Module, budget: int = CALIBRATION_WEIGHT_BYTES) -> list[torch.nn.Module]:
+    """The model's linear layers in module order (its first layers' projections, not the LM
+    head) up to `budget` bytes of weights: the shapes a decode step multiplies."""
     chosen, total = [], 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (not hasattr(module, "small_m_max_rows") or weight is None or weight.dim() != 2
                 or module is getattr(model, "lm_head", None)):
             continue
-        chosen.append(weight.detach())
+        chosen.append(module)
         total += weight.numel() * weight.element_size()
         if total >= budget:
             break
     return chosen
+
+
+def calibration_weights(model: torch.nn.Module, budget: int = CALIBRATION_WEIGHT_BYTES) -> list[torch.Tensor]:
+    """The weights of calibration_layers."""
+    return [layer.weight.detach() for layer in calibration_layers(model, budget)]

@@ -38,11 +38,10 @@ def use_packed_weights(model: nn.Module) -> int:
     its matmuls then read past the small-M kernel's rows; the caller has checked the weights
     are CPU bfloat16 and packing wins here (kernels/packed_weights.py). Returns the bytes the
     copies take."""
-    total = 0
+    total = packable_bytes(model)
     for layer in model.modules():
         if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None:
             layer.packed_weight = pack_weight(layer.weight)
-            total += layer.weight.numel() * layer.weight.element_size()
     return total
 
 

@@ -15,20 +15,9 @@
 
 #include <immintrin.h>
 
-namespace {
+#include "vector_math.h"
 
-// Whether this CPU has AVX-512F (the vector pick); checked once per process.
-bool has_avx512f() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
+namespace {
 
 #define ARGMAX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
@@ -58,7 +47,7 @@ ARGMAX_TARGET inline __m512 load16(const c10::BFloat16* p) {
 // scalar pick, which finds the first NaN.
 template <typename T>
 ARGMAX_TARGET int64_t row_argmax(const T* row, int64_t n) {
-  const int64_t whole = has_avx512f() ? n / 16 * 16 : 0;
+  const int64_t whole = splitserve_cpu::has_avx512f() ? n / 16 * 16 : 0;
   if (whole == 0) {
     float best = -INFINITY;
     int64_t at = 0;

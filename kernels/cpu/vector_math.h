@@ -1,5 +1,5 @@
 // What the CPU kernels share: element-wise math written so that the compiler vectorizes it, and
-// the run-time check for AVX-512 BF16 that their bf16 dot-product paths need.
+// the run-time checks for the AVX-512 (BF16) instructions their vector paths need.
 #pragma once
 
 #include <algorithm>
@@ -9,17 +9,23 @@
 
 namespace splitserve_cpu {
 
+// Whether this CPU has the feature `name` (a literal, as __builtin_cpu_supports takes it).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPLITSERVE_CPU_SUPPORTS(name) (__builtin_cpu_init(), __builtin_cpu_supports(name) != 0)
+#else
+#define SPLITSERVE_CPU_SUPPORTS(name) false
+#endif
+
 // Whether this CPU has AVX-512 BF16 (vdpbf16ps, vcvtneps2bf16): checked once per process.
 inline bool has_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
-  }();
+  static const bool has = SPLITSERVE_CPU_SUPPORTS("avx512bf16");
   return has;
-#else
-  return false;
-#endif
+}
+
+// Whether this CPU has AVX-512F: checked once per process.
+inline bool has_avx512f() {
+  static const bool has = SPLITSERVE_CPU_SUPPORTS("avx512f");
+  return has;
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), written so the compiler

@@ -216,3 +216,14 @@ def smollm2_chat_prompts(model_dir) -> dict[str, list[int]]:
                 [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                 return_dict=False)
             for i, q in enumerate(SMOL_QUESTIONS)}
+
+
+def parse_worker_flags(model_dir, *argv: str, role: str = "decode"):
+    """The WorkerConfig a worker of `role` builds from these command-line flags."""
+    import argparse
+
+    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, role=role)
+    return worker_config_from_args(parser.parse_args(["--model", str(model_dir), *argv]), role)

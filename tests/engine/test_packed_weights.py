@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_harness import drive
+from engine_harness import drive, parse_worker_flags
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -92,16 +92,10 @@ def test_a_layout_that_cannot_run_is_a_clear_error(tiny_llama_dir, layout, dtype
 
 
 def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llama_dir, monkeypatch):
-    import argparse
-
-    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
     from services.common.worker_config import WorkerConfig
 
     def parse(*argv: str) -> WorkerConfig:
-        parser = argparse.ArgumentParser()
-        add_worker_arguments(parser, role="decode")
-        return worker_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir), *argv]),
-                                       "decode")
+        return parse_worker_flags(tiny_llama_dir, *argv)
 
     assert parse().engine_config().cpu_weight_layout == "auto"  # measured at start
     assert parse("--cpu-weight-layout", "plain").engine_config().cpu_weight_layout == "plain"

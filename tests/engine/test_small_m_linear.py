@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import drive, make_engine
+from engine_harness import drive, make_engine, parse_worker_flags
 from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
@@ -163,16 +163,10 @@ def test_a_fixed_row_count_or_cpu_linear_cpp_skips_the_calibration(tiny_llama_di
 
 
 def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llama_dir, monkeypatch):
-    import argparse
-
-    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
     from services.common.worker_config import WorkerConfig
 
     def parse(*argv: str) -> WorkerConfig:
-        parser = argparse.ArgumentParser()
-        add_worker_arguments(parser, role="decode")
-        return worker_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir), *argv]),
-                                       "decode")
+        return parse_worker_flags(tiny_llama_dir, *argv)
 
     assert parse().engine_config().cpu_small_m_max_rows == -1  # measured at start
     assert parse("--cpu-small-m-max-rows", "16").engine_config().cpu_small_m_max_rows == 16
