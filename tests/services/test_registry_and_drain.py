@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 import redis
-from splitserve.v1 import decode_pb2, decode_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from services.common.registry import PREFIX_STREAM, WORKER_KEY, WorkerInfo
 from splitserve_cli.processes import start_worker
@@ -54,27 +54,44 @@ def test_worker_registers_publishes_prefix_events_and_deregisters(tiny_llama_dir
         worker.kill()
 
 
-def test_sigterm_finishes_held_streams_and_refuses_new_ones(tiny_llama_dir):
-    worker = start_worker("both", tiny_llama_dir, "--num-kv-blocks", "64")
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny model with a long context, so a held stream outlives the drain checks."""
+    from splitserve_cli.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), arch="llama", seed=0,
+                            max_position_embeddings=2048)
+
+
+def test_sigterm_finishes_held_streams_and_refuses_new_ones(long_model):
+    """The late request is sent once the worker reports DRAINING, while the held stream is
+    still generating (1,500 tokens: a fixed sleep raced a fast machine, where a short held
+    stream ended first and the late RPC met the server shutting down instead)."""
+    held_tokens = 1500
+    worker = start_worker("both", long_model, "--num-kv-blocks", "256")
     try:
         async def run():
             async with grpc.aio.insecure_channel(worker.address) as ch:
                 stub = decode_pb2_grpc.DecodeStub(ch)
                 stream = stub.Generate(decode_pb2.GenerateRequest(
-                    request_id="held", prompt_token_ids=[5, 6, 7], sampling=greedy(300)))
+                    request_id="held", prompt_token_ids=[5, 6, 7],
+                    sampling=greedy(held_tokens)))
                 first = await stream.read()
                 worker.process.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(
+                    worker.wait_for,
+                    lambda h: h.status == common_pb2.HealthResponse.DRAINING,
+                    what="DRAINING")
                 late = stub.Generate(decode_pb2.GenerateRequest(
                     request_id="late", prompt_token_ids=[5, 6, 7], sampling=greedy(3)))
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await late.read()
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                tokens = await read_deltas(stream, list(first.delta.token_ids))
-                return tokens
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+                assert "draining" in err.value.details()
+                return await read_deltas(stream, list(first.delta.token_ids))
 
-        assert len(asyncio.run(run())) == 300
-        worker.process.wait(20)
+        assert len(asyncio.run(run())) == held_tokens
+        worker.process.wait(30)
         assert worker.process.returncode == 0
     finally:
         worker.kill()
