@@ -1,10 +1,12 @@
 """Benchmark: the C++ small-M bfloat16 linear kernel against torch's bf16 mm on SmolLM2's
-shapes (microseconds and GB/s of weights per call; with --packed also torch's mm from weights
-packed for oneDNN, kernels/packed_weights.py), and batch-1 decode of the engine with
-cpu_linear torch and cpp against the read-bandwidth floor.
+shapes (microseconds and GB/s of weights per call; with --layouts also the matmul from weights
+packed once: "packed", torch's mm from oneDNN's blocked layout, and "amx", the AMX kernel from
+its tile layout, kernels/packed_weights.py), and batch-1 decode of the engine with cpu_linear
+torch and cpp against the read-bandwidth floor.
 
 Run from the repo root:  .venv/bin/python bench/cpu_linear.py [--rows 1,2,4,8] [--skip-engine]
-                         .venv/bin/python bench/cpu_linear.py --rows 1,4,8,16,64 --packed --skip-engine
+                         .venv/bin/python bench/cpu_linear.py --rows 1,4,8,16,64 --layouts packed,amx --skip-engine
+(--packed is --layouts packed.)
 Each call reads another copy of the weights, more of them than the last-level cache holds, so
 the weights come from memory as in a decode step, not from cache.
 """
@@ -33,7 +35,7 @@ from bench.offline.splitserve_runner import decode_step_ms as splitserve_decode_
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from kernels.linear import SMALL_M_MAX_ROWS, small_m_linear_available  # noqa: E402
-from kernels.packed_weights import pack_weight, packed_linear  # noqa: E402
+from kernels.packed_weights import amx_available, pack_weight, packed_linear  # noqa: E402
 
 
 def model_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -62,17 +64,18 @@ def time_per_call(fn, weights: list[torch.Tensor], repeats: int) -> float:
 
 
 def micro(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int,
-          rotate_bytes: int, packed: bool = False) -> list[dict]:
+          rotate_bytes: int, layouts: tuple[str, ...] = ()) -> list[dict]:
     results = []
     kernel = torch.ops.splitserve_cpu.small_m_linear
     print(f"{'layer':13s} {'M':>3s} {'N':>6s} {'K':>5s} {'torch us':>9s} {'GB/s':>6s} "
           f"{'cpp us':>9s} {'GB/s':>6s} {'speedup':>8s}"
-          + (f" {'packed us':>10s} {'GB/s':>6s} {'vs torch':>9s}" if packed else ""), flush=True)
+          + "".join(f" {layout + ' us':>10s} {'GB/s':>6s} {'vs torch':>9s}" for layout in layouts),
+          flush=True)
     totals: dict[int, dict[str, float]] = {}
     for name, (n, k) in shapes.items():
         nbytes = n * k * 2
         weights = [torch.randn(n, k).bfloat16() for _ in range(max(2, rotate_bytes // nbytes))]
-        packs = {id(w): pack_weight(w) for w in weights} if packed else {}
+        packs = {layout: {id(w): pack_weight(w, layout) for w in weights} for layout in layouts}
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             t_torch = time_per_call(lambda w, x=x: F.linear(x, w), weights, repeats)
@@ -82,22 +85,25 @@ def micro(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int,
                    "cpp_gbs": nbytes / t_cpp / 1e9, "speedup": t_torch / t_cpp}
             line = (f"{name:13s} {m:3d} {n:6d} {k:5d} {row['torch_us']:9.1f} {row['torch_gbs']:6.1f} "
                     f"{row['cpp_us']:9.1f} {row['cpp_gbs']:6.1f} {row['speedup']:7.2f}x")
-            if packed:
-                t_packed = time_per_call(lambda w, x=x, packs=packs: packed_linear(x, packs[id(w)], None),
-                                         weights, repeats)
-                row.update(packed_us=t_packed * 1e6, packed_gbs=nbytes / t_packed / 1e9)
-                line += f" {row['packed_us']:10.1f} {row['packed_gbs']:6.1f} {t_torch / t_packed:8.2f}x"
-                if name != "lm_head":
-                    total = totals.setdefault(m, {"torch": 0.0, "cpp": 0.0, "packed": 0.0})
-                    for path in total:
-                        total[path] += row[f"{path}_us"]
+            for layout in layouts:
+                t_packed = time_per_call(
+                    lambda w, x=x, p=packs[layout], n=n: packed_linear(x, p[id(w)], None, n),
+                    weights, repeats)
+                row.update({f"{layout}_us": t_packed * 1e6, f"{layout}_gbs": nbytes / t_packed / 1e9})
+                line += (f" {row[f'{layout}_us']:10.1f} {row[f'{layout}_gbs']:6.1f} "
+                         f"{t_torch / t_packed:8.2f}x")
+            if layouts and name != "lm_head":
+                total = totals.setdefault(m, dict.fromkeys(("torch", "cpp", *layouts), 0.0))
+                for path in total:
+                    total[path] += row[f"{path}_us"]
             results.append(row)
             print(line, flush=True)
         del weights, packs
     for m, total in totals.items():
         print(f"one decoder layer's projections at {m} rows: torch {total['torch']:.0f} us, cpp "
-              f"{total['cpp']:.0f} us, packed {total['packed']:.0f} us "
-              f"({total['torch'] / total['packed']:.2f}x torch's)")
+              f"{total['cpp']:.0f} us" + "".join(
+                  f", {layout} {total[layout]:.0f} us ({total['torch'] / total[layout]:.2f}x torch's)"
+                  for layout in layouts))
     return results
 
 
@@ -147,18 +153,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--decode-rounds", type=int, default=3)
     parser.add_argument("--skip-engine", action="store_true", help="the micro-benchmark only")
-    parser.add_argument("--packed", action="store_true",
-                        help="also time torch's mm from weights packed for oneDNN")
+    parser.add_argument("--layouts", default="",
+                        help="also time the matmul from weights packed in these layouts, comma "
+                             "separated: packed (oneDNN's), amx (the AMX kernel's)")
+    parser.add_argument("--packed", action="store_true", help="the same as --layouts packed")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if not small_m_linear_available():
         raise SystemExit("the C++ small-M linear kernel needs the C++ kernels and avx512_bf16")
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
+    layouts = tuple(dict.fromkeys([*filter(None, args.layouts.split(",")), *(["packed"] if args.packed else [])]))
+    if "amx" in layouts and not amx_available():
+        raise SystemExit("the amx layout needs a CPU with AMX BF16 and the C++ kernels")
     print(f"cpu_linear: {args.threads} threads; the engine measures at start up to which M (at "
           f"most {SMALL_M_MAX_ROWS}) the kernel wins, and takes it up to there", flush=True)
     report = {"micro": micro(model_shapes(ModelConfig.from_dir(args.model)), rows, args.repeats,
-                             args.rotate_mb << 20, args.packed)}
+                             args.rotate_mb << 20, layouts)}
     if not args.skip_engine:
         report["engine"] = engine_decode(args.model, args.threads, args.decode_tokens, args.decode_rounds)
     if args.out:

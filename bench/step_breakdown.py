@@ -15,8 +15,8 @@ bound what it can gain; sampling stays on the critical path.
 --small-m-max-rows 64,8 builds one engine per value (the engine's cpu_small_m_max_rows: the most
 rows the C++ small-M linear takes; "auto" is the shipped measurement at start) and measures
 them side by side, alternating, --repeats times each, every run with fresh prompts.
---weight-layouts plain,packed does the same for the engine's cpu_weight_layout (the linear
-weights as loaded, or packed for oneDNN; "auto" is the shipped measurement at start).
+--weight-layouts plain,packed,amx does the same for the engine's cpu_weight_layout (the linear
+weights as loaded, packed for oneDNN or for the AMX kernel; "auto" is the shipped choice).
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--small-m-max-rows", default="auto",
                         help="comma-separated: auto (measured at start, shipped) or 0-64")
     parser.add_argument("--weight-layouts", default="auto",
-                        help="comma-separated: auto (measured at start, shipped), packed, plain")
+                        help="comma-separated: auto (shipped: amx where the CPU has AMX BF16, else "
+                             "measured at start), amx, packed, plain")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch, alternating")
     args = parser.parse_args()
     engines = {}
@@ -145,7 +146,7 @@ def main() -> None:
                     r = breakdown(each, batch, temperature, args.prompt_len, args.output_len, rng)
                     outside = 1 - r["forward_ms"] / r["step_ms"]
                     rows = f"{value} ({each.runner.small_m_max_rows})" if value == "auto" else value
-                    packed = "packed" if each.runner.packed_weights else "plain"
+                    packed = each.runner.weight_layout
                     weights = f"{layout} ({packed})" if layout == "auto" else layout
                     print(f"| {rows} | {weights} | {batch} | {temperature:g} | {r['step_ms']:.2f} | "
                           f"{r['forward_ms']:.2f} | {r['logits_sampling_prep_ms']:.2f} | "

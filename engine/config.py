@@ -176,12 +176,13 @@ class EngineConfig:
     # the model's weights (kernels/linear.py calibrate_small_m_max_rows), or 64 with cpu_linear
     # "cpp". Past a handful of rows torch's mm (oneDNN, AMX where present) can be faster.
     cpu_small_m_max_rows: int = -1
-    # CPU linear weights in bfloat16: "packed" keeps a copy of each in oneDNN's blocked layout
-    # (kernels/packed_weights.py), read by every matmul past the small-M kernel's rows, so
-    # oneDNN does not reorder the weight on each call; it costs a second copy of the weights.
-    # "plain": torch's F.linear on the weights as loaded; "auto": packed if it wins by 10% at
-    # 16 and 64 rows here, measured at start, and the copies take at most a quarter of the
-    # host's available memory.
+    # CPU linear weights in bfloat16: a copy of each packed once in the layout the tiles that
+    # multiply it read (kernels/packed_weights.py), read by every matmul past the small-M
+    # kernel's rows, so no call reorders a weight; it costs a second copy of the weights.
+    # "amx": our AMX kernel's layout (a CPU with AMX BF16); "packed": oneDNN's blocked layout for
+    # torch's matmul; "plain": torch's F.linear on the weights as loaded. "auto": amx where it
+    # runs, else packed if it wins by 10% at 16 and 64 rows here, measured at start; either
+    # only if the copies take at most a quarter of the host's available memory.
     cpu_weight_layout: str = "auto"
     # CPU steps of decode rows only, in bfloat16 with the C++ attention: "cpp" runs all decoder
     # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
-from engine.layers.linear import packable_bytes
+from engine.layers.linear import amx_layout_fits, packable_bytes
 from engine.memory_profile import HostMemory
 from kernels import cpu_kernels
 from kernels.attention import calibrate_prefill_attention
@@ -28,7 +28,10 @@ from kernels.linear import (
     small_m_linear_available,
 )
 from kernels.packed_weights import (
+    AMX_K_MULTIPLE,
+    LAYOUTS,
     PACKED_MEMORY_SHARE,
+    amx_available,
     calibrate_packing,
     packing_available,
 )
@@ -86,32 +89,47 @@ def small_m_linear(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     return False
 
 
-def packed_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                   model: torch.nn.Module) -> bool:
-    """Whether the linear layers get weights packed for oneDNN (cpu_weight_layout): where it
-    applies (CPU, bf16, a torch with mkldnn), "packed" asks for it, "auto" measures now on the
-    model's weights whether it wins (kernels/packed_weights.py) and packs only if the copies
-    take at most PACKED_MEMORY_SHARE of the memory available to it (available_memory)."""
+def weight_layout(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  model: torch.nn.Module) -> str:
+    """The layout of the linear layers' packed weight copies (cpu_weight_layout): "amx" (our
+    AMX kernel's tiles), "packed" (oneDNN's blocked layout) or "plain" (no copies: F.linear
+    on the weights as loaded). Packing applies on the CPU in bf16; "auto" takes "amx" where
+    the CPU has AMX BF16 and every weight suits it (it beat oneDNN's packed matmul at every
+    row count measured, bench/cpu_linear.py --layouts), else measures now on the model's
+    weights whether oneDNN's packing wins (kernels/packed_weights.py); either only if the
+    copies take at most PACKED_MEMORY_SHARE of the memory available to it (available_memory)."""
     choice = config.cpu_weight_layout
-    if choice not in ("auto", "packed", "plain"):
-        raise ValueError(f"unknown cpu_weight_layout {choice!r} (choose auto, packed or plain)")
-    applies = device.type == "cpu" and dtype == torch.bfloat16 and packing_available()
-    if choice == "packed" and not applies:
+    if choice not in ("auto", *LAYOUTS):
+        raise ValueError(f"unknown cpu_weight_layout {choice!r} (choose auto, amx, packed or plain)")
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+    if choice == "packed" and not (cpu_bf16 and packing_available()):
         raise ValueError("cpu_weight_layout 'packed' needs the CPU, --dtype bfloat16 and a torch "
                          "built with mkldnn (oneDNN)")
-    if not applies or choice == "plain":
-        return False
-    if choice == "packed":
-        return True
-    calibration = calibrate_packing(calibration_weights(model))
-    log.info("%s", calibration.describe())
+    amx = cpu_bf16 and amx_available() and amx_layout_fits(model)
+    if choice == "amx" and not amx:
+        raise ValueError("cpu_weight_layout 'amx' needs the CPU, --dtype bfloat16, a CPU with AMX "
+                         "BF16, the C++ kernels built and every linear layer's in_features a "
+                         f"multiple of {AMX_K_MULTIPLE}")
+    if not cpu_bf16 or choice == "plain":
+        return "plain"
+    if choice != "auto":
+        return choice
+    layout = "plain"
+    if amx:
+        layout = "amx"
+    elif packing_available():
+        calibration = calibrate_packing(calibration_weights(model))
+        log.info("%s", calibration.describe())
+        layout = "packed" if calibration.packed else "plain"
     needed, available = packable_bytes(model), available_memory()
-    fits = needed <= PACKED_MEMORY_SHARE * available
-    if calibration.packed and not fits:
-        log.warning("linear weights stay plain: packed copies would take %.0f MiB of the %.0f MiB "
-                    "available (at most %.0f%% allowed; --cpu-weight-layout packed forces them)",
-                    needed / 2**20, available / 2**20, PACKED_MEMORY_SHARE * 100)
-    return get_tp().min_over_ranks(int(calibration.packed and fits)) == 1
+    if layout != "plain" and needed > PACKED_MEMORY_SHARE * available:
+        log.warning("linear weights stay plain: %s copies would take %.0f MiB of the %.0f MiB "
+                    "available (at most %.0f%% allowed; --cpu-weight-layout %s forces them)",
+                    layout, needed / 2**20, available / 2**20, PACKED_MEMORY_SHARE * 100, layout)
+        layout = "plain"
+    # Every rank multiplies its shard the same way: the least any rank could take.
+    rank = get_tp().min_over_ranks(LAYOUTS[::-1].index(layout))
+    return LAYOUTS[::-1][rank]
 
 
 def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:

@@ -84,14 +84,14 @@ class ModelRunner:
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
         self.small_m_linear = kernel_choice.small_m_linear(config, self.device, self.dtype)
-        self.packed_weights = kernel_choice.packed_weights(config, self.device, self.dtype,
-                                                           self.model)
-        if self.packed_weights:
-            packed_bytes = use_packed_weights(self.model)
-            logging.getLogger(__name__).info("linear weights packed for oneDNN: %.0f MiB more",
-                                             packed_bytes / 2**20)
+        self.weight_layout = kernel_choice.weight_layout(config, self.device, self.dtype, self.model)
+        if self.weight_layout != "plain":
+            packed_bytes = use_packed_weights(self.model, self.weight_layout)
+            logging.getLogger(__name__).info(
+                "linear weights packed for %s: %.0f MiB more",
+                "the AMX kernel" if self.weight_layout == "amx" else "oneDNN", packed_bytes / 2**20)
         self.small_m_max_rows = (kernel_choice.small_m_max_rows(config, self.model,
-                                                                self.packed_weights)
+                                                                self.weight_layout != "plain")
                                  if self.small_m_linear else 0)
         use_small_m_linear(self.model, self.small_m_max_rows)
         self.fused_decode = kernel_choice.fused_decode(config, self.device, self.dtype,
@@ -105,7 +105,7 @@ class ModelRunner:
             native_prefill=self.native_prefill, small_m_linear=self.small_m_max_rows > 0,
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
-            small_m_max_rows=self.small_m_max_rows, packed_weights=self.packed_weights,
+            small_m_max_rows=self.small_m_max_rows, weight_layout=self.weight_layout,
             triton=self.triton,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets

@@ -22,7 +22,7 @@ class KernelPaths:
     @classmethod
     def of(cls, *, device: torch.device, dtype: torch.dtype, native_decode: bool,
            native_prefill: bool, small_m_linear: bool, fused_decode: bool, head_dim: int,
-           query_heads_per_kv_head: int, small_m_max_rows: int, packed_weights: bool = False,
+           query_heads_per_kv_head: int, small_m_max_rows: int, weight_layout: str = "plain",
            triton: bool = False) -> KernelPaths:
         if triton:  # CUDA, or the tests' interpreter on CPU
             return cls("triton paged decode attention (split-K)",
@@ -39,7 +39,9 @@ class KernelPaths:
                 "AVX-512 head_dim-64" if wide else "portable") + ")"
         else:
             decode = "torch SDPA reference"
-        torch_linear = "torch F.linear" + (" (oneDNN packed weights)" if packed_weights else "")
+        torch_linear = {"amx": "cpp amx_linear (AMX tiles, packed weights)",
+                        "packed": "torch F.linear (oneDNN packed weights)"}.get(weight_layout,
+                                                                               "torch F.linear")
         return cls(
             decode_attention=decode,
             prefill_attention=_cpp_prefill() if native_prefill else "torch SDPA reference",

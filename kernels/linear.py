@@ -1,7 +1,8 @@
-"""The matmul of the linear layers: torch's F.linear (on CPU in bfloat16 with the weight packed
-for oneDNN where that wins: kernels/packed_weights.py), or on CPU in bfloat16 for a few rows
-(decode) the C++ small-M kernel (kernels/cpu/small_m_linear.cpp), which reads each weight row
-once for all rows. small_m_linear_reference is what that kernel is tested against."""
+"""The matmul of the linear layers: torch's F.linear, or on CPU in bfloat16 from a copy of the
+weight packed once for the tiles that multiply it (the AMX kernel's layout or oneDNN's:
+kernels/packed_weights.py), or for a few rows (decode) the C++ small-M kernel
+(kernels/cpu/small_m_linear.cpp), which reads each weight row once for all rows.
+small_m_linear_reference is what the C++ kernels are tested against."""
 
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear, by the C++ kernel when x is [M, K] with 0 < M <= small_m_max_rows (0: never),
-    else from `packed` (the weight as kernels.packed_weights.pack_weight returned it) when
-    given and x is [M, K]. The caller enables both only for CPU bfloat16 weights."""
+    else from `packed` (the weight as kernels.packed_weights.pack_weight returned it, in
+    either layout) when given and x is [M, K]. The caller enables both only for CPU bfloat16
+    weights."""
     if x.dim() == 2:
         if 0 < x.shape[0] <= small_m_max_rows:
             return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
         if packed is not None:
-            return packed_linear(x, packed, bias)
+            return packed_linear(x, packed, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 

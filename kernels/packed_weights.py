@@ -1,15 +1,17 @@
-"""Linear weights kept in oneDNN's own blocked layout on CPU (bfloat16), so torch's mm does not
-reorder every weight on every call.
+"""Linear weights kept on CPU (bfloat16) in the layout the matmul's tiles read, so no call
+reorders a weight: "amx", the layout of our AMX kernel (kernels/cpu/amx_linear.cpp), where the
+CPU has AMX BF16; else "packed", oneDNN's own blocked layout for torch's matmul.
 
 torch's bf16 F.linear hands oneDNN a plain [N, K] weight, which oneDNN first copies into the
 blocked (VNNI) layout its AMX / AVX-512 micro-kernels read: each weight crosses memory three
 times a step instead of once. A decode step reads every weight from DRAM, so that copy costs
 a third of its matmul time: on one host a SmolLM2 decoder layer's four projections took 761 us
 at 64 rows and 559 at 16 with plain weights, 488 and 372 packed, 1.5x less at every row count
-from 1 to 64 (`python bench/cpu_linear.py --rows 1,4,8,16,64 --packed --skip-engine`). The
-packed copy is made once at start (the engine measures first whether it wins here:
-calibrate_packing) and costs memory: a second copy of each packed weight, the plain one
-staying for the small-M kernel, the embedding (tied weights) and weight loading.
+from 1 to 64 (`python bench/cpu_linear.py --rows 1,4,8,16,64 --packed --skip-engine`). Packed
+for oneDNN, its matmul still read SmolLM2's 30 layers at 16-19 GB/s at 1-32 rows where the AMX
+kernel reads them at 22-27 (`python bench/cpu_linear.py --layouts`). The copy is made once at
+start and costs memory: a second copy of each packed weight, the plain one staying for the
+small-M kernel, the embedding (tied weights) and weight loading.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 from kernels.timing import best_seconds
 
 # The row count oneDNN is told to expect when packing: decode batches. On the host above, a
 # weight packed for 64 rows served 1 to 512 rows as fast as one packed for that count (and a
 # weight packed for 512 rows was slower at 512 than plain).
 PACK_ROWS_HINT = 64
+# The AMX kernel multiplies K in steps of 32 (one tile row of bfloat16).
+AMX_K_MULTIPLE = 32
+# The weight layouts a linear layer's packed copy may have (cpu_weight_layout, past "auto").
+LAYOUTS = ("amx", "packed", "plain")
 # Rows the calibration times: the decode batches where packing matters.
 CALIBRATION_ROWS = (16, 64)
 # Packed weights are kept only if they take at most this share of plain F.linear's time.
@@ -42,14 +49,34 @@ def packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (bf16, CPU) in oneDNN's blocked layout, for packed_linear."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+def amx_available() -> bool:
+    """Whether the AMX linear kernel runs here: the C++ kernels built, a CPU with AMX BF16."""
+    return cpu_kernels.load() and bool(torch.ops.splitserve_cpu.has_amx_linear())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K], with the weight as pack_weight returned it."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def amx_packable(weight: torch.Tensor) -> bool:
+    """Whether the AMX kernel takes this weight: [N, K] bfloat16 on the CPU, K a multiple of 32."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[1] % AMX_K_MULTIPLE == 0)
+
+
+def pack_weight(weight: torch.Tensor, layout: str = "packed") -> torch.Tensor:
+    """weight [N, K] (bf16, CPU) in `layout`, for packed_linear: "amx" (the AMX kernel's tiles)
+    or "packed" (oneDNN's blocked layout)."""
+    if layout == "amx":
+        return torch.ops.splitserve_cpu.amx_pack_linear_weight(weight.detach())
+    if layout == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    raise ValueError(f"no packed layout {layout!r} (amx or packed)")
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K], with the weight [out_features, K] as
+    pack_weight returned it (oneDNN's copies are mkldnn tensors, the AMX kernel's dense)."""
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.splitserve_cpu.amx_linear(x, packed, bias, out_features)
 
 
 @dataclass(frozen=True)
@@ -76,7 +103,8 @@ def calibrate_packing(weights: list[torch.Tensor], repeats: int = 3,
     for rows in CALIBRATION_ROWS:
         xs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
         best = best_seconds({
-            "packed": lambda xs=xs: [packed_linear(x, p, None) for x, p in zip(xs, packed, strict=True)],
+            "packed": lambda xs=xs: [packed_linear(x, p, None, w.shape[0])
+                                     for x, p, w in zip(xs, packed, weights, strict=True)],
             "plain": lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
         }, repeats)
         timings.append((rows, best["packed"], best["plain"]))

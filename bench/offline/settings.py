@@ -23,8 +23,7 @@ def splitserve_config(engine) -> dict:
             "prefix_caching": c.enable_prefix_caching, "block_size": c.block_size,
             "kv_blocks": engine.kv.num_blocks, "cpu_attention": c.cpu_attention,
             "cpu_linear": c.cpu_linear, "cpu_fused_decode": c.cpu_fused_decode,
-            "cpu_weight_layout": f"{c.cpu_weight_layout} -> "
-                                 f"{'packed' if engine.runner.packed_weights else 'plain'}",
+            "cpu_weight_layout": f"{c.cpu_weight_layout} -> {engine.runner.weight_layout}",
             "small_m_max_rows": engine.runner.small_m_max_rows,
             "prefill_attention": engine.runner.kernel_paths.prefill_attention}
 

@@ -3,8 +3,8 @@
 Column-parallel layers split output features, row-parallel layers split input features and
 all-reduce their output. Each parameter carries a `weight_loader` that takes the full
 checkpoint tensor and keeps this rank's shard, so no rank materialises the whole model.
-The matmul is kernels.linear.linear: torch's (on CPU in bf16 from weights packed for oneDNN,
-use_packed_weights), or the C++ small-M kernel for decode on CPU.
+The matmul is kernels.linear.linear: torch's, or on CPU in bf16 from weights packed for the
+AMX kernel or oneDNN (use_packed_weights), or the C++ small-M kernel for decode on CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.distributed import get_tp
 from kernels.linear import linear
-from kernels.packed_weights import pack_weight
+from kernels.packed_weights import amx_packable, pack_weight
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -33,22 +33,33 @@ def use_small_m_linear(model: nn.Module, max_rows: int) -> int:
     return len(layers)
 
 
-def use_packed_weights(model: nn.Module) -> int:
-    """Give every linear layer (and the LM head) a copy of its weight packed for oneDNN, which
-    its matmuls then read past the small-M kernel's rows; the caller has checked the weights
-    are CPU bfloat16 and packing wins here (kernels/packed_weights.py). Returns the bytes the
-    copies take."""
-    total = packable_bytes(model)
-    for layer in model.modules():
-        if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None:
-            layer.packed_weight = pack_weight(layer.weight)
+def use_packed_weights(model: nn.Module, layout: str) -> int:
+    """Give every linear layer (and the LM head) a copy of its weight packed in `layout`
+    ("amx" or "packed": kernels/packed_weights.py), which its matmuls then read past the
+    small-M kernel's rows; the caller has checked the weights are CPU bfloat16 and suit the
+    layout (amx_layout_fits). Returns the bytes the copies take."""
+    total = 0
+    for layer in packable_layers(model):
+        layer.packed_weight = pack_weight(layer.weight, layout)
+        total += layer.packed_weight.numel() * layer.packed_weight.element_size()
     return total
 
 
+def packable_layers(model: nn.Module) -> list[nn.Module]:
+    """The linear layers (and the LM head) use_packed_weights gives a packed copy."""
+    return [layer for layer in model.modules()
+            if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None]
+
+
 def packable_bytes(model: nn.Module) -> int:
-    """What use_packed_weights would add: the bytes of the weights it packs."""
-    return sum(layer.weight.numel() * layer.weight.element_size() for layer in model.modules()
-               if hasattr(layer, "small_m_max_rows") and layer.packed_weight is None)
+    """About what use_packed_weights would add: the bytes of the weights it packs (the AMX
+    layout pads each weight's rows to a multiple of 32)."""
+    return sum(layer.weight.numel() * layer.weight.element_size() for layer in packable_layers(model))
+
+
+def amx_layout_fits(model: nn.Module) -> bool:
+    """Whether the AMX kernel takes every weight use_packed_weights would pack."""
+    return all(amx_packable(layer.weight) for layer in packable_layers(model))
 
 
 class ColumnParallelLinear(nn.Module):

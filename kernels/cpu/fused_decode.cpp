@@ -2,7 +2,7 @@
 // one call runs every layer, so a batch-1 step pays no Python and no dispatcher round trip per
 // element-wise op. Measured with torch.profiler on SmolLM2 (30 layers), the unfused layer costs
 // ~20 small ops of 2-16 us each, about 3.5 of a 13.4 ms step; the matmuls and attention
-// stay the kernels they were (small_m_linear or torch's linear, paged_decode_attention).
+// stay the kernels they were (small_m_linear, amx_linear or torch's linear, paged_decode_attention).
 //
 // Every element-wise step rounds to bf16 where the module path does (engine/layers/*.py), so
 // the results match it except where a float32 sum (RMS) or exp (SiLU) is taken in another
@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "amx_linear.h"
 #include "vector_math.h"
 
 namespace {
@@ -143,8 +144,9 @@ void check_bf16_vector(const at::Tensor& t, int64_t size, const char* what) {
 // rotary angles (signed sin, see engine/layers/rotary.py). slot_mapping, block_tables and
 // seq_lens as paged_decode_attention takes them; one query token per row. windows: layer l's
 // sliding window (0: none), as paged_decode_attention takes it; empty: no layer has one.
-// packed: empty, or every layer's four weights packed for oneDNN (kernels/packed_weights.py),
-// layer by layer in the order qkv, o, gate_up, down: rows past small_m_max_rows read those.
+// packed: empty, or every layer's four weights packed (kernels/packed_weights.py: for the AMX
+// kernel, dense, or for oneDNN, mkldnn tensors), layer by layer in the order qkv, o, gate_up,
+// down: rows past small_m_max_rows read those.
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList input_norm, at::TensorList qkv_weight, at::TensorList qkv_bias,
                          at::TensorList o_weight, at::TensorList post_norm,
@@ -211,6 +213,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                     int64_t l, int which) {
     if (small) return small_m_linear.call(x, w, b, false);
     if (packed.empty()) return at::linear(x, w, b);
+    if (!packed[4 * l + which].is_mkldnn()) return splitserve_cpu::amx_linear(x, packed[4 * l + which], b, w.size(0));
     torch::jit::Stack stack{x, packed[4 * l + which], b, std::string("none"),
                             c10::List<std::optional<at::Scalar>>(), std::optional<std::string>("")};
     packed_linear.callBoxed(&stack);
@@ -329,7 +332,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
         "int[] windows=[]) -> Tensor");
 }
 
-// The packed weights are oneDNN (MkldnnCPU) tensors, which send the call to that key.
+// Weights packed for oneDNN are MkldnnCPU tensors, which send the call to that key.
 TORCH_LIBRARY_IMPL(splitserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {

@@ -81,12 +81,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("cpu_small_m_max_rows", -1)),
                         help="CPU bf16: most rows the C++ small-M linear takes (0-64; torch's mm "
                              "above); -1: measured at start against torch's mm on this host")
-    parser.add_argument("--cpu-weight-layout", choices=("auto", "packed", "plain"),
+    parser.add_argument("--cpu-weight-layout", choices=("auto", "amx", "packed", "plain"),
                         default=_env("cpu_weight_layout", "auto"),
-                        help="CPU bf16: 'packed' keeps the linear weights also in oneDNN's "
-                             "blocked layout (a second copy; faster decode batches), 'plain' "
-                             "does not; 'auto': packed if it wins at start on this host and the copy "
-                             "takes at most a quarter of the available memory")
+                        help="CPU bf16: a second copy of the linear weights for faster decode "
+                             "batches, in the AMX kernel's tile layout ('amx') or oneDNN's "
+                             "blocked layout ('packed'); 'plain': none; 'auto': amx where the CPU "
+                             "has AMX BF16, else packed if it wins at start on this host, and "
+                             "only if the copy takes at most a quarter of the available memory")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))

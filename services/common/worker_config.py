@@ -84,7 +84,8 @@ class WorkerConfig:
     cuda_graph_max_context: int = 0
     # CPU bf16: most rows the C++ small-M linear takes; -1: measured at start (engine/config.py).
     cpu_small_m_max_rows: int = -1
-    # CPU bf16: linear weights also packed for oneDNN (auto | packed | plain; engine/config.py).
+    # CPU bf16: linear weights also packed for AMX or oneDNN (auto | amx | packed | plain;
+    # engine/config.py).
     cpu_weight_layout: str = "auto"
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
@@ -157,8 +158,8 @@ class WorkerConfig:
                              "(0: the defaults)")
         if not -1 <= self.cpu_small_m_max_rows <= 64:
             raise ValueError("--cpu-small-m-max-rows must be -1 (measured at start) or 0 to 64")
-        if self.cpu_weight_layout not in ("auto", "packed", "plain"):
-            raise ValueError("--cpu-weight-layout must be auto, packed or plain")
+        if self.cpu_weight_layout not in ("auto", "amx", "packed", "plain"):
+            raise ValueError("--cpu-weight-layout must be auto, amx, packed or plain")
         self._check_speculative()
         self.tls.check()
         if self.cluster_secret_file:

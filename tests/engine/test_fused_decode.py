@@ -17,6 +17,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kernels.attention import store_kv
+from kernels.packed_weights import amx_available
 
 pytestmark = require_cpu_kernels()
 ops = torch.ops.splitserve_cpu
@@ -107,9 +108,11 @@ def _bf16_engine(model_dir, fused: str, **config) -> LLMEngine:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-# torch: at::linear, or oneDNN's matmul from packed weights
-@pytest.mark.parametrize("batch,linear,layout", [(3, "auto", "auto"), (11, "torch", "plain"),
-                                                 (11, "torch", "packed")])
+# torch: at::linear, or oneDNN's matmul or the AMX kernel from packed weights
+@pytest.mark.parametrize("batch,linear,layout", [
+    (3, "auto", "auto"), (11, "torch", "plain"), (11, "torch", "packed"),
+    pytest.param(11, "torch", "amx", marks=pytest.mark.skipif(
+        not amx_available(), reason="no AMX BF16 on this CPU"))])
 def test_a_decode_step_matches_the_module_path(request, model, batch, linear, layout):
     """The same decode step (rows of different context lengths) through both paths, from the
     same cache: the final hidden states and every layer's cache writes agree."""

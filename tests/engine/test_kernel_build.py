@@ -110,9 +110,10 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
     # Up to how many rows the small-M kernel beats torch's mm is measured at start...
     rows = engine.runner.small_m_max_rows
     assert rows in (0, *SMALL_M_CANDIDATES)
-    # ...and whether weights packed for oneDNN beat plain ones.
-    torch_linear = "torch F.linear" + (" (oneDNN packed weights)" if engine.runner.packed_weights
-                                       else "")
+    # ...and the layout of the weights' packed copies (AMX tiles where the CPU has them).
+    torch_linear = {"amx": "cpp amx_linear (AMX tiles, packed weights)",
+                    "packed": "torch F.linear (oneDNN packed weights)"}.get(
+                        engine.runner.weight_layout, "torch F.linear")
     linear = (f"cpp small_m_linear (AVX-512 BF16, <= {rows} rows), {torch_linear} above" if rows
               else torch_linear)
     # So is whether the C++ prefill attention beats torch's SDPA here.

@@ -1,5 +1,6 @@
-"""Linear weights packed for oneDNN (kernels/packed_weights.py): the packed matmul against
-F.linear, the start-up measurement, and the engine with packed and plain weights."""
+"""Linear weights packed once (kernels/packed_weights.py), for the AMX kernel
+(kernels/cpu/amx_linear.cpp) or for oneDNN: each packed matmul against F.linear, the AMX
+kernel's refusals, the start-up choice, and the engine with packed and plain weights."""
 
 from __future__ import annotations
 
@@ -11,25 +12,77 @@ from engine_harness import drive, parse_worker_flags
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kernels.packed_weights import calibrate_packing, pack_weight, packed_linear, packing_available
+from kernels.packed_weights import (
+    LAYOUTS,
+    amx_available,
+    calibrate_packing,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without mkldnn")
+needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX BF16 on this CPU")
+LAYOUT_PARAMS = ["packed", pytest.param("amx", marks=needs_amx)]
 
 
-@pytest.mark.parametrize("rows", [1, 9, 64, 300])
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+@pytest.mark.parametrize("rows,out_features", [(1, 160), (9, 150), (17, 160), (33, 7), (64, 160),
+                                               (65, 96), (300, 150)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(layout, rows, out_features, bias):
+    """Row counts on both sides of the AMX kernel's 16-row tiles and 32-row passes, output
+    widths that are not whole 32-column blocks."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=generator).bfloat16()
-    weight = torch.randn(160, 96, generator=generator).bfloat16()
-    b = torch.randn(160, generator=generator).bfloat16() if bias else None
+    weight = torch.randn(out_features, 96, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
     exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
     plain = F.linear(x, weight, b).float()
-    packed = packed_linear(x, pack_weight(weight), b)
-    assert packed.shape == (rows, 160) and packed.dtype == torch.bfloat16
+    packed = packed_linear(x, pack_weight(weight, layout), b, out_features)
+    assert packed.shape == (rows, out_features) and packed.dtype == torch.bfloat16
     # Both round a float32 sum to bf16; the order of the sum may differ.
     error = (packed.float() - exact).abs().max().item()
     assert error <= 1.5 * (plain - exact).abs().max().item() + 2e-2, error
+
+
+@needs_amx
+def test_the_amx_kernel_reads_strided_rows_and_no_rows():
+    """x as the engine hands it: a view whose rows are further apart than K (a slice of a
+    wider tensor), and a step with no rows."""
+    generator = torch.Generator().manual_seed(0)
+    wide = torch.randn(20, 160, generator=generator).bfloat16()
+    weight = torch.randn(64, 128, generator=generator).bfloat16()
+    packed = pack_weight(weight, "amx")
+    x = wide[:, 16:144]
+    assert x.stride(0) == 160
+    got = packed_linear(x, packed, None, 64)
+    assert torch.equal(got, packed_linear(x.contiguous(), packed, None, 64))
+    exact = F.linear(x.float(), weight.float())
+    plain = F.linear(x, weight).float()
+    assert (got.float() - exact).abs().max() <= 1.5 * (plain - exact).abs().max() + 2e-2
+    assert packed_linear(x[:0], packed, None, 64).shape == (0, 64)
+
+
+@needs_amx
+def test_the_amx_kernel_refuses_what_it_cannot_multiply():
+    ops = torch.ops.splitserve_cpu
+    weight = torch.randn(64, 96).bfloat16()
+    packed = ops.amx_pack_linear_weight(weight)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.amx_pack_linear_weight(torch.randn(64, 100).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_pack_linear_weight(weight.float())
+    with pytest.raises(RuntimeError, match="input features"):
+        ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ops.amx_linear(torch.randn(2, 96).bfloat16(), packed, None, 100)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.amx_linear(torch.randn(2, 96).bfloat16(), packed, torch.randn(32).bfloat16(), 64)
+    with pytest.raises(RuntimeError, match="amx_pack_linear_weight"):
+        ops.amx_linear(torch.randn(2, 96).bfloat16(), weight, None, 64)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.amx_linear(torch.randn(2, 96), packed, None, 64)
 
 
 def test_calibration_keeps_packing_only_when_it_wins_by_the_margin():
@@ -51,39 +104,65 @@ def _engine(model_dir, layout: str, **config) -> LLMEngine:
 def test_the_engine_generates_the_same_with_packed_and_plain_weights(tiny_llama_dir):
     """Twelve requests decode together (past the small-M kernel's rows, so the packed weights
     are read, in the fused decode call and in the prompt steps' modules): the same greedy
-    tokens, logprobs within bf16 noise, and the profiler shows oneDNN's packed matmul ran in
-    one engine only."""
+    tokens, logprobs within bf16 noise, and the profiler shows each packed matmul ran in its
+    own engine only."""
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 5, 8, 21, 30, 12, 6, 14, 25)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    layouts = ("plain", "packed", "amx") if amx_available() else ("plain", "packed")
+    described = {"packed": "oneDNN packed weights", "amx": "cpp amx_linear (AMX tiles"}
     results, calls = {}, {}
-    for layout in ("plain", "packed"):
+    for layout in layouts:
         engine = _engine(tiny_llama_dir, layout, cpu_small_m_max_rows=8)
+        assert engine.runner.weight_layout == layout
         layers = [m for m in engine.runner.model.modules() if hasattr(m, "small_m_max_rows")]
-        assert all((m.packed_weight is not None) == (layout == "packed") for m in layers)
-        assert ("oneDNN packed weights" in str(engine.runner.kernel_paths)) == (layout == "packed")
+        assert all((m.packed_weight is not None) == (layout != "plain") for m in layers)
+        for name, words in described.items():
+            assert (words in str(engine.runner.kernel_paths)) == (layout == name)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for i, prompt in enumerate(prompts):
                 engine.add_request(str(i), prompt, params)
             results[layout] = drive(engine)
-        calls[layout] = sum(e.count for e in prof.key_averages() if "_linear_pointwise" in e.key)
-    assert calls["plain"] == 0 and calls["packed"] > 0
-    for rid, expected in results["plain"].items():
-        got = results["packed"][rid]
-        assert got.token_ids == expected.token_ids
-        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
-                                   torch.tensor([lp.logprob for lp in expected.logprobs]),
-                                   rtol=1.6e-2, atol=1e-2)
+        calls[layout] = {name: sum(e.count for e in prof.key_averages() if name in e.key)
+                         for name in ("_linear_pointwise", "amx_linear")}
+    assert calls["plain"] == {"_linear_pointwise": 0, "amx_linear": 0}
+    assert calls["packed"]["_linear_pointwise"] > 0 and calls["packed"]["amx_linear"] == 0
+    if "amx" in calls:
+        assert calls["amx"]["amx_linear"] > 0 and calls["amx"]["_linear_pointwise"] == 0
+    for layout in layouts[1:]:
+        for rid, expected in results["plain"].items():
+            got = results[layout][rid]
+            assert got.token_ids == expected.token_ids
+            torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                       torch.tensor([lp.logprob for lp in expected.logprobs]),
+                                       rtol=1.6e-2, atol=1e-2)
 
 
-def test_auto_measures_and_says_what_it_chose(tiny_llama_dir):
+def test_auto_chooses_and_says_what_it_chose(tiny_llama_dir):
+    """Where the CPU has AMX BF16, auto takes the AMX kernel's layout (the tiny model's K are
+    multiples of 32); elsewhere it measures oneDNN's packing."""
     engine = _engine(tiny_llama_dir, "auto")
-    assert isinstance(engine.runner.packed_weights, bool)
-    assert ("oneDNN packed weights" in str(engine.runner.kernel_paths)) == engine.runner.packed_weights
+    assert engine.runner.weight_layout in LAYOUTS
+    if amx_available():
+        assert engine.runner.weight_layout == "amx"
+    assert ("oneDNN packed weights" in str(engine.runner.kernel_paths)) == (
+        engine.runner.weight_layout == "packed")
+
+
+def test_auto_measures_onednn_packing_where_the_amx_kernel_does_not_run(tiny_llama_dir, monkeypatch):
+    from engine import kernel_choice
+    from kernels.packed_weights import PackingCalibration
+
+    monkeypatch.setattr(kernel_choice, "amx_available", lambda: False)
+    for wins, layout in ((True, "packed"), (False, "plain")):
+        monkeypatch.setattr(kernel_choice, "calibrate_packing",
+                            lambda weights, wins=wins: PackingCalibration(wins, ((16, 1.0, 2.0),)))
+        assert _engine(tiny_llama_dir, "auto").runner.weight_layout == layout
 
 
 @pytest.mark.parametrize("layout,dtype,message", [
     ("bogus", "bfloat16", "unknown cpu_weight_layout"),
     ("packed", "float32", "cpu_weight_layout 'packed' needs"),
+    ("amx", "float32", "cpu_weight_layout 'amx' needs"),
 ])
 def test_a_layout_that_cannot_run_is_a_clear_error(tiny_llama_dir, layout, dtype, message):
     with pytest.raises(ValueError, match=message):
@@ -101,44 +180,52 @@ def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llam
     assert parse("--cpu-weight-layout", "plain").engine_config().cpu_weight_layout == "plain"
     monkeypatch.setenv("SPLITSERVE_CPU_WEIGHT_LAYOUT", "packed")
     assert parse().cpu_weight_layout == "packed"
+    assert parse("--cpu-weight-layout", "amx").engine_config().cpu_weight_layout == "amx"
     with pytest.raises(ValueError, match="--cpu-weight-layout must be"):
         WorkerConfig(role="decode", model=str(tiny_llama_dir), cpu_weight_layout="blocked")
 
 
-def test_the_memory_figures_count_the_packed_copies(tiny_llama_dir):
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_the_memory_figures_count_the_packed_copies(tiny_llama_dir, layout):
     figures = {}
-    for layout in ("plain", "packed"):
-        engine = _engine(tiny_llama_dir, layout)
+    for each in ("plain", layout):
+        engine = _engine(tiny_llama_dir, each)
         model = engine.runner.model
         params = {id(p): p for p in model.parameters()}
-        figures[layout] = (engine.runner.memory.weights_bytes,
-                           sum(p.numel() * p.element_size() for p in params.values()))
-        packed = sum(m.weight.numel() * 2 for m in model.modules() if hasattr(m, "small_m_max_rows"))
+        figures[each] = (engine.runner.memory.weights_bytes,
+                         sum(p.numel() * p.element_size() for p in params.values()))
+        copies = sum(m.packed_weight.numel() * 2 for m in model.modules()
+                     if getattr(m, "packed_weight", None) is not None)
     assert figures["plain"][0] == figures["plain"][1]
-    assert figures["packed"][0] == figures["packed"][1] + packed
+    assert copies >= sum(m.weight.numel() * 2 for m in model.modules() if hasattr(m, "small_m_max_rows"))
+    assert figures[layout][0] == figures[layout][1] + copies
 
 
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
 def test_auto_keeps_plain_weights_when_the_copies_would_crowd_memory(tiny_llama_dir, monkeypatch,
-                                                                       caplog):
+                                                                       caplog, amx):
     """A host with little memory available (faked: a Kubernetes-free stand-in for a small
-    node) keeps plain weights under auto even where packing wins, and says why; asking for
-    packed still packs."""
+    node) keeps plain weights under auto even where a packed layout would be taken, and says
+    why; asking for the layout still packs."""
     import logging
 
     from engine import kernel_choice
     from engine.memory_profile import HostMemory
     from kernels.packed_weights import PackingCalibration
 
+    layout = "amx" if amx else "packed"
+    if not amx:
+        monkeypatch.setattr(kernel_choice, "amx_available", lambda: False)
     monkeypatch.setattr(kernel_choice, "calibrate_packing",
                         lambda weights: PackingCalibration(True, ((16, 1.0, 2.0),)))
     monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (1 << 10, 1 << 30))
     caplog.set_level(logging.WARNING, logger="engine.model_runner")
-    assert not _engine(tiny_llama_dir, "auto").runner.packed_weights
-    assert "linear weights stay plain: packed copies would take" in caplog.text
-    assert _engine(tiny_llama_dir, "packed").runner.packed_weights
+    assert _engine(tiny_llama_dir, "auto").runner.weight_layout == "plain"
+    assert f"linear weights stay plain: {layout} copies would take" in caplog.text
+    assert _engine(tiny_llama_dir, layout).runner.weight_layout == layout
     monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (1 << 40, 1 << 40))
     monkeypatch.setattr(kernel_choice, "available_memory", lambda: 1 << 40)
-    assert _engine(tiny_llama_dir, "auto").runner.packed_weights
+    assert _engine(tiny_llama_dir, "auto").runner.weight_layout == layout
 
 
 def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):

@@ -1,0 +1,298 @@
+// Linear layers on AMX tiles from weights packed once into the tiles' own layout (bfloat16,
+// float32 accumulation, rounded once): y = x W^T (+ bias) for x [M, K], W [N, K].
+// Reference and oracle: kernels/linear.py small_m_linear_reference (F.linear's arithmetic).
+//
+// Why not torch's oneDNN matmul on the same tiles: at decode's few rows a step streams every
+// weight from memory once, and oneDNN's matmul (even from weights it packed beforehand) read
+// SmolLM2's 30 layers at 16-19 GB/s on a host where this loop reads them at 22-27 GB/s; at
+// prefill's hundreds of rows the two take the same time (bench/cpu_linear.py --layouts).
+//
+// Layout (amx_pack_linear_weight): W in blocks of 32 output columns, each block's K in steps
+// of 32, each step two B tiles (16 columns each) of 16 rows x 16 columns x 2 (the VNNI pairs
+// AMX multiplies): [cdiv(N, 32), K / 32, 2, 16, 16, 2], zero columns past N. One block's
+// weights are one contiguous run, read front to back.
+//
+// Up to 32 rows per pass over a block (configure: which tiles hold what); more rows take
+// further passes over the block, whose weights the first pass left in L2.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPLITSERVE_AMX_LINEAR 1
+#endif
+
+#include "amx_linear.h"
+#include "vector_math.h"
+
+namespace {
+
+constexpr int64_t kBlockCols = 32;  // output columns per block: two accumulator tiles of 16
+constexpr int64_t kStep = 32;       // K per step: one A tile row holds 32 bfloat16
+constexpr int64_t kTileElems = 16 * 16 * 2;  // one B tile: 16 rows of 16 VNNI pairs
+constexpr int64_t kMaxRows = 32;    // rows per pass over a block: two row groups of 16
+#ifndef SPLITSERVE_AMX_PREFETCH_STEPS
+#define SPLITSERVE_AMX_PREFETCH_STEPS 4
+#endif
+constexpr int64_t kPrefetchSteps = SPLITSERVE_AMX_PREFETCH_STEPS;
+
+bool amx_usable() {
+#ifdef SPLITSERVE_AMX_LINEAR
+  // Linux hands a process the AMX tile state only when asked (ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); asking again is harmless, and torch's oneDNN asks the same.
+  static const bool usable = SPLITSERVE_CPU_SUPPORTS("amx-bf16") && SPLITSERVE_CPU_SUPPORTS("avx512bf16") &&
+                             syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return usable;
+#else
+  return false;
+#endif
+}
+
+#ifdef SPLITSERVE_AMX_LINEAR
+#define SPLITSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tiles for a pass of `rows` (1 to 32) rows. Tile state is per thread: every thread that
+// runs passes configures its own, and releases it when done. Tiles are not renamed: a load
+// into a tile waits until the last multiply reading it is done. So up to 16 rows, where two
+// accumulators suffice, the A and B tiles come in two sets, used by alternate steps.
+//   rows <= 16: 0-1 accumulators; 4 and 5 A; 6-7 and 2-3 the B pairs.
+//   rows > 16:  0-1 accumulators of rows 0-15, 2-3 of rows 16-31; 4-5 A of each; 6-7 B.
+SPLITSERVE_AMX void configure(int64_t rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
+  config.rows[0] = config.rows[1] = config.rows[4] = top;
+  if (rows > 16)
+    config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(rows - 16);
+  else
+    config.rows[5] = top;
+  _tile_loadconfig(&config);
+}
+
+// The B tiles of `steps` steps ahead, into L1 (from memory on a block's first pass, from L2
+// on the next).
+inline void prefetch_step(const at::BFloat16* b) {
+  const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSteps * 2 * kTileElems);
+  for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+}
+
+// One block's 32 columns for up to 16 rows of x (row stride ldx), summed over K in float32
+// into acc [rows, 32]; even steps use tiles 4, 6, 7, odd steps 5, 2, 3.
+SPLITSERVE_AMX void block_pass_16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
+                                  int64_t steps, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t row_bytes = ldx * static_cast<int64_t>(sizeof(at::BFloat16));
+  int64_t s = 0;
+  for (; s + 2 <= steps; s += 2) {
+    const at::BFloat16* b = w + s * 2 * kTileElems;
+    prefetch_step(b);
+    prefetch_step(b + 2 * kTileElems);
+    _tile_loadd(4, x + s * kStep, row_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x + (s + 1) * kStep, row_bytes);
+    _tile_loadd(2, b + 2 * kTileElems, 64);
+    _tile_loadd(3, b + 3 * kTileElems, 64);
+    _tile_dpbf16ps(0, 5, 2);
+    _tile_dpbf16ps(1, 5, 3);
+  }
+  if (s < steps) {
+    const at::BFloat16* b = w + s * 2 * kTileElems;
+    _tile_loadd(4, x + s * kStep, row_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, acc, kBlockCols * sizeof(float));
+  _tile_stored(1, acc + 16, kBlockCols * sizeof(float));
+}
+
+// The same for 17 to 32 rows: two row groups share each step's B tiles.
+SPLITSERVE_AMX void block_pass_32(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
+                                  int64_t steps, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t row_bytes = ldx * static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t s = 0; s < steps; ++s) {
+    const at::BFloat16* b = w + s * 2 * kTileElems;
+    prefetch_step(b);
+    _tile_loadd(4, x + s * kStep, row_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x + 16 * ldx + s * kStep, row_bytes);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, kBlockCols * sizeof(float));
+  _tile_stored(1, acc + 16, kBlockCols * sizeof(float));
+  _tile_stored(2, acc + 16 * kBlockCols, kBlockCols * sizeof(float));
+  _tile_stored(3, acc + 16 * kBlockCols + 16, kBlockCols * sizeof(float));
+}
+
+// acc [rows, 32] (+ bias[0:cols]) rounded to bfloat16 into out's first `cols` columns.
+SPLITSERVE_AMX void store_block(const float* acc, int64_t rows, const at::BFloat16* bias,
+                                int64_t cols, at::BFloat16* out, int64_t ldo) {
+  const __mmask32 mask = cols >= 32 ? 0xFFFFFFFFu : ((1u << cols) - 1u);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    alignas(64) float widened[32] = {};
+    for (int64_t c = 0; c < cols; ++c) widened[c] = static_cast<float>(bias[c]);
+    b0 = _mm512_load_ps(widened);
+    b1 = _mm512_load_ps(widened + 16);
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + m * kBlockCols), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + m * kBlockCols + 16), b1);
+    _mm512_mask_storeu_epi16(out + m * ldo, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+struct Problem {
+  const at::BFloat16* x;
+  int64_t ldx;
+  const at::BFloat16* w;  // packed
+  const at::BFloat16* bias;  // [N] or null
+  at::BFloat16* out;  // [M, N]
+  int64_t rows, n, steps, chunks, chunk_rows;
+};
+
+// Tasks [begin, end): task t is block t / chunks over the rows of chunk t % chunks, so a
+// thread's consecutive tasks share a block (its weights in L2 for the later chunks).
+SPLITSERVE_AMX void run_tasks(const Problem& p, int64_t begin, int64_t end) {
+  alignas(64) float acc[kMaxRows * kBlockCols];
+  int64_t configured = -1;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t block = t / p.chunks, chunk = t % p.chunks;
+    const int64_t r0 = chunk * p.chunk_rows, r1 = std::min(p.rows, r0 + p.chunk_rows);
+    const int64_t col0 = block * kBlockCols, cols = std::min(kBlockCols, p.n - col0);
+    const at::BFloat16* w = p.w + block * p.steps * 2 * kTileElems;
+    for (int64_t m0 = r0; m0 < r1; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, r1 - m0);
+      if (rows != configured) {
+        configure(rows);
+        configured = rows;
+      }
+      if (rows > 16)
+        block_pass_32(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
+      else
+        block_pass_16(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
+      store_block(acc, rows, p.bias == nullptr ? nullptr : p.bias + col0, cols,
+                  p.out + m0 * p.n + col0, p.n);
+    }
+  }
+  if (configured >= 0) _tile_release();
+}
+#endif
+
+void check_packed(const at::Tensor& packed, int64_t k, int64_t n) {
+  TORCH_CHECK(packed.dim() == 6 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 16 && packed.size(5) == 2,
+              "packed must be a weight as amx_pack_linear_weight returned it");
+  TORCH_CHECK(packed.size(1) * kStep == k, "x has ", k, " input features, the packed weight ",
+              packed.size(1) * kStep);
+  TORCH_CHECK(n > 0 && (n + kBlockCols - 1) / kBlockCols == packed.size(0),
+              "out_features ", n, " does not match the packed weight's ", packed.size(0), " blocks");
+}
+
+}  // namespace
+
+namespace splitserve_cpu {
+
+bool has_amx_linear() { return amx_usable(); }
+
+// weight [N, K] bfloat16, K a multiple of 32 -> the tiles' layout (see the top of this file).
+at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "weight must be [N, K] bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k > 0 && k % kStep == 0, "in_features (", k, ") must be a multiple of ", kStep);
+  const at::Tensor w = weight.contiguous();
+  const int64_t blocks = (n + kBlockCols - 1) / kBlockCols, steps = k / kStep;
+  at::Tensor packed = at::zeros({blocks, steps, 2, 16, 16, 2}, weight.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t tile = 0; tile < 2; ++tile)
+          for (int64_t pair = 0; pair < 16; ++pair)
+            for (int64_t col = 0; col < 16; ++col) {
+              const int64_t row = block * kBlockCols + tile * 16 + col;  // W's row: output column
+              if (row >= n) continue;
+              uint16_t* d = dst + (((block * steps + s) * 2 + tile) * 16 + pair) * 32 + col * 2;
+              const uint16_t* from = src + row * k + s * kStep + 2 * pair;
+              d[0] = from[0];
+              d[1] = from[1];
+            }
+  });
+  return packed;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(amx_usable(), "amx_linear needs a CPU with AMX BF16 (see has_amx_linear)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), n = out_features;
+  check_packed(packed, k, n);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16,
+                "bias must be [N] bfloat16");
+    b = bias->contiguous();
+  }
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  if (rows == 0) return out;
+#ifdef SPLITSERVE_AMX_LINEAR
+  const int64_t blocks = packed.size(0);
+  // Blocks are the tasks; where there are too few for the threads (a narrow layer, many rows),
+  // the rows are cut in chunks of whole 32-row passes too.
+  const int64_t threads = at::get_num_threads();
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t chunks = std::min(passes, std::max<int64_t>(1, (4 * threads + blocks - 1) / blocks));
+  const int64_t chunk_rows = (passes + chunks - 1) / chunks * kMaxRows;
+  const Problem p{xc.data_ptr<at::BFloat16>(), xc.stride(0), packed.data_ptr<at::BFloat16>(),
+                  b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(),
+                  rows, n, packed.size(1), (rows + chunk_rows - 1) / chunk_rows, chunk_rows};
+  at::parallel_for(0, blocks * p.chunks, 1, [&](int64_t begin, int64_t end) { run_tasks(p, begin, end); });
+#endif
+  return out;
+}
+
+}  // namespace splitserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("has_amx_linear() -> bool", &splitserve_cpu::has_amx_linear);
+  m.def("amx_pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("amx_pack_linear_weight", &splitserve_cpu::amx_pack_linear_weight);
+  m.impl("amx_linear", &splitserve_cpu::amx_linear);
+}
