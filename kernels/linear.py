@@ -27,6 +27,13 @@ SMALL_M_CANDIDATES = (1, 4, 8, 16, 32, 64)
 # The kernel must take at most this share of torch's time to keep a row count: near the
 # crossover the two are within noise, and either choice costs little there.
 SMALL_M_MARGIN = 0.9
+# Rows from which the packed copies are left aside for torch's F.linear on the plain weights:
+# at prefill's hundreds of rows the matmul is compute-bound, and there oneDNN's own plan for
+# the plain weight (its reorder paid once per call, spread over the rows) beat both packed
+# layouts by 3-7% at 384, 512 and 1,024 rows, where at 256 rows and fewer the packed copies
+# won by 1.2-2.8x (`python bench/cpu_linear.py --rows 256,384,512,1024 --layouts packed,amx
+# --skip-engine`, December 2).
+PACKED_MAX_ROWS = 383
 # Weights the calibration cycles through (the model's own, in order): more than the L2, so
 # the weights stream as they do in a step.
 CALIBRATION_WEIGHT_BYTES = 32 << 20
@@ -54,12 +61,12 @@ def linear(
 ) -> torch.Tensor:
     """F.linear, by the C++ kernel when x is [M, K] with 0 < M <= small_m_max_rows (0: never),
     else from `packed` (the weight as kernels.packed_weights.pack_weight returned it, in
-    either layout) when given and x is [M, K]. The caller enables both only for CPU bfloat16
-    weights."""
+    either layout) when given and x is [M, K] with M <= PACKED_MAX_ROWS. The caller enables
+    both only for CPU bfloat16 weights."""
     if x.dim() == 2:
         if 0 < x.shape[0] <= small_m_max_rows:
             return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
-        if packed is not None:
+        if packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x, packed, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 

@@ -46,6 +46,23 @@ def test_packed_linear_matches_f_linear(layout, rows, out_features, bias):
     assert error <= 1.5 * (plain - exact).abs().max().item() + 2e-2, error
 
 
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_prefill_sized_inputs_take_the_plain_weights(layout):
+    """Past PACKED_MAX_ROWS rows the layer's matmul is torch's F.linear on the plain weight
+    (faster there, kernels/linear.py); up to it, the packed copy."""
+    from kernels.linear import PACKED_MAX_ROWS, linear
+
+    weight = torch.randn(64, 96).bfloat16()
+    packed = pack_weight(weight, layout)
+    op = "amx_linear" if layout == "amx" else "_linear_pointwise"
+    for rows, used in ((PACKED_MAX_ROWS, True), (PACKED_MAX_ROWS + 1, False)):
+        x = torch.randn(rows, 96).bfloat16()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = linear(x, weight, None, 0, packed)
+        assert any(op in e.key for e in prof.key_averages()) == used, rows
+        assert torch.equal(out, packed_linear(x, packed, None, 64) if used else F.linear(x, weight))
+
+
 @needs_amx
 def test_the_amx_kernel_reads_strided_rows_and_no_rows():
     """x as the engine hands it: a view whose rows are further apart than K (a slice of a
