@@ -263,8 +263,8 @@ class ProfileStep:
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Parameters and buffers (tied ones once), and the weights' copies packed for oneDNN
-    (engine/layers/linear.py use_packed_weights)."""
+    """Parameters and buffers (tied ones once), and the weights' packed copies, in the AMX
+    kernel's layout or oneDNN's (engine/layers/linear.py use_packed_weights)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     return sum(t.numel() * t.element_size() for t in (*tensors.values(), *packed))
