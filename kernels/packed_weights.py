@@ -64,6 +64,8 @@ def pack_weight(weight: torch.Tensor, layout: str = "packed") -> torch.Tensor:
     """weight [N, K] (bf16, CPU) in `layout`, for packed_linear: "amx" (the AMX kernel's tiles)
     or "packed" (oneDNN's blocked layout)."""
     if layout == "amx":
+        if not amx_available():
+            raise RuntimeError("the amx layout needs a CPU with AMX BF16 and the C++ kernels built")
         return torch.ops.splitserve_cpu.amx_pack_linear_weight(weight.detach())
     if layout == "packed":
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)

@@ -3,9 +3,11 @@
 // Reference and oracle: kernels/linear.py small_m_linear_reference (F.linear's arithmetic).
 //
 // Why not torch's oneDNN matmul on the same tiles: at decode's few rows a step streams every
-// weight from memory once, and oneDNN's matmul (even from weights it packed beforehand) read
-// SmolLM2's 30 layers at 16-19 GB/s on a host where this loop reads them at 22-27 GB/s; at
-// prefill's hundreds of rows the two take the same time (bench/cpu_linear.py --layouts).
+// weight from memory once, and oneDNN's matmul, even from weights it packed beforehand, took
+// 1.5-1.7x this loop's time for a SmolLM2 decoder layer's projections at 1-32 rows, 1.1-1.2x at
+// 33-64 (`python bench/cpu_linear.py --rows 1,8,16,32,33,64 --layouts packed,amx
+// --skip-engine`); at prefill's hundreds of rows the engine takes torch's F.linear instead
+// (kernels/linear.py PACKED_MAX_ROWS).
 //
 // Layout (amx_pack_linear_weight): W in blocks of 32 output columns, each block's K in steps
 // of 32, each step two B tiles (16 columns each) of 16 rows x 16 columns x 2 (the VNNI pairs
