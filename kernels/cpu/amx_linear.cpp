@@ -9,21 +9,26 @@
 // --skip-engine`); at prefill's hundreds of rows the engine takes torch's F.linear instead
 // (kernels/linear.py PACKED_MAX_ROWS).
 //
-// Layout (amx_pack_linear_weight): W in blocks of 32 output columns, each block's K in steps
-// of 32, each step two B tiles (16 columns each) of 16 rows x 16 columns x 2 (the VNNI pairs
-// AMX multiplies): [cdiv(N, 32), K / 32, 2, 16, 16, 2], zero columns past N. One block's
-// weights are one contiguous run, read front to back.
+// Layout (amx_pack_linear_weight): W^T in the VNNI order AMX multiplies (input features in
+// pairs, a pair of one output column one 32-bit word), in blocks of 32 output columns:
+// [cdiv(N, 32), K / 2, 32, 2], zero columns past N. One block's weights are one contiguous
+// run, read front to back: a step of 32 input features is 2 KiB, two B tiles (16 columns each,
+// rows 128 bytes apart).
 //
-// Up to 32 rows per pass over a block (configure: which tiles hold what); more rows take
-// further passes over the block, whose weights the first pass left in L2.
+// Up to 64 rows: our loop, up to 32 rows per pass over a block (configure: which tiles hold
+// what), a second pass reading the block from L2. More rows: oneDNN's batch-reduce GEMM
+// micro-kernel (torch's at::native::cpublas::brgemm) on the same layout, a block at a time:
+// at 96 rows it took 0.89x our loop's time on SmolLM2's layers, the same at 128-384.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
@@ -40,7 +45,13 @@ namespace {
 constexpr int64_t kBlockCols = 32;  // output columns per block: two accumulator tiles of 16
 constexpr int64_t kStep = 32;       // K per step: one A tile row holds 32 bfloat16
 constexpr int64_t kTileElems = 16 * 16 * 2;  // one B tile: 16 rows of 16 VNNI pairs
+constexpr int64_t kRowBytes = kBlockCols * 2 * 2;  // a pair row of a block: 32 columns x 2 bf16
 constexpr int64_t kMaxRows = 32;    // rows per pass over a block: two row groups of 16
+// Past this many rows oneDNN's micro-kernel takes over (see the top of this file), a block's
+// rows in one call up to kGemmRows (the engine sends larger inputs to F.linear, kernels/linear.py):
+// cut into 128-row calls, 192 rows took 12% longer.
+constexpr int64_t kOwnMaxRows = 64;
+constexpr int64_t kGemmRows = 384;
 #ifndef SPLITSERVE_AMX_PREFETCH_STEPS
 #define SPLITSERVE_AMX_PREFETCH_STEPS 4
 #endif
@@ -102,8 +113,8 @@ SPLITSERVE_AMX void block_pass_16(const at::BFloat16* x, int64_t ldx, const at::
     const at::BFloat16* b = w + s * 2 * kTileElems;
     prefetch_step(b);
     _tile_loadd(4, x + s * kStep, row_bytes);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kTileElems, 64);
+    _tile_loadd(6, b, kRowBytes);
+    _tile_loadd(7, b + 32, kRowBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
   }
@@ -123,8 +134,8 @@ SPLITSERVE_AMX void block_pass_32(const at::BFloat16* x, int64_t ldx, const at::
     const at::BFloat16* b = w + s * 2 * kTileElems;
     prefetch_step(b);
     _tile_loadd(4, x + s * kStep, row_bytes);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kTileElems, 64);
+    _tile_loadd(6, b, kRowBytes);
+    _tile_loadd(7, b + 32, kRowBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_loadd(5, x + 16 * ldx + s * kStep, row_bytes);
@@ -190,14 +201,32 @@ SPLITSERVE_AMX void run_tasks(const Problem& p, int64_t begin, int64_t end) {
   }
   if (configured >= 0) _tile_release();
 }
+
+// Tasks [begin, end) of more than kOwnMaxRows rows: task t is block t / chunks over rows
+// [chunk * kGemmRows, + kGemmRows) of chunk t % chunks, by oneDNN's micro-kernel. It keeps
+// its tile configuration per thread between calls; released at the end, the next call (ours
+// or torch's) configures afresh.
+void run_gemm_tasks(const Problem& p, int64_t begin, int64_t end) {
+  std::vector<float> acc(kGemmRows * kBlockCols);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t block = t / p.chunks, r0 = t % p.chunks * kGemmRows;
+    const int64_t rows = std::min(kGemmRows, p.rows - r0);
+    const int64_t col0 = block * kBlockCols, cols = std::min(kBlockCols, p.n - col0);
+    at::native::cpublas::brgemm(rows, kBlockCols, p.steps * kStep, p.ldx, kBlockCols, kBlockCols, false,
+                                p.x + r0 * p.ldx, p.w + block * p.steps * 2 * kTileElems, acc.data());
+    store_block(acc.data(), rows, p.bias == nullptr ? nullptr : p.bias + col0, cols,
+                p.out + r0 * p.n + col0, p.n);
+  }
+  at::native::cpublas::brgemm_release();
+}
 #endif
 
 void check_packed(const at::Tensor& packed, int64_t k, int64_t n) {
-  TORCH_CHECK(packed.dim() == 6 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 16 && packed.size(5) == 2,
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockCols && packed.size(3) == 2,
               "packed must be a weight as amx_pack_linear_weight returned it");
-  TORCH_CHECK(packed.size(1) * kStep == k, "x has ", k, " input features, the packed weight ",
-              packed.size(1) * kStep);
+  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " input features, the packed weight ",
+              packed.size(1) * 2);
   TORCH_CHECK(n > 0 && (n + kBlockCols - 1) / kBlockCols == packed.size(0),
               "out_features ", n, " does not match the packed weight's ", packed.size(0), " blocks");
 }
@@ -215,23 +244,20 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(k > 0 && k % kStep == 0, "in_features (", k, ") must be a multiple of ", kStep);
   const at::Tensor w = weight.contiguous();
-  const int64_t blocks = (n + kBlockCols - 1) / kBlockCols, steps = k / kStep;
-  at::Tensor packed = at::zeros({blocks, steps, 2, 16, 16, 2}, weight.options());
+  const int64_t blocks = (n + kBlockCols - 1) / kBlockCols, pairs = k / 2;
+  at::Tensor packed = at::zeros({blocks, pairs, kBlockCols, 2}, weight.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      for (int64_t s = 0; s < steps; ++s)
-        for (int64_t tile = 0; tile < 2; ++tile)
-          for (int64_t pair = 0; pair < 16; ++pair)
-            for (int64_t col = 0; col < 16; ++col) {
-              const int64_t row = block * kBlockCols + tile * 16 + col;  // W's row: output column
-              if (row >= n) continue;
-              uint16_t* d = dst + (((block * steps + s) * 2 + tile) * 16 + pair) * 32 + col * 2;
-              const uint16_t* from = src + row * k + s * kStep + 2 * pair;
-              d[0] = from[0];
-              d[1] = from[1];
-            }
+      for (int64_t pair = 0; pair < pairs; ++pair)
+        for (int64_t col = 0; col < kBlockCols; ++col) {
+          const int64_t row = block * kBlockCols + col;  // W's row: an output column
+          if (row >= n) break;
+          uint16_t* d = dst + ((block * pairs + pair) * kBlockCols + col) * 2;
+          d[0] = src[row * k + 2 * pair];
+          d[1] = src[row * k + 2 * pair + 1];
+        }
   });
   return packed;
 }
@@ -252,16 +278,24 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor out = at::empty({rows, n}, xc.options());
   if (rows == 0) return out;
 #ifdef SPLITSERVE_AMX_LINEAR
-  const int64_t blocks = packed.size(0);
+  const int64_t blocks = packed.size(0), steps = packed.size(1) / 16;
+  const Problem base{xc.data_ptr<at::BFloat16>(), xc.stride(0), packed.data_ptr<at::BFloat16>(),
+                     b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(),
+                     rows, n, steps, 1, 0};
+  if (rows > kOwnMaxRows && at::native::cpublas::could_pack(at::kBFloat16)) {
+    Problem p = base;
+    p.chunks = (rows + kGemmRows - 1) / kGemmRows;
+    at::parallel_for(0, blocks * p.chunks, 1, [&](int64_t begin, int64_t end) { run_gemm_tasks(p, begin, end); });
+    return out;
+  }
   // Blocks are the tasks; where there are too few for the threads (a narrow layer, many rows),
   // the rows are cut in chunks of whole 32-row passes too.
   const int64_t threads = at::get_num_threads();
   const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t chunks = std::min(passes, std::max<int64_t>(1, (4 * threads + blocks - 1) / blocks));
-  const int64_t chunk_rows = (passes + chunks - 1) / chunks * kMaxRows;
-  const Problem p{xc.data_ptr<at::BFloat16>(), xc.stride(0), packed.data_ptr<at::BFloat16>(),
-                  b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(),
-                  rows, n, packed.size(1), (rows + chunk_rows - 1) / chunk_rows, chunk_rows};
+  Problem p = base;
+  p.chunk_rows = (passes + chunks - 1) / chunks * kMaxRows;
+  p.chunks = (rows + p.chunk_rows - 1) / p.chunk_rows;
   at::parallel_for(0, blocks * p.chunks, 1, [&](int64_t begin, int64_t end) { run_tasks(p, begin, end); });
 #endif
   return out;

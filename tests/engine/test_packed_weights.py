@@ -64,11 +64,13 @@ def test_prefill_sized_inputs_take_the_plain_weights(layout):
 
 
 @needs_amx
-def test_the_amx_kernel_reads_strided_rows_and_no_rows():
+@pytest.mark.parametrize("rows", [20, 100])
+def test_the_amx_kernel_reads_strided_rows_and_no_rows(rows):
     """x as the engine hands it: a view whose rows are further apart than K (a slice of a
-    wider tensor), and a step with no rows."""
+    wider tensor), on both paths (our loop up to 64 rows, oneDNN's micro-kernel past), and a
+    step with no rows."""
     generator = torch.Generator().manual_seed(0)
-    wide = torch.randn(20, 160, generator=generator).bfloat16()
+    wide = torch.randn(rows, 160, generator=generator).bfloat16()
     weight = torch.randn(64, 128, generator=generator).bfloat16()
     packed = pack_weight(weight, "amx")
     x = wide[:, 16:144]
@@ -79,6 +81,30 @@ def test_the_amx_kernel_reads_strided_rows_and_no_rows():
     plain = F.linear(x, weight).float()
     assert (got.float() - exact).abs().max() <= 1.5 * (plain - exact).abs().max() + 2e-2
     assert packed_linear(x[:0], packed, None, 64).shape == (0, 64)
+
+
+@needs_amx
+def test_the_two_amx_paths_and_the_amx_attention_interleave_on_one_thread():
+    """Our loop configures the tiles itself, oneDNN's micro-kernel (more than 64 rows, and the
+    prefill attention) keeps its own configuration between calls: interleaved, every result
+    still equals its first computation."""
+    from kernels.attention import prefill_attention
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 128, generator=generator).bfloat16()
+    packed = pack_weight(weight, "amx")
+    xs = {rows: torch.randn(rows, 128, generator=generator).bfloat16() for rows in (7, 40, 100)}
+    q = torch.randn(80, 4, 64, generator=generator).bfloat16()
+    k = torch.randn(80, 2, 64, generator=generator).bfloat16()
+    v = torch.randn(80, 2, 64, generator=generator).bfloat16()
+    attend = torch.ops.splitserve_cpu.prefill_attention
+    first = {rows: packed_linear(x, packed, None, 96) for rows, x in xs.items()}
+    attention = attend(q, k, v, 0.125, 0)
+    torch.testing.assert_close(attention.float(), prefill_attention(q, k, v, 0.125).float(),
+                               atol=3e-2, rtol=0)
+    for rows in (100, 7, 100, 40, 7, 40, 100):
+        assert torch.equal(packed_linear(xs[rows], packed, None, 96), first[rows]), rows
+        assert torch.equal(attend(q, k, v, 0.125, 0), attention)
 
 
 @needs_amx
