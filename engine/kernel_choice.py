@@ -94,8 +94,8 @@ def weight_layout(config: EngineConfig, device: torch.device, dtype: torch.dtype
     """The layout of the linear layers' packed weight copies (cpu_weight_layout): "amx" (our
     AMX kernel's tiles), "packed" (oneDNN's blocked layout) or "plain" (no copies: F.linear
     on the weights as loaded). Packing applies on the CPU in bf16; "auto" takes "amx" where
-    the CPU has AMX BF16 and every weight suits it (it beat oneDNN's packed matmul at every
-    row count measured, bench/cpu_linear.py --layouts), else measures now on the model's
+    the CPU has AMX BF16 and every weight suits it (it beat oneDNN's packed matmul at a decode
+    batch's row counts, 1.1-1.7x: bench/cpu_linear.py --layouts), else measures now on the model's
     weights whether oneDNN's packing wins (kernels/packed_weights.py); either only if the
     copies take at most PACKED_MEMORY_SHARE of the memory available to it (available_memory)."""
     choice = config.cpu_weight_layout
