@@ -8,8 +8,9 @@ times a step instead of once. A decode step reads every weight from DRAM, so tha
 a third of its matmul time: on one host a SmolLM2 decoder layer's four projections took 761 us
 at 64 rows and 559 at 16 with plain weights, 488 and 372 packed, 1.5x less at every row count
 from 1 to 64 (`python bench/cpu_linear.py --rows 1,4,8,16,64 --packed --skip-engine`). Packed
-for oneDNN, its matmul still read SmolLM2's 30 layers at 16-19 GB/s at 1-32 rows where the AMX
-kernel reads them at 22-27 (`python bench/cpu_linear.py --layouts`). The copy is made once at
+for oneDNN, its matmul still took 1.5-1.7x the AMX kernel's time for a decoder layer's
+projections at 1-32 rows (`python bench/cpu_linear.py --rows 1,8,16,32 --layouts packed,amx
+--skip-engine`). The copy is made once at
 start and costs memory: a second copy of each packed weight, the plain one staying for the
 small-M kernel, the embedding (tied weights) and weight loading.
 """

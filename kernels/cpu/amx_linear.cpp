@@ -38,13 +38,13 @@
 #endif
 
 #include "amx_linear.h"
-#include "vector_math.h"
+#include "prefill_attention_amx.h"
 
 namespace {
 
 constexpr int64_t kBlockCols = 32;  // output columns per block: two accumulator tiles of 16
 constexpr int64_t kStep = 32;       // K per step: one A tile row holds 32 bfloat16
-constexpr int64_t kTileElems = 16 * 16 * 2;  // one B tile: 16 rows of 16 VNNI pairs
+constexpr int64_t kStepElems = kStep * kBlockCols;  // a block's step: 16 pair rows x 32 columns x 2
 constexpr int64_t kRowBytes = kBlockCols * 2 * 2;  // a pair row of a block: 32 columns x 2 bf16
 constexpr int64_t kMaxRows = 32;    // rows per pass over a block: two row groups of 16
 // Past this many rows oneDNN's micro-kernel takes over (see the top of this file), a block's
@@ -52,17 +52,14 @@ constexpr int64_t kMaxRows = 32;    // rows per pass over a block: two row group
 // cut into 128-row calls, 192 rows took 12% longer.
 constexpr int64_t kOwnMaxRows = 64;
 constexpr int64_t kGemmRows = 384;
-#ifndef SPLITSERVE_AMX_PREFETCH_STEPS
-#define SPLITSERVE_AMX_PREFETCH_STEPS 4
-#endif
-constexpr int64_t kPrefetchSteps = SPLITSERVE_AMX_PREFETCH_STEPS;
+constexpr int64_t kPrefetchSteps = 4;  // steps of B prefetched ahead of the one multiplied
 
 bool amx_usable() {
 #ifdef SPLITSERVE_AMX_LINEAR
-  // Linux hands a process the AMX tile state only when asked (ARCH_REQ_XCOMP_PERM for
-  // XFEATURE_XTILEDATA); asking again is harmless, and torch's oneDNN asks the same.
-  static const bool usable = SPLITSERVE_CPU_SUPPORTS("amx-bf16") && SPLITSERVE_CPU_SUPPORTS("avx512bf16") &&
-                             syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  // has_amx_bf16: the CPU's AMX BF16, which oneDNN's micro-kernel (more than kOwnMaxRows
+  // rows) needs too. Linux hands a process the AMX tile state only when asked
+  // (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asking again is harmless, and oneDNN asks the same.
+  static const bool usable = splitserve_cpu::has_amx_bf16() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return usable;
 #else
   return false;
@@ -97,55 +94,44 @@ SPLITSERVE_AMX void configure(int64_t rows) {
 // The B tiles kPrefetchSteps steps ahead, into L1 (from memory on a block's first pass, from L2
 // on the next).
 inline void prefetch_step(const at::BFloat16* b) {
-  const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSteps * 2 * kTileElems);
+  const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSteps * kStepElems);
   for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
 }
 
-// One block's 32 columns for up to 16 rows of x (row stride ldx), summed over K in float32
-// into acc [rows, 32]. (Measured against it on SmolLM2's layers: alternating two sets of A
-// and B tiles between steps, or two accumulator pairs, took as long or up to 5% longer.)
-SPLITSERVE_AMX void block_pass_16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
-                                  int64_t steps, float* acc) {
+// One block's 32 columns for up to 16 rows of x (row stride ldx), or with kTwoGroups 17 to 32
+// rows (two row groups sharing each step's B tiles), summed over K in float32 into acc
+// [rows, 32]. (Measured against it on SmolLM2's layers: alternating two sets of A and B tiles
+// between steps, or two accumulator pairs, took as long or up to 5% longer.)
+template <bool kTwoGroups>
+SPLITSERVE_AMX void block_pass(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
+                               int64_t steps, float* acc) {
   _tile_zero(0);
   _tile_zero(1);
+  if constexpr (kTwoGroups) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t row_bytes = ldx * static_cast<int64_t>(sizeof(at::BFloat16));
   for (int64_t s = 0; s < steps; ++s) {
-    const at::BFloat16* b = w + s * 2 * kTileElems;
+    const at::BFloat16* b = w + s * kStepElems;
     prefetch_step(b);
     _tile_loadd(4, x + s * kStep, row_bytes);
     _tile_loadd(6, b, kRowBytes);
     _tile_loadd(7, b + 32, kRowBytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoGroups) {
+      _tile_loadd(5, x + 16 * ldx + s * kStep, row_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, acc, kBlockCols * sizeof(float));
   _tile_stored(1, acc + 16, kBlockCols * sizeof(float));
-}
-
-// The same for 17 to 32 rows: two row groups share each step's B tiles.
-SPLITSERVE_AMX void block_pass_32(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
-                                  int64_t steps, float* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t row_bytes = ldx * static_cast<int64_t>(sizeof(at::BFloat16));
-  for (int64_t s = 0; s < steps; ++s) {
-    const at::BFloat16* b = w + s * 2 * kTileElems;
-    prefetch_step(b);
-    _tile_loadd(4, x + s * kStep, row_bytes);
-    _tile_loadd(6, b, kRowBytes);
-    _tile_loadd(7, b + 32, kRowBytes);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, x + 16 * ldx + s * kStep, row_bytes);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+  if constexpr (kTwoGroups) {
+    _tile_stored(2, acc + 16 * kBlockCols, kBlockCols * sizeof(float));
+    _tile_stored(3, acc + 16 * kBlockCols + 16, kBlockCols * sizeof(float));
   }
-  _tile_stored(0, acc, kBlockCols * sizeof(float));
-  _tile_stored(1, acc + 16, kBlockCols * sizeof(float));
-  _tile_stored(2, acc + 16 * kBlockCols, kBlockCols * sizeof(float));
-  _tile_stored(3, acc + 16 * kBlockCols + 16, kBlockCols * sizeof(float));
 }
 
 // acc [rows, 32] (+ bias[0:cols]) rounded to bfloat16 into out's first `cols` columns.
@@ -184,7 +170,7 @@ SPLITSERVE_AMX void run_tasks(const Problem& p, int64_t begin, int64_t end) {
     const int64_t block = t / p.chunks, chunk = t % p.chunks;
     const int64_t r0 = chunk * p.chunk_rows, r1 = std::min(p.rows, r0 + p.chunk_rows);
     const int64_t col0 = block * kBlockCols, cols = std::min(kBlockCols, p.n - col0);
-    const at::BFloat16* w = p.w + block * p.steps * 2 * kTileElems;
+    const at::BFloat16* w = p.w + block * p.steps * kStepElems;
     for (int64_t m0 = r0; m0 < r1; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, r1 - m0);
       if (rows != configured) {
@@ -192,9 +178,9 @@ SPLITSERVE_AMX void run_tasks(const Problem& p, int64_t begin, int64_t end) {
         configured = rows;
       }
       if (rows > 16)
-        block_pass_32(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
+        block_pass<true>(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
       else
-        block_pass_16(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
+        block_pass<false>(p.x + m0 * p.ldx, p.ldx, w, p.steps, acc);
       store_block(acc, rows, p.bias == nullptr ? nullptr : p.bias + col0, cols,
                   p.out + m0 * p.n + col0, p.n);
     }
@@ -213,7 +199,7 @@ void run_gemm_tasks(const Problem& p, int64_t begin, int64_t end) {
     const int64_t rows = std::min(kGemmRows, p.rows - r0);
     const int64_t col0 = block * kBlockCols, cols = std::min(kBlockCols, p.n - col0);
     at::native::cpublas::brgemm(rows, kBlockCols, p.steps * kStep, p.ldx, kBlockCols, kBlockCols, false,
-                                p.x + r0 * p.ldx, p.w + block * p.steps * 2 * kTileElems, acc.data());
+                                p.x + r0 * p.ldx, p.w + block * p.steps * kStepElems, acc.data());
     store_block(acc.data(), rows, p.bias == nullptr ? nullptr : p.bias + col0, cols,
                 p.out + r0 * p.n + col0, p.n);
   }
@@ -282,7 +268,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const Problem base{xc.data_ptr<at::BFloat16>(), xc.stride(0), packed.data_ptr<at::BFloat16>(),
                      b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(),
                      rows, n, steps, 1, 0};
-  if (rows > kOwnMaxRows && at::native::cpublas::could_pack(at::kBFloat16)) {
+  if (rows > kOwnMaxRows) {
     Problem p = base;
     p.chunks = (rows + kGemmRows - 1) / kGemmRows;
     at::parallel_for(0, blocks * p.chunks, 1, [&](int64_t begin, int64_t end) { run_gemm_tasks(p, begin, end); });
