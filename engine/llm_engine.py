@@ -236,6 +236,17 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------
 
+    def set_num_threads(self, num_threads: int) -> None:
+        """Runs the next steps on `num_threads` torch threads (CPU; a core share lends this
+        worker idle peers' cores, services/common/core_share.py). Call it on the thread that
+        steps the engine: OpenMP's thread count belongs to the calling thread."""
+        if num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+        if self.step_threads is not None:
+            self.step_threads.set_num_threads(num_threads)
+        elif torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

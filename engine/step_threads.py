@@ -44,7 +44,15 @@ class StepThreads:
         return self.small_threads != self.num_threads
 
     def threads_for(self, num_tokens: int) -> int:
-        return self.small_threads if num_tokens <= self.small_tokens else self.num_threads
+        if num_tokens <= self.small_tokens:
+            return min(self.small_threads, self.num_threads)
+        return self.num_threads
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Threads for large steps from now on (a core share lends or takes back cores); small
+        steps keep their count, at most this many."""
+        self.num_threads = max(1, num_threads)
+        self.current = 0  # the next step sets its count afresh
 
     def before_step(self, num_tokens: int) -> None:
         want = self.threads_for(num_tokens)

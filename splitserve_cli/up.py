@@ -8,11 +8,14 @@ prefixed with its name, and spots its SPLITSERVE_READY line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -34,6 +37,8 @@ class UpConfig:
     # --port + 1 (any free port when --port is 0).
     admin_port: int = 0
     num_threads: int = 0  # torch threads per worker; 0 splits this machine's cores
+    # disagg with the cores split: each worker lends its share to the other while idle.
+    core_share: bool = True
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
 
@@ -141,9 +146,11 @@ class Deployment:
         cli = [sys.executable, "-m", "splitserve_cli.main"]
         deadline = time.monotonic() + cfg.startup_timeout_s
         roles = ["prefill", "decode"] if cfg.mode == "disagg" else ["both"]
+        share = (self._core_share()
+                 if len(roles) > 1 and not cfg.num_threads and cfg.core_share else [])
         workers = [self._spawn(role, cli + ["worker", "--role", role, "--model", cfg.model,
                                             "--host", cfg.host, "--port", "0",
-                                            "--num-threads", str(threads[role])],
+                                            "--num-threads", str(threads[role])] + share,
                                threads[role])
                    for role in roles]
         addresses = {w.name: w.wait_ready(deadline, self.stop_requested) for w in workers}
@@ -162,6 +169,13 @@ class Deployment:
         self.admin_url = f"http://{fields['admin']}"
         _wait_http_ready(f"{self.admin_url}/ready", deadline, gateway)
         return f"http://{address}"
+
+    def _core_share(self) -> list[str]:
+        """The workers split the cores: each lends its share to the other while idle
+        (services/common/core_share.py), through a file in a folder removed at exit."""
+        folder = tempfile.mkdtemp(prefix="splitserve-up-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return ["--core-share", os.path.join(folder, "cores")]
 
     def _spawn(self, name: str, argv: list[str], threads: int | None) -> Child:
         child = Child(name, argv, _child_env(threads))
@@ -208,6 +222,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(0: --port + 1, or any free port when --port is 0)")
     parser.add_argument("--num-threads", type=int, default=int(_env("num_threads", 0)),
                         help="torch threads per worker (0: split the cores)")
+    parser.add_argument("--no-core-share", action="store_true",
+                        default=_env("no_core_share", "") not in ("", "0"),
+                        help="disagg with the cores split: each worker keeps to its half, "
+                             "even while the other is idle (default: an idle worker lends its "
+                             "half to the other)")
     parser.add_argument("--startup-timeout-s", type=float,
                         default=float(_env("startup_timeout_s", 600)))
 
@@ -216,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = UpConfig(port=args.port, host=args.host, model=args.model, mode=args.mode,
                           grpc_port=args.grpc_port, admin_port=args.admin_port,
-                          num_threads=args.num_threads,
+                          num_threads=args.num_threads, core_share=not args.no_core_share,
                           startup_timeout_s=args.startup_timeout_s)
     except ValueError as exc:
         raise SystemExit(f"splitserve up: {exc}") from None

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from services.common.core_share import CoreShare
 from services.common.step_watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,11 @@ class EngineLoop:
         # on_outputs(outputs, open request ids) with each batch of outputs before delivery.
         self.on_open: Callable[[str, float], None] | None = None
         self.on_outputs: Callable[[list[RequestOutput], dict], None] | None = None
+        # Co-located workers lending idle cores (services/common/core_share.py): set before
+        # start(); each step then runs on the threads it grants, and the loop lends its own
+        # while it waits.
+        self.core_share: CoreShare | None = None
+        self.step_threads = 0  # threads of the latest step with a core share (0: none yet)
 
     @property
     def stalled(self) -> bool:
@@ -147,6 +153,8 @@ class EngineLoop:
         self._thread.join(timeout)
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.core_share is not None and not self._thread.is_alive():
+            self.core_share.close()  # a stopped worker lends every thread it had
 
     # -- called from any thread ---------------------------------------------------------
 
@@ -307,6 +315,13 @@ class EngineLoop:
         return (f"{len(ids)} requests, {sched.total_num_scheduled_tokens} tokens "
                 f"({len(sched.new_requests)} new); request ids: {shown}")
 
+    def _take_cores(self) -> None:
+        """Before a step: this worker's threads and those its idle peers lend."""
+        want = self.core_share.step_threads()
+        if want != self.step_threads:
+            self.engine.set_num_threads(want)
+            self.step_threads = want
+
     def _run_commands(self) -> None:
         while True:
             try:
@@ -326,6 +341,8 @@ class EngineLoop:
                 self._run_commands()
                 scheduled = False
                 if engine.scheduler.waiting or engine.scheduler.running:
+                    if self.core_share is not None:
+                        self._take_cores()
                     start = time.perf_counter()
                     steps_before = engine.num_steps
                     self._busy = (time.monotonic(), "step")
@@ -348,11 +365,15 @@ class EngineLoop:
                     self.on_outputs([], self._streams)
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
+                    if self.core_share is not None:
+                        self.core_share.idle()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
         except Exception as exc:
             log.exception("engine loop crashed; worker is unhealthy")
             self.healthy = False
+            if self.core_share is not None:
+                self.core_share.idle()
             # Every open stream ends with an error instead of hanging.
             streams, self._streams = self._streams, {}
             for rid, stream in streams.items():

@@ -156,6 +156,15 @@ class _StatsCollector:
             }
             for name, (key, doc) in counters.items():
                 yield _counter(name, doc, labels, stats[key])
+            share = loop.core_share
+            if share is not None:  # services/common/core_share.py
+                yield _gauge("splitserve_worker_step_threads", "Torch threads of the latest step "
+                             "(its own and those borrowed from idle co-located workers).", labels,
+                             loop.step_threads)
+                yield _counter("splitserve_worker_core_share_waits", "Steps that waited for a "
+                               "co-located worker to hand borrowed cores back.", labels, share.waits)
+                yield _counter("splitserve_worker_core_share_wait_seconds", "Time steps waited "
+                               "for borrowed cores to come back.", labels, share.wait_seconds)
             for key, value in stats.items():
                 if key.startswith("spec_"):
                     yield _counter(f"splitserve_{key}", "Speculative decoding tokens.", labels, value)

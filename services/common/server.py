@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
+from services.common.core_share import CoreShare
 from services.common.engine_build import build_engine
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState
@@ -69,6 +70,14 @@ class Worker:
             kv_reservation_ttl_s=config.kv_reservation_ttl_s,
             step_timeout_s=config.step_timeout_s,
         )
+        if config.core_share:
+            if self.engine.runner.device.type == "cpu":
+                # Only the decode role borrows: its steps are short (core_share.py).
+                self.engine_loop.core_share = CoreShare(config.core_share, config.num_threads,
+                                                        borrow=config.role == "decode")
+            else:
+                log.warning("--core-share ignored: it lends CPU threads, and this worker "
+                            "runs on %s", self.engine.runner.device)
         # Decode role: transfer key -> request id for ids too long to travel verbatim; the
         # Generate streams fill it, the KV receiver callbacks read it.
         self.kv_keys = RemoteKVKeys(vocab_size=self.engine.model_config.vocab_size)

@@ -104,6 +104,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--step-timeout-s", type=float, default=float(_env("step_timeout_s", 60)),
                         help="an engine step (or a KV wait inside it) running longer than this "
                              "makes the worker not ready (/ready, Health) until it ends; 0: off")
+    parser.add_argument("--core-share", default=_env("core_share", ""),
+                        help="a file the workers of this host map to lend each other their "
+                             "--num-threads while idle (splitserve up --mode disagg sets it); "
+                             "empty: off")
     parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
                         help="decode: speculative decoding, 'ngram' (prompt lookup) or "
                              "'draft' (a smaller model); off when empty")
@@ -202,6 +206,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,
         max_unread_outputs=args.max_unread_outputs,
         step_timeout_s=args.step_timeout_s,
+        core_share=args.core_share,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,

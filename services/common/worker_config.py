@@ -97,6 +97,9 @@ class WorkerConfig:
     max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS
     # One engine step longer than this makes the worker not ready until it ends; 0: off.
     step_timeout_s: float = 60.0
+    # Workers of one host that split its cores lend them while idle (a file every one maps,
+    # services/common/core_share.py); "": off. CPU, one process per worker, --num-threads set.
+    core_share: str = ""
     # Decode role: speculative decoding, "" (off), "ngram" or "draft" (see engine/spec_decode).
     speculative_method: str = ""
     num_speculative_tokens: int = 4
@@ -150,6 +153,11 @@ class WorkerConfig:
                              "role's default)")
         if self.step_timeout_s < 0:
             raise ValueError("--step-timeout-s must be >= 0 (0 turns the step watchdog off)")
+        if self.core_share and (self.num_threads < 1 or self.tensor_parallel_size != 1
+                                or self.device not in ("auto", "cpu")):
+            raise ValueError("--core-share lends CPU threads between workers of one host: it "
+                             "needs --num-threads (this worker's own share), one process per "
+                             "worker (--tensor-parallel-size 1) and the CPU")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -134,6 +134,10 @@ def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
     try:
         url = launcher.wait_up()
         assert set(launcher.child_pids) == {"prefill", "decode", "gateway"}
+        # The workers split the cores and lend them to each other (services/common/core_share.py).
+        shares = {re.search(r"core_share=(\S*)", line).group(1) for line in launcher.lines
+                  if line.startswith(("[prefill]", "[decode]")) and "core_share=" in line}
+        assert len(shares) == 1 and shares.pop().endswith("/cores"), shares
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         answer = client.chat.completions.create(model=smollm2_dir.name, messages=question,

@@ -1,0 +1,226 @@
+"""Co-located workers lending cores (services/common/core_share.py): real processes sharing a
+real file. The decode side borrows an idle peer's threads and hands them back before that
+peer steps; a peer that waits for them never waits past its limit; dead peers lend; workers
+starting together get distinct slots; and an engine loop over a real engine steps on the
+threads the share grants."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from services.common.core_share import CoreShare
+from services.common.engine_loop import EngineLoop
+from services.common.worker_config import WorkerConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _peer(path: str, conn, wait_limit_s: float) -> None:
+    """A non-borrowing worker (the prefill role) in its own process, driven over a pipe:
+    "step" (answers the threads and when step_threads returned), "idle", "stats", "exit"."""
+    share = CoreShare(path, 1, borrow=False, cores=2, wait_limit_s=wait_limit_s)
+    conn.send(("ready", share.slot))
+    while True:
+        command = conn.recv()
+        if command == "step":
+            threads = share.step_threads()
+            conn.send((threads, time.monotonic()))
+        elif command == "idle":
+            share.idle()
+            conn.send("ok")
+        elif command == "stats":
+            conn.send((share.waits, share.wait_seconds))
+        else:
+            share.close()
+            conn.send("bye")
+            return
+
+
+class Peer:
+    def __init__(self, path: str, wait_limit_s: float = 5.0) -> None:
+        self.conn, child = _SPAWN.Pipe()
+        self.process = _SPAWN.Process(target=_peer, args=(path, child, wait_limit_s), daemon=True)
+        self.process.start()
+        assert self.conn.poll(60), "the peer process did not start"
+        self.slot = self.conn.recv()[1]
+
+    def ask(self, command: str, timeout: float = 30.0):
+        self.conn.send(command)
+        assert self.conn.poll(timeout), f"the peer did not answer {command!r}"
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.ask("exit")
+        self.process.join(10)
+
+
+@pytest.fixture
+def share_path(tmp_path):
+    return str(tmp_path / "cores")
+
+
+def test_borrower_takes_an_idle_peers_threads_and_hands_them_back_before_it_steps(share_path):
+    peer = Peer(share_path)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2)
+    try:
+        assert decode.slot != peer.slot
+        assert decode.step_threads() == 2  # the peer is idle: its thread is lent
+        assert decode.borrowed == 1
+        # The peer turns active while the decode side holds its thread: it waits until the
+        # decode side's next step boundary hands it back, then steps on its own thread.
+        peer.conn.send("step")
+        time.sleep(0.4)
+        assert not peer.conn.poll(0), "the peer stepped while its thread was still borrowed"
+        handed_back_at = time.monotonic()
+        assert decode.step_threads() == 1  # the peer is active: nothing to borrow
+        assert peer.conn.poll(10)
+        threads, stepped_at = peer.conn.recv()
+        assert threads == 1 and stepped_at >= handed_back_at
+        waits, waited = peer.ask("stats")
+        assert waits == 1 and waited >= 0.35
+        # Both on their own threads: neither waits for the other.
+        assert peer.ask("step")[0] == 1 and decode.step_threads() == 1
+        peer.ask("idle")
+        assert decode.step_threads() == 2
+        decode.idle()  # an idle borrower holds nothing: the peer steps at once
+        start = time.monotonic()
+        assert peer.ask("step")[0] == 1 and time.monotonic() - start < 0.2
+        assert peer.ask("stats")[0] == 1
+    finally:
+        peer.stop()
+        decode.close()
+
+
+def test_a_peer_never_waits_past_its_limit_for_a_borrower_that_does_not_step(share_path):
+    peer = Peer(share_path, wait_limit_s=0.3)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2)
+    try:
+        assert decode.step_threads() == 2  # ... and then a step that never ends
+        start = time.monotonic()
+        assert peer.ask("step")[0] == 1
+        assert 0.25 <= time.monotonic() - start < 3.0
+        waits, waited = peer.ask("stats")
+        assert waits == 1 and 0.25 <= waited < 3.0
+    finally:
+        peer.stop()
+        decode.close()
+
+
+def test_a_dead_peers_threads_are_lent_and_its_slot_reused(share_path):
+    peer = Peer(share_path)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2, liveness_every_s=0.0)
+    try:
+        peer.ask("idle")
+        assert peer.ask("step")[0] == 1  # active, then killed without a word
+        assert decode.step_threads() == 1
+        os.kill(peer.process.pid, signal.SIGKILL)
+        peer.process.join(10)
+        assert decode.step_threads() == 2
+        replacement = Peer(share_path)
+        try:
+            assert replacement.slot == peer.slot
+        finally:
+            replacement.stop()
+    finally:
+        decode.close()
+
+
+def test_a_closed_worker_frees_its_slot_and_lends_everything(share_path):
+    peer = Peer(share_path)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2)
+    try:
+        assert peer.ask("step")[0] == 1
+        assert decode.step_threads() == 1
+        peer.stop()
+        assert decode.step_threads() == 2
+    finally:
+        decode.close()
+
+
+def _join(path: str, start, conn) -> None:
+    start.wait(30)
+    share = CoreShare(path, 1, borrow=False)
+    conn.send(share.slot)
+    conn.recv()  # hold the slot until every worker has one
+
+
+def test_workers_starting_together_take_distinct_slots(share_path):
+    start = _SPAWN.Event()
+    pipes, processes = [], []
+    for _ in range(6):
+        parent, child = _SPAWN.Pipe()
+        process = _SPAWN.Process(target=_join, args=(share_path, start, child), daemon=True)
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    time.sleep(1.0)
+    start.set()
+    try:
+        slots = []
+        for parent in pipes:
+            assert parent.poll(60)
+            slots.append(parent.recv())
+        assert len(set(slots)) == 6, slots
+    finally:
+        for parent in pipes:
+            parent.send("done")
+        for process in processes:
+            process.join(10)
+
+
+def test_core_share_needs_own_threads_and_one_process(tiny_llama_dir, share_path):
+    with pytest.raises(ValueError, match="--core-share"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path)
+    with pytest.raises(ValueError, match="--core-share"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path,
+                     num_threads=1, tensor_parallel_size=2)
+    WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path, num_threads=1)
+
+
+def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share_path):
+    """The decode side of the share on a real engine loop: two threads while the peer idles,
+    one while it works, the same greedy tokens either way."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                    num_kv_blocks=64, num_threads=1))
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    loop.core_share = CoreShare(share_path, 1, borrow=True, cores=2)
+    peer = Peer(share_path)
+    loop.start()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def generate(rid: str) -> tuple[list[int], list[int]]:
+        stream, _ = await loop.open(rid, lambda e: e.add_request(rid, list(range(5, 37)), params))
+        tokens: list[int] = []
+        threads: list[int] = []
+        while True:
+            out = await stream.get()
+            tokens += out.new_token_ids
+            threads.append(loop.step_threads)
+            if out.finished:
+                # Read on the engine thread: the count torch's next parallel region there uses.
+                threads.append(await loop.call(lambda e: torch.get_num_threads()))
+                return tokens, threads
+
+    try:
+        lent, lent_threads = asyncio.run(generate("lent"))
+        assert set(lent_threads) == {2}, lent_threads
+        peer.ask("step")  # the peer works: the next steps run on the loop's own thread
+        own, own_threads = asyncio.run(generate("own"))
+        assert set(own_threads) == {1}, own_threads
+        assert own == lent and len(own) == 6
+    finally:
+        loop.stop()
+        peer.stop()
