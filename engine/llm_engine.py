@@ -24,7 +24,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import Speculator, build_proposer
 from engine.step_budget import MixedStepBudget
 from engine.step_cost import charge_step, step_rows
-from engine.step_threads import StepThreads, default_small_threads
+from engine.step_threads import StepThreads, default_small_threads, set_team_threads
 
 
 class KVCacheFull(RuntimeError):
@@ -237,15 +237,16 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------
 
     def set_num_threads(self, num_threads: int) -> None:
-        """Runs the next steps on `num_threads` torch threads (CPU; a core share lends this
+        """Runs the next step on `num_threads` torch threads (CPU; a core share lends this
         worker idle peers' cores, services/common/core_share.py). Call it on the thread that
-        steps the engine: OpenMP's thread count belongs to the calling thread."""
+        steps the engine, before each step: OpenMP's thread count belongs to the calling
+        thread, and a library's first parallel op on it resets the count."""
         if num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.step_threads is not None:
             self.step_threads.set_num_threads(num_threads)
-        elif torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
+        else:
+            set_team_threads(num_threads)  # not torch.set_num_threads: see set_team_threads
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -16,9 +16,50 @@ step; the split stays for hosts where the cores are shared with other work.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+
 import torch
 
 DEFAULT_SMALL_STEP_TOKENS = 16
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (GNU libgomp, or LLVM's / Intel's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(("libgomp", "libiomp5", "libomp.")):
+            try:
+                library = ctypes.CDLL(path)  # already loaded: the same instance
+                library.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return library
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def set_team_threads(num_threads: int) -> None:
+    """The calling thread's OpenMP team size from now on, leaving torch's process-wide count
+    alone. torch.set_num_threads also sets the count every other thread adopts at its first
+    parallel op: once the engine thread had raised it, a decode worker's KV receiver thread
+    copying a payload started a second team, the process had more OpenMP threads than CPUs,
+    GNU OpenMP stopped spinning at barriers, and every decode step of a burst took 134 ms
+    where it takes 35 (the one-team rule of services/common/engine_build.py)."""
+    library = _openmp()
+    if library is None:
+        torch.set_num_threads(num_threads)
+        return
+    # torch sets a thread's count from the process-wide one at its first parallel op (each
+    # library that inlines at::parallel_for, our kernels too, on its own first op): done now
+    # for torch's, and set again before every step, so that a later first op cannot undo it.
+    torch.get_num_threads()
+    library.omp_set_num_threads(num_threads)
 
 
 def default_small_threads(num_threads: int) -> int:
@@ -56,6 +97,5 @@ class StepThreads:
 
     def before_step(self, num_tokens: int) -> None:
         want = self.threads_for(num_tokens)
-        if want != self.current:  # a switch costs tens of microseconds: only on a change
-            torch.set_num_threads(want)
-            self.current = want
+        set_team_threads(want)  # every step: a microsecond or two (see set_team_threads)
+        self.current = want

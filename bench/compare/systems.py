@@ -81,6 +81,10 @@ def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None)
             f"OMP_NUM_THREADS {opts.peer_omp_threads()}, "
             f"{opts.cb_num_blocks} blocks of {opts.cb_block_size}; "
             "it has no admission control and refuses nothing"),
+        "splitserve-disagg-fixed": (
+            "splitserve disaggregated, fixed halves: `splitserve up --no-core-share`, not the "
+            "shipped default; each worker keeps to its half of the cores even while the other "
+            "is idle, the baseline the core share is measured against"),
     }
     return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
@@ -94,6 +98,7 @@ class SystemSpec:
     probe_port_offset: int = 0  # splitserve: /ready is on the admin port, `up`'s --port + 1
     startup_timeout_s: float = 300.0
     installed_by: str = ""  # the make target that installs it, where the main venv lacks it
+    up_flags: tuple[str, ...] = ()  # splitserve: `splitserve up` flags beyond the defaults
 
     def installed(self) -> bool:
         return self.name != "vllm" or (VLLM_VENV / "bin" / "python").exists()
@@ -110,9 +115,9 @@ class SystemSpec:
 
     def command(self, model_dir: str, port: int, opts: ServeOptions) -> list[str]:
         if self.name.startswith("splitserve-"):
-            mode = self.name.removeprefix("splitserve-")
+            mode = self.name.removeprefix("splitserve-").split("-")[0]
             return [sys.executable, "-m", "splitserve_cli.main", "up", "--mode", mode,
-                    "--port", str(port), "--model", model_dir]
+                    "--port", str(port), "--model", model_dir, *self.up_flags]
         if self.name == "vllm":
             return vllm_command(VLLM_VENV, model_dir, port, opts.peer_dtype or opts.dtype)
         return [str(Path(sys.executable).with_name("transformers")), "serve",
@@ -131,6 +136,11 @@ SYSTEMS = {
                    probe_port_offset=1),
         SystemSpec("splitserve-agg", "splitserve aggregated", "openai", probe="/ready",
                    probe_port_offset=1),
+        # Not shipped: disaggregated with each worker held to its half of the cores, the
+        # baseline of the core share (services/common/core_share.py), measured beside it.
+        SystemSpec("splitserve-disagg-fixed", "splitserve disaggregated, fixed halves "
+                   "(--no-core-share)", "openai", probe="/ready", probe_port_offset=1,
+                   up_flags=("--no-core-share",)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

@@ -317,10 +317,8 @@ class EngineLoop:
 
     def _take_cores(self) -> None:
         """Before a step: this worker's threads and those its idle peers lend."""
-        want = self.core_share.step_threads()
-        if want != self.step_threads:
-            self.engine.set_num_threads(want)
-            self.step_threads = want
+        self.step_threads = self.core_share.step_threads()
+        self.engine.set_num_threads(self.step_threads)  # every step (LLMEngine.set_num_threads)
 
     def _run_commands(self) -> None:
         while True:

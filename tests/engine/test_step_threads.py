@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import torch
 
+from engine import step_threads
 from engine.sampling_params import SamplingParams
 from engine.step_threads import StepThreads, default_small_threads
 from tests.engine.engine_harness import make_engine, random_prompts
 
 
-def test_small_steps_get_the_small_count_and_switches_happen_only_on_a_change(monkeypatch):
+def test_small_steps_get_the_small_count_set_before_every_step(monkeypatch):
     calls = []
-    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(step_threads, "set_team_threads", calls.append)
     threads = StepThreads(num_threads=4, small_threads=1, small_tokens=16)
     for tokens in (512, 3, 3, 16, 17, 17, 1):
         threads.before_step(tokens)
-    assert calls == [4, 1, 4, 1]
+    # Every step, not only on a change: a library's first parallel op on the thread resets it.
+    assert calls == [4, 1, 1, 1, 4, 4, 1]
+    threads.set_num_threads(2)  # a core share took two threads back
+    threads.before_step(512)
+    threads.before_step(3)
+    assert calls[-2:] == [2, 1]
     assert [default_small_threads(n) for n in (1, 2, 3, 8)] == [1, 2, 3, 8]
 
 

@@ -2,7 +2,7 @@
 real file. The decode side borrows an idle peer's threads and hands them back before that
 peer steps; a peer that waits for them never waits past its limit; dead peers lend; workers
 starting together get distinct slots; and an engine loop over a real engine steps on the
-threads the share grants."""
+threads the share grants, on its own thread only."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -214,9 +215,19 @@ def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share
                 threads.append(await loop.call(lambda e: torch.get_num_threads()))
                 return tokens, threads
 
+    def fresh_thread_threads() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
     try:
         lent, lent_threads = asyncio.run(generate("lent"))
         assert set(lent_threads) == {2}, lent_threads
+        # Only the engine thread's team grew: a thread that starts torch work now (a KV
+        # receiver copying a payload) still gets one thread, so it starts no second team.
+        assert fresh_thread_threads() == 1
         peer.ask("step")  # the peer works: the next steps run on the loop's own thread
         own, own_threads = asyncio.run(generate("own"))
         assert set(own_threads) == {1}, own_threads
