@@ -72,9 +72,7 @@ class Worker:
         )
         if config.core_share:
             if self.engine.runner.device.type == "cpu":
-                # Only the decode role borrows: its steps are short (core_share.py).
-                self.engine_loop.core_share = CoreShare(config.core_share, config.num_threads,
-                                                        borrow=config.role == "decode")
+                self.engine_loop.core_share = CoreShare(config.core_share, config.num_threads)
             else:
                 log.warning("--core-share ignored: it lends CPU threads, and this worker "
                             "runs on %s", self.engine.runner.device)

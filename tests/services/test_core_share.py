@@ -1,6 +1,6 @@
 """Co-located workers lending cores (services/common/core_share.py): real processes sharing a
-real file. The decode side borrows an idle peer's threads and hands them back before that
-peer steps; a peer that waits for them never waits past its limit; dead peers lend; workers
+real file. A worker borrows an idle peer's threads and hands them back before that peer
+steps; a peer that waits for them never waits past its limit; dead peers lend; workers
 starting together get distinct slots; and an engine loop over a real engine steps on the
 threads the share grants, on its own thread only."""
 
@@ -29,7 +29,7 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 
 def _peer(path: str, conn, wait_limit_s: float) -> None:
-    """A non-borrowing worker (the prefill role) in its own process, driven over a pipe:
+    """A worker that does not borrow, in its own process, driven over a pipe:
     "step" (answers the threads and when step_threads returned), "idle", "stats", "exit"."""
     share = CoreShare(path, 1, borrow=False, cores=2, wait_limit_s=wait_limit_s)
     conn.send(("ready", share.slot))
@@ -192,7 +192,7 @@ def test_core_share_needs_own_threads_and_one_process(tiny_llama_dir, share_path
 
 
 def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share_path):
-    """The decode side of the share on a real engine loop: two threads while the peer idles,
+    """A borrowing worker's engine loop over a real engine: two threads while the peer idles,
     one while it works, the same greedy tokens either way."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
                                     num_kv_blocks=64, num_threads=1))
