@@ -252,7 +252,9 @@ def _setup(plan: dict, m: dict) -> list[str]:
     prefill = max(1, m["cores"] // 2)
     return [f"dtype {serve['dtype']} for splitserve, {serve['peer_dtype'] or serve['dtype']} for "
             f"the peers. Torch threads: disaggregated {prefill} (prefill) + "
-            f"{max(1, m['cores'] - prefill)} (decode); aggregated {m['cores']} (one worker); "
+            f"{max(1, m['cores'] - prefill)} (decode), each borrowing the other's while it "
+            "idles (the core share, from commit e5accc7; 'fixed halves': --no-core-share); "
+            f"aggregated {m['cores']} (one worker); "
             f"each peer {threads} (vLLM's bound to cores, see Settings); the gateway and the "
             "load generator run no torch "
             "and share the same cores. 'CPU to others' is the share of the machine's CPU time "

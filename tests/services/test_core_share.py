@@ -15,12 +15,14 @@ import time
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from services.common.core_share import CoreShare
 from services.common.engine_loop import EngineLoop
+from services.common.metrics import WorkerMetrics
 from services.common.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,6 +200,8 @@ def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share
                                     num_kv_blocks=64, num_threads=1))
     loop = EngineLoop(engine, idle_wait_s=0.01)
     loop.core_share = CoreShare(share_path, 1, borrow=True, cores=2)
+    metrics = WorkerMetrics("decode", "w", model="tiny")
+    metrics.attach(loop)
     peer = Peer(share_path)
     loop.start()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -232,6 +236,9 @@ def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share
         own, own_threads = asyncio.run(generate("own"))
         assert set(own_threads) == {1}, own_threads
         assert own == lent and len(own) == 6
+        text = generate_latest(metrics.registry).decode()
+        assert 'splitserve_worker_step_threads{model="tiny",role="decode"} 1.0' in text
+        assert 'splitserve_worker_core_share_waits_total{model="tiny",role="decode"} 0.0' in text
     finally:
         loop.stop()
         peer.stop()
