@@ -20,7 +20,7 @@ STATS = {"running": 3, "waiting": 1, "waiting_for_kv": 2, "kv_blocks_total": 500
 
 def test_prometheus_text_maps_to_registry_stats():
     metrics = WorkerMetrics("decode", "d1")
-    metrics.engine_loop = SimpleNamespace(stats=STATS, healthy=True, stalled=False)
+    metrics.engine_loop = SimpleNamespace(stats=STATS, healthy=True, stalled=False, core_share=None)
     parsed = parse_worker_metrics(generate_latest(metrics.registry).decode())
     for key in ("running", "waiting", "waiting_for_kv", "kv_blocks_total", "kv_blocks_free",
                 "queued_prefill_tokens", "steps", "computed_tokens"):
