@@ -88,6 +88,24 @@ def test_greedy_decoding_is_constrained_too(tiny_llama_dir, decode):
     assert_follows_schema(decode(out.token_ids))
 
 
+def test_the_mask_thread_starts_no_second_openmp_team(tiny_llama_dir, decode):
+    """The grammar's mask thread runs torch work beside the engine's steps. With torch's
+    process-wide count at two, it took two threads at its first parallel op and started a
+    second OpenMP team: a 2-core worker then had more OpenMP threads than cores, GNU OpenMP
+    stopped spinning at barriers, and every later batch-1 step took 24 ms instead of 13."""
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_llama_dir, num_threads=2)
+        engine.add_request("r", random_prompts([9], seed=2)[0],
+                           SamplingParams(max_tokens=20, temperature=0.0, structured_output=JSON))
+        drive(engine)
+        masks = engine.runner.grammar_masks
+        assert masks is not None and torch.get_num_threads() == 2
+        assert masks._thread.submit(torch.get_num_threads).result(30) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_grammar_continues_from_a_prefill_engine_to_a_decode_engine(tiny_llama_dir, decode):
     prompts = dict(zip("abc", random_prompts([5, 13, 22], seed=3), strict=True))
     reference_engine = make_engine(tiny_llama_dir)
