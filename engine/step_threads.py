@@ -25,23 +25,36 @@ import torch
 DEFAULT_SMALL_STEP_TOKENS = 16
 
 
-@functools.cache
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (GNU libgomp, or LLVM's / Intel's), or None."""
+def _loaded(prefixes: tuple[str, ...], symbol: str):
+    """`symbol` (taking one int) of the first loaded library whose file name starts with one
+    of `prefixes` and exports it, or None."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/lib" in line}
     except OSError:
         return None
     for path in sorted(paths):
-        if os.path.basename(path).startswith(("libgomp", "libiomp5", "libomp.")):
+        if os.path.basename(path).startswith(prefixes):
             try:
-                library = ctypes.CDLL(path)  # already loaded: the same instance
-                library.omp_set_num_threads.argtypes = [ctypes.c_int]
-                return library
+                function = getattr(ctypes.CDLL(path), symbol)  # loaded: the same instance
             except (OSError, AttributeError):
                 continue
+            function.argtypes = [ctypes.c_int]
+            return function
     return None
+
+
+@functools.cache
+def _openmp():
+    """omp_set_num_threads of the OpenMP runtime torch loaded (GNU, LLVM's or Intel's)."""
+    return _loaded(("libgomp", "libiomp5", "libomp."), "omp_set_num_threads")
+
+
+@functools.cache
+def _mkl():
+    """MKL's per-thread count (its C entry point), where torch links MKL: MKL's BLAS (float32
+    GEMMs) reads its own count, not OpenMP's, and stayed on one thread in a team of two."""
+    return _loaded(("libtorch_cpu",), "MKL_Set_Num_Threads_Local")
 
 
 def set_team_threads(num_threads: int) -> None:
@@ -51,15 +64,18 @@ def set_team_threads(num_threads: int) -> None:
     copying a payload started a second team, the process had more OpenMP threads than CPUs,
     GNU OpenMP stopped spinning at barriers, and every decode step of a burst took 134 ms
     where it takes 35 (the one-team rule of services/common/engine_build.py)."""
-    library = _openmp()
-    if library is None:
+    openmp = _openmp()
+    if openmp is None:
         torch.set_num_threads(num_threads)
         return
     # torch sets a thread's count from the process-wide one at its first parallel op (each
     # library that inlines at::parallel_for, our kernels too, on its own first op): done now
     # for torch's, and set again before every step, so that a later first op cannot undo it.
     torch.get_num_threads()
-    library.omp_set_num_threads(num_threads)
+    openmp(num_threads)
+    mkl = _mkl()
+    if mkl is not None:
+        mkl(num_threads)
 
 
 def default_small_threads(num_threads: int) -> int:

@@ -58,3 +58,39 @@ def test_equal_counts_or_no_thread_count_leave_torch_alone(tiny_llama_dir):
         assert make_engine(tiny_llama_dir).step_threads is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_set_team_threads_sizes_this_threads_openmp_and_mkl_only():
+    """A team of two on one thread (the engine's), one thread for a thread that starts later,
+    and MKL's count follows OpenMP's there (MKL's BLAS reads its own: a float32 GEMM stayed
+    on one thread in a team of two)."""
+    import ctypes
+    import os
+    import threading
+
+    before = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def mkl_threads() -> int | None:
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                           "libtorch_cpu.so"))
+        get = getattr(library, "MKL_Get_Max_Threads", None)
+        return None if get is None else get()  # None: a torch without MKL
+
+    def engine_thread() -> None:
+        step_threads.set_team_threads(2)
+        seen["engine"] = torch.get_num_threads()
+        seen["engine_mkl"] = mkl_threads()
+        later = threading.Thread(target=lambda: seen.__setitem__("later", torch.get_num_threads()))
+        later.start()
+        later.join()
+
+    try:
+        torch.set_num_threads(1)
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        assert seen["engine"] == 2 and seen["later"] == 1
+        assert seen["engine_mkl"] in (None, 2)
+    finally:
+        torch.set_num_threads(before)
