@@ -89,3 +89,14 @@ def test_a_rate_with_refusals_is_not_sustained_though_its_served_ttft_is_low():
 
     bound = max_sustainable_rate([point(1, 0.2, 0), point(2, 0.3, 40)], ttft_target_s=1.0)
     assert (bound.low, bound.high) == (1, 2)
+
+
+def test_fixed_halves_is_the_disaggregated_deployment_without_the_core_share_and_says_so():
+    opts = ServeOptions()
+    shipped = SYSTEMS["splitserve-disagg"].command("m", 1234, opts)
+    fixed = SYSTEMS["splitserve-disagg-fixed"].command("m", 1234, opts)
+    assert shipped[shipped.index("--mode") + 1] == fixed[fixed.index("--mode") + 1] == "disagg"
+    assert "--no-core-share" not in shipped and fixed[-1] == "--no-core-share"
+    from bench.compare.systems import peer_settings_note
+
+    assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-fixed",))
