@@ -94,7 +94,6 @@ class StepThreads:
         self.num_threads = num_threads
         self.small_threads = min(small_threads, num_threads)
         self.small_tokens = small_tokens
-        self.current = 0  # not yet set by us
 
     @property
     def active(self) -> bool:
@@ -109,9 +108,7 @@ class StepThreads:
         """Threads for large steps from now on (a core share lends or takes back cores); small
         steps keep their count, at most this many."""
         self.num_threads = max(1, num_threads)
-        self.current = 0  # the next step sets its count afresh
 
     def before_step(self, num_tokens: int) -> None:
-        want = self.threads_for(num_tokens)
-        set_team_threads(want)  # every step: a microsecond or two (see set_team_threads)
-        self.current = want
+        # Every step, a microsecond or two: a library's first parallel op resets the count.
+        set_team_threads(self.threads_for(num_tokens))

@@ -22,6 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
+from services.common.core_share import host_cores
+
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODES = ("disagg", "agg")
 
@@ -56,7 +58,7 @@ class UpConfig:
         if self.num_threads:
             return {"prefill": self.num_threads, "decode": self.num_threads,
                     "both": self.num_threads}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = host_cores()
         prefill = max(1, (cores or 2) // 2)
         return {"prefill": prefill, "decode": max(1, (cores or 2) - prefill),
                 "both": max(1, cores or 1)}

@@ -54,6 +54,7 @@ def _alive(pid: int) -> bool:
 
 
 def host_cores() -> int:
+    """The cores this process may run on (its affinity), at least one."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
