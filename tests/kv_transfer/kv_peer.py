@@ -6,6 +6,7 @@ Also imported by the tests for `make_kv`, so both processes derive the same payl
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import threading
@@ -69,12 +70,17 @@ class Peer:
         self._report(key, sender.send(key, first_token, num_tokens, kv))
 
     def op_stream(self, name: str, prefix: str, num_blocks: int, count: int) -> None:
+        """Send `count` transfers back to back, keeping at most half the sender's queue in
+        flight: a producer faster than the channel waits rather than overflow the queue."""
         sender = self.senders[name]
+        in_flight: collections.deque = collections.deque()
         for i in range(count):
+            while len(in_flight) >= max(1, sender.max_queued // 2):
+                in_flight.popleft().exception()  # waits; the outcome is reported by _report
             key = f"{prefix}-{i}"
-            self._report(
-                key, sender.send(key, 0, num_blocks, make_kv(sender.layout, key, num_blocks))
-            )
+            future = sender.send(key, 0, num_blocks, make_kv(sender.layout, key, num_blocks))
+            self._report(key, future)
+            in_flight.append(future)
 
     def op_abort(self, name: str, key: str) -> None:
         self._report(key, self.senders[name].send_abort(key))
