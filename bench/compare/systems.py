@@ -85,6 +85,10 @@ def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None)
             "splitserve disaggregated, fixed halves: `splitserve up --no-core-share`, not the "
             "shipped default; each worker keeps to its half of the cores even while the other "
             "is idle, the baseline the core share is measured against"),
+        "splitserve-disagg-noyield": (
+            "splitserve disaggregated, decode never pauses: SPLITSERVE_CORE_SHARE_YIELD=0, not "
+            "the shipped default; the decode worker keeps stepping on its own core while the "
+            "prefill worker steps, the baseline prompts-first is measured against"),
     }
     return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
@@ -99,6 +103,7 @@ class SystemSpec:
     startup_timeout_s: float = 300.0
     installed_by: str = ""  # the make target that installs it, where the main venv lacks it
     up_flags: tuple[str, ...] = ()  # splitserve: `splitserve up` flags beyond the defaults
+    extra_env: tuple[tuple[str, str], ...] = ()  # splitserve: settings beyond the defaults
 
     def installed(self) -> bool:
         return self.name != "vllm" or (VLLM_VENV / "bin" / "python").exists()
@@ -107,7 +112,8 @@ class SystemSpec:
         """The environment it is started with beyond this process's own."""
         if self.name.startswith("splitserve-"):
             # splitserve up sets each worker's OMP_NUM_THREADS itself (the cores split between them).
-            return {"SPLITSERVE_DTYPE": opts.dtype, **serve_settings(opts).gateway_env()}
+            return {"SPLITSERVE_DTYPE": opts.dtype, **serve_settings(opts).gateway_env(),
+                    **dict(self.extra_env)}
         if self.name == "vllm":
             return vllm_env(VLLM_VENV, opts.peer_omp_threads())
         threads = str(opts.peer_omp_threads())
@@ -141,6 +147,11 @@ SYSTEMS = {
         SystemSpec("splitserve-disagg-fixed", "splitserve disaggregated, fixed halves "
                    "(--no-core-share)", "openai", probe="/ready", probe_port_offset=1,
                    up_flags=("--no-core-share",)),
+        # Not shipped: the core share without prompts first (decode never pauses for the
+        # prefill worker's steps), measured beside the default.
+        SystemSpec("splitserve-disagg-noyield", "splitserve disaggregated, decode never pauses "
+                   "(yield 0)", "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

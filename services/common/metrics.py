@@ -165,6 +165,11 @@ class _StatsCollector:
                                "co-located worker to hand borrowed cores back.", labels, share.waits)
                 yield _counter("splitserve_worker_core_share_wait_seconds", "Time steps waited "
                                "for borrowed cores to come back.", labels, share.wait_seconds)
+                yield _counter("splitserve_worker_core_share_yields", "Steps that paused while "
+                               "a co-located prefill worker stepped.", labels, share.yields)
+                yield _counter("splitserve_worker_core_share_yield_seconds", "Time steps paused "
+                               "for a co-located prefill worker's steps.", labels,
+                               share.yield_seconds)
             for key, value in stats.items():
                 if key.startswith("spec_"):
                     yield _counter(f"splitserve_{key}", "Speculative decoding tokens.", labels, value)

@@ -72,7 +72,9 @@ class Worker:
         )
         if config.core_share:
             if self.engine.runner.device.type == "cpu":
-                self.engine_loop.core_share = CoreShare(config.core_share, config.num_threads)
+                self.engine_loop.core_share = CoreShare(
+                    config.core_share, config.num_threads, priority=config.role == "prefill",
+                    yield_share=config.core_share_yield)
             else:
                 log.warning("--core-share ignored: it lends CPU threads, and this worker "
                             "runs on %s", self.engine.runner.device)

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from kernels.attention import ATTENTION_BACKENDS
+from services.common.core_share import DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.worker_config import ROLES, WorkerConfig
 
@@ -108,6 +109,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         help="a file the workers of this host map to lend each other their "
                              "--num-threads while idle (splitserve up --mode disagg sets it); "
                              "empty: off")
+    parser.add_argument("--core-share-yield", type=float,
+                        default=float(_env("core_share_yield", DEFAULT_YIELD_SHARE)),
+                        help="with --core-share, a worker that does not prefill pauses while a "
+                             "co-located prefill worker steps, so prompts run on every core, "
+                             "for at most this share of its time (and 0.5 s at once); 0: never")
     parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
                         help="decode: speculative decoding, 'ngram' (prompt lookup) or "
                              "'draft' (a smaller model); off when empty")
@@ -207,6 +213,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         max_unread_outputs=args.max_unread_outputs,
         step_timeout_s=args.step_timeout_s,
         core_share=args.core_share,
+        core_share_yield=args.core_share_yield,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,

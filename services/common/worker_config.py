@@ -13,6 +13,7 @@ from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.attention import ATTENTION_BACKENDS
+from services.common.core_share import DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
 from services.prefill.kv_endpoints import parse_allow_list
@@ -100,6 +101,9 @@ class WorkerConfig:
     # Workers of one host that split its cores lend them while idle (a file every one maps,
     # services/common/core_share.py); "": off. CPU, one process per worker, --num-threads set.
     core_share: str = ""
+    # Of a worker that does not prefill: at most this share of its time pauses while a
+    # co-located prefill worker steps, so prompts run on every core; 0: never pauses.
+    core_share_yield: float = DEFAULT_YIELD_SHARE
     # Decode role: speculative decoding, "" (off), "ngram" or "draft" (see engine/spec_decode).
     speculative_method: str = ""
     num_speculative_tokens: int = 4
@@ -158,6 +162,9 @@ class WorkerConfig:
             raise ValueError("--core-share lends CPU threads between workers of one host: it "
                              "needs --num-threads (this worker's own share), one process per "
                              "worker (--tensor-parallel-size 1) and the CPU")
+        if not 0.0 <= self.core_share_yield <= 1.0:
+            raise ValueError("--core-share-yield must be in [0, 1] (0: decode never pauses for "
+                             "a co-located prefill worker's steps)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -100,3 +100,15 @@ def test_fixed_halves_is_the_disaggregated_deployment_without_the_core_share_and
     from bench.compare.systems import peer_settings_note
 
     assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-fixed",))
+
+
+def test_no_yield_is_the_disaggregated_deployment_whose_decoder_never_pauses_and_says_so():
+    opts = ServeOptions()
+    shipped = SYSTEMS["splitserve-disagg"]
+    noyield = SYSTEMS["splitserve-disagg-noyield"]
+    assert noyield.command("m", 1234, opts) == shipped.command("m", 1234, opts)
+    assert noyield.env(opts)["SPLITSERVE_CORE_SHARE_YIELD"] == "0"
+    assert "SPLITSERVE_CORE_SHARE_YIELD" not in shipped.env(opts)
+    from bench.compare.systems import peer_settings_note
+
+    assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-noyield",))

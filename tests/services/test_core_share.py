@@ -30,10 +30,12 @@ pytestmark = pytest.mark.timeout(120)
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-def _peer(path: str, conn, wait_limit_s: float) -> None:
-    """A worker that does not borrow, in its own process, driven over a pipe:
-    "step" (answers the threads and when step_threads returned), "idle", "stats", "exit"."""
-    share = CoreShare(path, 1, borrow=False, cores=2, wait_limit_s=wait_limit_s)
+def _peer(path: str, conn, wait_limit_s: float, prefill: bool) -> None:
+    """A worker in its own process, driven over a pipe: "step" (answers the threads and when
+    step_threads returned), "idle", "stats", "exit". It does not borrow, unless it is a
+    prefill worker (priority: its steps go first, on every core it can get)."""
+    share = CoreShare(path, 1, borrow=prefill, cores=2, wait_limit_s=wait_limit_s,
+                      priority=prefill)
     conn.send(("ready", share.slot))
     while True:
         command = conn.recv()
@@ -52,9 +54,10 @@ def _peer(path: str, conn, wait_limit_s: float) -> None:
 
 
 class Peer:
-    def __init__(self, path: str, wait_limit_s: float = 5.0) -> None:
+    def __init__(self, path: str, wait_limit_s: float = 5.0, prefill: bool = False) -> None:
         self.conn, child = _SPAWN.Pipe()
-        self.process = _SPAWN.Process(target=_peer, args=(path, child, wait_limit_s), daemon=True)
+        self.process = _SPAWN.Process(target=_peer, args=(path, child, wait_limit_s, prefill),
+                                      daemon=True)
         self.process.start()
         assert self.conn.poll(60), "the peer process did not start"
         self.slot = self.conn.recv()[1]
@@ -153,6 +156,93 @@ def test_a_closed_worker_frees_its_slot_and_lends_everything(share_path):
         decode.close()
 
 
+class Stepper:
+    """Calls step_threads of a CoreShare of this process on a thread (it may pause there)."""
+
+    def __init__(self, share: CoreShare) -> None:
+        self.result: list[tuple[int, float]] = []
+        self.thread = threading.Thread(
+            target=lambda: self.result.append((share.step_threads(), time.monotonic())))
+        self.thread.start()
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        self.thread.join(timeout)
+        assert self.result, f"step_threads did not return within {timeout} s"
+        return self.result[0]
+
+
+def test_a_prefill_worker_asks_and_a_willing_decoder_pauses_while_it_steps(share_path):
+    prefill = Peer(share_path, prefill=True)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2, yield_burst_s=10.0)
+    try:
+        assert decode.step_threads() == 2  # the prefill worker idles: its thread is lent
+        # It asks at its step boundary and waits (briefly) for the decoder's next boundary,
+        # where the decoder pauses, lending its thread: the prompt runs on both cores.
+        prefill.conn.send("step")
+        time.sleep(0.05)
+        stepper = Stepper(decode)
+        assert prefill.conn.poll(10)
+        assert prefill.conn.recv()[0] == 2
+        time.sleep(0.4)
+        assert stepper.thread.is_alive(), "the decoder stepped while the prefill worker did"
+        # Another prompt step: asked again, the decoder stays paused.
+        assert prefill.ask("step")[0] == 2
+        time.sleep(0.2)
+        assert stepper.thread.is_alive()
+        idled_at = time.monotonic()
+        prefill.ask("idle")  # no prompts left: the decoder steps, on both cores
+        threads, stepped_at = stepper.wait(5)
+        assert threads == 2 and 0 <= stepped_at - idled_at < 1.0
+        assert decode.yields == 1 and decode.yield_seconds >= 0.6
+    finally:
+        prefill.stop()
+        decode.close()
+
+
+def test_a_decoders_pause_is_bounded_by_its_credit_and_without_credit_nobody_waits(share_path):
+    prefill = Peer(share_path, prefill=True)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2, wait_limit_s=0.3,
+                       yield_share=0.5, yield_burst_s=0.3)
+    try:
+        assert prefill.ask("step")[0] == 2  # the decoder idles: no one to ask
+        # A prompt step that never ends: the decoder pauses for its credit (0.3 s), then
+        # waits for the cores (0.3 s), then steps on its own thread.
+        start = time.monotonic()
+        assert decode.step_threads() == 1
+        assert 0.5 <= time.monotonic() - start < 3.0
+        assert decode.yields == 1 and decode.yield_seconds >= 0.5
+        # Its credit is spent: it no longer pauses, and the prefill worker's next step does
+        # not wait for it; both step on their own threads.
+        start = time.monotonic()
+        assert prefill.ask("step")[0] == 1
+        assert time.monotonic() - start < 0.15
+        start = time.monotonic()
+        assert decode.step_threads() == 1
+        assert time.monotonic() - start < 0.1 and decode.yields == 1
+    finally:
+        prefill.stop()
+        decode.close()
+
+
+def test_a_decoder_with_yield_share_zero_never_pauses(share_path):
+    prefill = Peer(share_path, prefill=True)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2, yield_share=0.0)
+    try:
+        assert prefill.ask("step")[0] == 2
+        prefill.ask("idle")
+        assert decode.step_threads() == 2
+        prefill.conn.send("step")  # waits for the borrowed thread, not for a pause
+        time.sleep(0.3)
+        assert not prefill.conn.poll(0)
+        start = time.monotonic()
+        assert decode.step_threads() == 1
+        assert time.monotonic() - start < 0.1 and decode.yields == 0
+        assert prefill.conn.poll(5) and prefill.conn.recv()[0] == 1
+    finally:
+        prefill.stop()
+        decode.close()
+
+
 def _join(path: str, start, conn) -> None:
     start.wait(30)
     share = CoreShare(path, 1, borrow=False)
@@ -191,6 +281,9 @@ def test_core_share_needs_own_threads_and_one_process(tiny_llama_dir, share_path
         WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path,
                      num_threads=1, tensor_parallel_size=2)
     WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path, num_threads=1)
+    with pytest.raises(ValueError, match="--core-share-yield"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path,
+                     num_threads=1, core_share_yield=1.5)
 
 
 def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share_path):
