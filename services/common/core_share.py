@@ -23,8 +23,8 @@ prefill step that overlapped a one-thread decode took 3.5 s instead of about 0.3
 Prompts first: a worker that prefills (`priority=True`) asks for every core at each step
 boundary, and a decoding peer willing to yield pauses at its own next boundary (one decode
 step, tens of milliseconds) and stays idle while the prefill worker steps. Each prompt then
-runs on every core and its first token comes sooner (a 2,048-token step: ~0.43 s on two
-threads against ~0.75 s on one). The pause is bounded by a credit that refills at
+runs on every core and its first token comes sooner (a 2,048-token prompt: 590 ms on two
+threads against 980 ms on one, `bench/prefill.py`). The pause is bounded by a credit that refills at
 `yield_share` of the time, up to `yield_burst_s`: a decoder pauses only while its credit is
 positive, and every second it spends paused (and waiting for the step it gave its core to)
 is charged, so a stream of prompts slows tokens down (by default to no less than half their
@@ -56,8 +56,8 @@ _LIVENESS_EVERY_S = 1.0
 # Past a 2,048-token prefill step on two threads (0.35 s), with room for a slower host.
 DEFAULT_WAIT_LIMIT_S = 1.0
 # A waiting worker polls every 0.5 ms at first, backing off to 4 ms: each poll wakes a
-# thread on a core a peer's OpenMP team is using, and at 0.5 ms the polls of a decoder waiting
-# through a 2,048-token prefill step slowed that step from 0.43 to 0.66 s.
+# thread on a core a peer's OpenMP team is using: a decoder polling every 0.5 ms through a
+# 2,048-token prefill step made that step about half as long again in one debugging run.
 _POLL_S = 0.0005
 _POLL_MAX_S = 0.004
 
