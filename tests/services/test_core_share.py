@@ -332,6 +332,7 @@ def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share
         text = generate_latest(metrics.registry).decode()
         assert 'splitserve_worker_step_threads{model="tiny",role="decode"} 1.0' in text
         assert 'splitserve_worker_core_share_waits_total{model="tiny",role="decode"} 0.0' in text
+        assert 'splitserve_worker_core_share_yields_total{model="tiny",role="decode"} 0.0' in text
     finally:
         loop.stop()
         peer.stop()
