@@ -163,10 +163,10 @@ class CoreShare:
         peers = []
         for slot in range(MAX_WORKERS):
             if slot != self.slot:
-                pid, own, active, borrowed, first = _SLOT.unpack_from(self._map,
+                pid, own, active, borrowed, flags = _SLOT.unpack_from(self._map,
                                                                       slot * _SLOT.size)
                 if pid or own:  # pid 0 with threads: a worker that stopped, lending them all
-                    peers.append((pid, own, active, borrowed, first))
+                    peers.append((pid, own, active, borrowed, flags))
         if now >= self._next_liveness:
             self._dead = {peer[0] for peer in peers if peer[0] and not _alive(peer[0])}
             self._next_liveness = now + self.liveness_every_s

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from kernels.attention import ATTENTION_BACKENDS
-from services.common.core_share import DEFAULT_YIELD_SHARE
+from services.common.core_share import DEFAULT_YIELD_BURST_S, DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.worker_config import ROLES, WorkerConfig
 
@@ -113,7 +113,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=float(_env("core_share_yield", DEFAULT_YIELD_SHARE)),
                         help="with --core-share, a worker that does not prefill pauses while a "
                              "co-located prefill worker steps, so prompts run on every core, "
-                             "for at most this share of its time (and 0.5 s at once); 0: never")
+                             f"for at most this share of its time (and {DEFAULT_YIELD_BURST_S:g} s "
+                             "at once); 0: never")
     parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
                         help="decode: speculative decoding, 'ngram' (prompt lookup) or "
                              "'draft' (a smaller model); off when empty")
