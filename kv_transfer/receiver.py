@@ -244,13 +244,14 @@ class KVReceiver:
                     peer_id=peer_id,
                 )
         except (LayoutMismatchError, KVChannelError) as exc:
+            # Not on_channel_error: a refused channel never carried a transfer, so nothing
+            # waiting for KV is affected. Counted before the sender hears the verdict, so the
+            # count already shows the refusal once the sender has seen it.
+            self.stats.add(refused=1)
             store.set(
                 verdict_key,
                 json.dumps({"ok": False, "kind": type(exc).__name__, "error": str(exc)}),
             )
-            # Not on_channel_error: a refused channel never carried a transfer, so nothing
-            # waiting for KV is affected. The sender gets the error; we log and count it.
-            self.stats.add(refused=1)
             logger.warning("kv receiver %s: refused %s: %s", self.endpoint, peer_id, exc)
             return
         # Cloned here, not in the channel thread: close() may drop the master store any time
