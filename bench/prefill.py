@@ -2,10 +2,14 @@
 same run: one attention layer on random inputs (SmolLM2's 9 query and 3 KV heads of 64), whole
 and in 512-token chunks as a chunked prefill runs it, by SDPA, the C++ kernel's AVX-512 BF16
 dot products and its AMX path (where the CPU has AMX); then a whole prompt through the engine
-with `cpu_attention` torch and cpp (every repetition a new prompt: a cold prefix cache).
+with `cpu_attention` torch and cpp (every repetition a new prompt: a cold prefix cache); then
+a whole prompt through the shipped engine (every setting its default) against the same engine
+cutting prompts alone into `long_prefill_token_threshold` chunks as it did before (the shipped
+scheduler cuts only steps that carry decoding requests), the two alternating.
 
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
+    python bench/prefill.py --threads 2 --lengths 1024,2048 --only chunking
 """
 
 from __future__ import annotations
@@ -76,24 +80,69 @@ def whole_prefill(model: str, lengths: list[int], repeats: int, threads: int) ->
               f"({ms['torch'] / ms['cpp']:.2f}x; {n / ms['cpp'] * 1e3:.0f} tokens/s)")
 
 
+def chunking(model: str, lengths: list[int], repeats: int, threads: int) -> None:
+    """The shipped engine (prompts alone whole) against chunk_prompts_alone: same engine
+    otherwise, runs alternating so both see the same machine state; a new prompt each run."""
+    from dataclasses import replace
+
+    base = EngineConfig(model=model, num_threads=threads, num_kv_blocks=1024)
+    engines = {"whole": LLMEngine(base),
+               "chunked": LLMEngine(replace(base, scheduler=replace(
+                   base.scheduler, chunk_prompts_alone=True)))}
+    chunk = base.scheduler.long_prefill_token_threshold
+    print(f"a prompt alone through the engine ({model}, shipped dtype "
+          f"{engines['whole'].runner.dtype}, {threads} thread(s), best of {repeats}, "
+          f"alternating): whole (shipped) against {chunk}-token chunks (chunk_prompts_alone):")
+    salt = iter(range(10**6))
+    times: dict[str, dict[int, list[float]]] = {name: {} for name in engines}
+
+    def prefill(engine: LLMEngine, n: int) -> float:
+        s = next(salt)
+        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        while engine.scheduler.waiting or engine.scheduler.running:
+            engine.step()
+        return time.perf_counter() - start
+
+    for n in lengths:
+        for engine in engines.values():
+            prefill(engine, n)  # warm
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                times[name].setdefault(n, []).append(prefill(engine, n))
+        whole, chunked = (min(times[name][n]) * 1e3 for name in ("whole", "chunked"))
+        print(f"  {n:5d} tokens: whole {whole:8.1f} ms  chunked {chunked:8.1f} ms  "
+              f"(chunked / whole {chunked / whole:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("attention", "engine", "chunking"), default=None,
+                        help="run one part: the attention layer, the engine's attention "
+                             "choices, or whole against chunked prompts")
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
     from engine.config import cpu_has_fast_bf16
 
-    print("settings: dtype bfloat16 (forced: the C++ prefill attention is bfloat16 only; the "
-          f"shipped --dtype auto is {'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this "
-          f"CPU), {args.threads} torch thread(s), cpu_attention torch against cpp")
+    print("settings: the attention and engine parts force dtype bfloat16 (the C++ prefill "
+          "attention is bfloat16 only; the shipped --dtype auto is "
+          f"{'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this CPU) and set "
+          "cpu_attention torch against cpp; the chunking part runs every shipped default; "
+          f"{args.threads} torch thread(s)")
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
-    attention_layer(lengths, max(5, args.repeats))
-    whole_prefill(args.model, lengths, args.repeats, args.threads)
+    if args.only in (None, "attention"):
+        attention_layer(lengths, max(5, args.repeats))
+    if args.only in (None, "engine"):
+        whole_prefill(args.model, lengths, args.repeats, args.threads)
+    if args.only in (None, "chunking"):
+        chunking(args.model, lengths, args.repeats, args.threads)
     return 0
 
 

@@ -194,11 +194,13 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class ProfileStep:
-    """The largest step the scheduler can build: `num_decode_rows` requests decoding one token
-    each and prefill chunks filling the rest of max_num_batched_tokens, each chunk as long as
-    the scheduler cuts one (long_prefill_token_threshold) and placed at the end of a
-    max_model_len prompt, so it attends to the longest context a chunk can see. Rows share
-    their blocks: only the memory of the step is measured, not its KV."""
+    """One of the largest steps the scheduler can build: `num_decode_rows` requests decoding
+    one token each and prefill chunks filling the rest of max_num_batched_tokens, each chunk as
+    long as the scheduler cuts one and placed at the end of a max_model_len prompt, so it
+    attends to the longest context a chunk can see. Rows share their blocks: only the memory of
+    the step is measured, not its KV. A step with decode rows cuts chunks at
+    long_prefill_token_threshold; one of prompts alone takes them whole (engine/scheduler.py),
+    so there are two candidates (candidates())."""
 
     num_decode_rows: int
     prefill_chunks: tuple[int, ...]
@@ -219,16 +221,21 @@ class ProfileStep:
         return -(-self.context_len // self.block_size) if self.prefill_chunks else 1
 
     @classmethod
-    def largest(cls, config: EngineConfig, model_config: ModelConfig) -> ProfileStep:
+    def largest(cls, config: EngineConfig, model_config: ModelConfig,
+                decoding: bool = True) -> ProfileStep:
+        """With `decoding`, the step with the most decode rows beside chunks of the threshold;
+        without, prompts alone in the longest chunks the scheduler then takes."""
         sched = config.scheduler
         length = max_model_len(config, model_config)
         budget = max(sched.max_num_batched_tokens, 1)
-        chunk = sched.long_prefill_token_threshold if sched.enable_chunked_prefill else budget
+        cut = decoding or sched.chunk_prompts_alone
+        chunk = (sched.long_prefill_token_threshold if sched.enable_chunked_prefill and cut
+                 else budget)
         chunk = max(min(chunk or budget, budget, length - 1), 1)
         # Decode rows take one token each; prefill chunks take the rest of the budget, and
         # every row counts against max_num_seqs.
         rows = min(sched.max_num_seqs, budget)
-        decode = rows
+        decode = rows if decoding else 0
         while decode > 0 and decode + -(-(budget - decode) // chunk) > rows:
             decode -= 1
         left = budget - decode
@@ -236,6 +243,17 @@ class ProfileStep:
         chunks = chunks[: rows - decode]
         return cls(num_decode_rows=decode, prefill_chunks=tuple(chunks),
                    context_len=max(length - 1, *chunks, 1), block_size=config.block_size)
+
+    @classmethod
+    def candidates(cls, config: EngineConfig, model_config: ModelConfig) -> list[ProfileStep]:
+        """The steps whose peak bounds every step's: the largest with decode rows, and the
+        largest of prompts alone where its chunks are longer."""
+        steps = [cls.largest(config, model_config)]
+        alone = cls.largest(config, model_config, decoding=False)
+        if alone.prefill_chunks and max(alone.prefill_chunks) > max(steps[0].prefill_chunks,
+                                                                     default=0):
+            steps.append(alone)
+        return steps
 
     def scheduler_output(self, vocab_size: int) -> SchedulerOutput:
         bs = self.block_size
@@ -271,15 +289,21 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 
 def profile_peak_step(runner, reader: MemoryReader) -> tuple[int, ProfileStep]:
-    """Runs the largest step on `runner` (a ModelRunner without its KV cache yet) over a
-    scratch cache, and returns the bytes the step took above what was held before it.
+    """Runs the largest steps (ProfileStep.candidates) on `runner` (a ModelRunner without its
+    KV cache yet) over a scratch cache, and returns the most bytes one took above what was held
+    before it, and that step.
 
     Only the first decoder layer runs (the model runs as many layers as it is given caches):
     layers run one after another and each frees its temporaries, so one layer peaks as high
     as all of them, while a full step of 2048 tokens takes tens of seconds on a small CPU host
     and its scratch cache would be a whole max-length request's KV.
     """
-    step = ProfileStep.largest(runner.config, runner.model_config)
+    measured = [(_step_peak(runner, reader, step), step)
+                for step in ProfileStep.candidates(runner.config, runner.model_config)]
+    return max(measured, key=lambda pair: pair[0])
+
+
+def _step_peak(runner, reader: MemoryReader, step: ProfileStep) -> int:
     mc = runner.model_config
     # A step of decode rows alone may take the fused C++ decode, which runs every layer.
     layers = 1 if step.prefill_chunks else mc.num_layers
@@ -291,13 +315,12 @@ def profile_peak_step(runner, reader: MemoryReader) -> tuple[int, ProfileStep]:
     try:
         reader.start()
         runner.execute_model(sched)
-        peak = reader.peak_above_start()
+        return reader.peak_above_start()
     finally:
         # The runner forgets the profile's requests; the scratch cache goes with the references.
         runner.execute_model(SchedulerOutput([], [], {}, 0, set(sched.num_scheduled_tokens)))
         runner.kv_cache, runner.kv_caches = None, []
         del scratch
-    return peak, step
 
 
 # -- sizing -------------------------------------------------------------------------------

@@ -26,8 +26,12 @@ from engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    # Longest prefill chunk one request may take in a step (chunked prefill).
+    # Longest prefill chunk one request may take in a step that also carries decoding
+    # requests (chunked prefill): their tokens wait for the whole step. A step of prompts
+    # alone takes each whole, up to the token budget: chunks there delay nobody and cost time.
     long_prefill_token_threshold: int = 512
+    # The threshold cuts prompts in steps where nothing decodes too (tests of chunked prefill).
+    chunk_prompts_alone: bool = False
     enable_chunked_prefill: bool = True
     # Step-time target for steps that carry decoding requests: they take only the prompt
     # tokens measured to fit (engine/step_budget.py). 0: off.
@@ -68,6 +72,8 @@ class Scheduler:
         # Runner-side knowledge: which requests it holds state for.
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        # This step's longest prefill chunk (schedule()).
+        self._chunk_limit = config.long_prefill_token_threshold
 
     # -- admission -----------------------------------------------------------------------
 
@@ -149,6 +155,9 @@ class Scheduler:
         alone decides."""
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
+        self._chunk_limit = (self.config.long_prefill_token_threshold
+                             if self.config.chunk_prompts_alone or self.num_decoding()
+                             else budget)
         prompt_left = budget if prompt_budget is None or not chunked else prompt_budget
         num_scheduled: dict[str, int] = {}
         scheduled_spec: dict[str, list[int]] = {}
@@ -248,7 +257,7 @@ class Scheduler:
 
     def _chunk(self, num_tokens: int) -> int:
         if self.config.enable_chunked_prefill:
-            return min(num_tokens, self.config.long_prefill_token_threshold)
+            return min(num_tokens, self._chunk_limit)
         return num_tokens
 
     def _emit(self, request: Request, new_block_ids: list[int], new_reqs, cached_reqs) -> None:

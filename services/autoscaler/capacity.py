@@ -147,8 +147,10 @@ class CapacityModel:
 
 
 def _prompt_seconds(profile: HardwareProfile, prompt_tokens: float) -> float:
-    """Prefill of one prompt alone: chunks of at most long_prefill_token_threshold."""
-    chunk = profile.long_prefill_token_threshold or prompt_tokens
+    """Prefill of one prompt alone on a prefill worker: nothing decodes there, so the scheduler
+    takes it whole up to the token budget (long_prefill_token_threshold cuts only steps that
+    carry decoding requests)."""
+    chunk = profile.max_num_batched_tokens or prompt_tokens
     full, rest = divmod(prompt_tokens, chunk)
     seconds = full * profile.prefill_seconds(chunk)
     return seconds + (profile.prefill_seconds(rest) if rest else 0.0)

@@ -263,7 +263,8 @@ class ClusterSim:
             return
         profile, budget, batch = self.profile, self.profile.max_num_batched_tokens, []
         for entry in replica.queue:
-            take = min(entry[1], profile.long_prefill_token_threshold or entry[1], budget)
+            # Nothing decodes on a prefill worker: prompts go whole, up to the budget.
+            take = min(entry[1], budget)
             if take <= 0 or len(batch) >= profile.max_num_seqs:
                 break
             batch.append((entry, take))

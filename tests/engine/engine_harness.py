@@ -31,7 +31,7 @@ def make_engine(
     block_size: int = 4,
     num_kv_blocks: int = 256,
     max_num_batched_tokens: int = 2048,
-    long_prefill_token_threshold: int = 512,
+    long_prefill_token_threshold: int | None = None,
     max_num_seqs: int = 128,
     enable_chunked_prefill: bool = True,
     itl_target_s: float = 0.0,
@@ -39,11 +39,13 @@ def make_engine(
     dtype: str = "float32",
     **config,
 ) -> LLMEngine:
-    """A float32 CPU engine (unless told otherwise) with an explicit (small) KV cache."""
+    """A float32 CPU engine (unless told otherwise) with an explicit (small) KV cache. A test
+    that names long_prefill_token_threshold gets its chunks in every step, decoding or not."""
     scheduler = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
-        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold=long_prefill_token_threshold or 512,
+        chunk_prompts_alone=long_prefill_token_threshold is not None,
         enable_chunked_prefill=enable_chunked_prefill,
         itl_target_s=itl_target_s,
     )

@@ -86,6 +86,45 @@ def test_profile_step_cuts_chunks_as_the_scheduler_does(tiny_llama_dir):
     assert decode_only.num_blocks == 1
 
 
+def test_a_step_of_prompts_alone_is_a_second_candidate_when_its_chunks_are_longer(tiny_llama_dir):
+    mc = model_config(tiny_llama_dir)
+    # Chunks of 64 beside decode rows; prompts alone take the whole budget of 256 in one chunk.
+    mixed, alone = ProfileStep.candidates(config(tiny_llama_dir, max_num_batched_tokens=256,
+                                                 long_prefill_token_threshold=64), mc)
+    assert max(mixed.prefill_chunks) == 64 and mixed.num_decode_rows > 0
+    assert (alone.num_decode_rows, alone.prefill_chunks, alone.context_len) == (0, (256,), 511)
+    # The model's context caps a chunk either way; and a scheduler that cuts every step has
+    # one candidate.
+    assert len(ProfileStep.candidates(config(tiny_llama_dir), mc)) == 1
+    assert len(ProfileStep.candidates(config(tiny_llama_dir, max_num_batched_tokens=256,
+                                             long_prefill_token_threshold=64,
+                                             chunk_prompts_alone=True), mc)) == 1
+
+
+def test_the_profile_runs_every_candidate_and_keeps_the_highest_peak(tiny_llama_dir, monkeypatch):
+    peaks = iter([5 << 20, 9 << 20])
+    seen = []
+
+    class Reader(FakeGpuMemory):
+        def peak_above_start(self) -> int:
+            return next(peaks)
+
+    execute = ModelRunner.execute_model
+
+    def recording(self, sched, draft_probs=None):
+        seen.append(sched.total_num_scheduled_tokens)
+        return execute(self, sched, draft_probs)
+
+    engine = LLMEngine(config(tiny_llama_dir, num_kv_blocks=4, max_num_batched_tokens=256,
+                              long_prefill_token_threshold=64, max_num_seqs=16))
+    monkeypatch.setattr(ModelRunner, "execute_model", recording)
+    runner = engine.runner
+    peak, step = memory_profile.profile_peak_step(runner, Reader(0, 0, 0))
+    assert seen == [256, 0, 256, 0]  # each step, then the step that drops its requests
+    assert (peak, step.prefill_chunks, step.num_decode_rows) == (9 << 20, (256,), 0)
+    assert runner.requests == {}
+
+
 def test_the_runner_runs_the_profile_step_and_forgets_it(tiny_llama_dir, monkeypatch):
     seen = []
     execute = ModelRunner.execute_model

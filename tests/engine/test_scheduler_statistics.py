@@ -99,7 +99,7 @@ def test_queued_prefill_tokens_include_the_rest_of_a_chunked_prompt():
 
 def test_queued_prefill_tokens_of_a_resumed_request_leave_out_its_decode_token():
     # No prefix cache: the resumed request recomputes everything, in chunks of 4.
-    scheduler = Scheduler(SchedulerConfig(long_prefill_token_threshold=4),
+    scheduler = Scheduler(SchedulerConfig(long_prefill_token_threshold=4, chunk_prompts_alone=True),
                           KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=False))
     request = _request("a", list(range(10, 16)), max_tokens=8)
     scheduler.add_request(request)

@@ -84,6 +84,8 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_scheduler(num_blocks: int = 64, prefix_caching: bool = True, **config) -> Scheduler:
+    # A test that names the threshold gets its chunks in every step, decoding or not.
+    config.setdefault("chunk_prompts_alone", "long_prefill_token_threshold" in config)
     return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BLOCK, prefix_caching))
 
 
@@ -156,6 +158,34 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_after_the_last_ch
     # The runner hears about the request once, then gets diffs.
     assert [len(s.new_requests) for s in trace.steps] == [1, 0, 0, 0]
     assert [c.num_computed_tokens for s in trace.steps for c in s.cached_requests] == [8, 16, 20]
+
+
+def test_prompts_alone_are_taken_whole_and_chunked_only_beside_decoding_requests():
+    # The shipped rule (chunk_prompts_alone off): a chunk delays the decoding requests of its
+    # step, so only such a step cuts prompts at the threshold; prompts alone go whole, up to
+    # the token budget, and in arrival order.
+    config = dict(max_num_batched_tokens=30, long_prefill_token_threshold=8,
+                  chunk_prompts_alone=False)
+    scheduler = make_scheduler(**config)
+    scheduler.add_request(make_request("a", prompt_of(20), max_tokens=3))
+    scheduler.add_request(make_request("b", prompt_of(25, 3), max_tokens=3))
+    trace = run_to_completion(scheduler)
+    steps = [s.num_scheduled_tokens for s in trace.steps]
+    # Step 1: "a" whole (20) and 10 of "b"; then "a" decodes, so "b"'s rest comes 8 at a time.
+    assert steps[:3] == [{"a": 20, "b": 10}, {"a": 1, "b": 8}, {"a": 1, "b": 7}]
+    assert trace.outputs == {"a": expected_output(prompt_of(20), 3),
+                             "b": expected_output(prompt_of(25, 3), 3)}
+    assert_no_blocks_held(scheduler)
+    # A prompt longer than the budget is cut by the budget alone.
+    scheduler = make_scheduler(**config)
+    scheduler.add_request(make_request("long", prompt_of(70), max_tokens=1))
+    trace = run_to_completion(scheduler)
+    assert [s.num_scheduled_tokens["long"] for s in trace.steps] == [30, 30, 10]
+    # With chunk_prompts_alone the threshold cuts every step.
+    scheduler = make_scheduler(**{**config, "chunk_prompts_alone": True})
+    scheduler.add_request(make_request("a", prompt_of(20), max_tokens=1))
+    trace = run_to_completion(scheduler)
+    assert [s.num_scheduled_tokens["a"] for s in trace.steps] == [8, 8, 4]
 
 
 def test_running_requests_are_scheduled_before_waiting_ones():
