@@ -107,6 +107,12 @@ def headline(results: dict) -> list[str]:
                        None) for s in systems}
         lines.append(_row("batch-1 ITL p50 through HTTP (ms; lower is better)",
                           {s: _ms1(v) for s, v in itl.items()}, ratios(itl)))
+    if any(p["workload"] == "long" for p in results["points"]):
+        ttft = {s: next((p["summary"]["ttft_s"]["p50"] for p in points_of(results, s, "long")),
+                        None) for s in systems}
+        lines.append(_row("2048-token prompt alone: TTFT p50 through HTTP (ms; lower is better)",
+                          {s: _ms(v) for s, v in ttft.items()},
+                          ratios(ttft)))
     chat_rates = sorted({p["rate"] for p in results["points"]
                          if p["workload"] == "chat" and p["rate"] is not None})
     for rate in chat_rates:

@@ -85,6 +85,10 @@ def peer_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> Swee
         WorkloadPlan("batch1", preset("fixed", input_len=128, output_len=256), concurrency=1,
                      num_requests=8, duration_s=120.0, drain_timeout_s=60.0,
                      about="one request at a time (128 in / 256 out), 8 in a row: batch-1 ITL"),
+        WorkloadPlan("long", preset("fixed", input_len=2048, output_len=8), concurrency=1,
+                     num_requests=6, duration_s=120.0, drain_timeout_s=60.0,
+                     about="one 2048-token prompt at a time (8 out), 6 in a row: long-prompt "
+                           "TTFT"),
         WorkloadPlan("chat", preset("chat"), rates=(1.0, 3.0), duration_s=60.0,
                      about="chat-like long-tailed mix, prompt 64-512, output 32-256, Poisson"),
         WorkloadPlan("chat-sampled", preset("chat-sampled"), rates=(3.0,), duration_s=60.0,

@@ -123,7 +123,10 @@ def test_printed_settings_give_vllms_configuration_when_it_runs():
 def test_peer_plan_runs_the_issues_rows_and_nothing_longer():
     plan = peer_plan("m", ("splitserve-disagg", "splitserve-agg", "vllm"))
     by_name = {w.name: w for w in plan.workloads}
-    assert set(by_name) == {"burst", "batch1", "chat", "chat-sampled"}
+    assert set(by_name) == {"burst", "batch1", "long", "chat", "chat-sampled"}
+    long = by_name["long"]
+    assert long.concurrency == 1 and long.num_requests == 6
+    assert "2048" in long.workload.describe()
     burst, batch1, chat = by_name["burst"], by_name["batch1"], by_name["chat"]
     sampled = by_name["chat-sampled"]
     assert sampled.rates == (3.0,) and "top_p=0.95" in sampled.workload.describe()
@@ -153,6 +156,10 @@ def test_headline_compares_both_modes_with_vllm_and_keeps_transformers_as_a_seco
         p = point(system, "batch1", None)
         p["concurrency"], p["summary"]["itl_s"]["p50"] = 1, value
         pts.append(p)
+    for system, ttft in {"splitserve-disagg": 0.5, "splitserve-agg": 0.45, "vllm": 0.6}.items():
+        p = point(system, "long", None)
+        p["concurrency"], p["summary"]["ttft_s"]["p50"] = 1, ttft
+        pts.append(p)
     for system, (good, share) in {"splitserve-disagg": (0.35, 0.23), "vllm": (2.05, 0.98)}.items():
         p = point(system, "chat", 3.0, goodput=good)
         p["summary"]["goodput_fraction"] = share
@@ -170,6 +177,8 @@ def test_headline_compares_both_modes_with_vllm_and_keeps_transformers_as_a_seco
         in text
     assert "| batch-1 ITL p50 through HTTP (ms; lower is better) | 26.3 | 24.0 | 24.0 | - " \
         "| 1.10x | 1.00x |" in text
+    assert "| 2048-token prompt alone: TTFT p50 through HTTP (ms; lower is better) | 500 | 450 " \
+        "| 600 | - | 0.83x | 0.75x |" in text
     assert "chat at 3 req/s: share meeting TTFT <= 1 s and TPOT <= 100 ms (goodput) " \
         "| 23% (0.35 req/s" in text and "| 98% (2.05 req/s" in text and "| 0.17x | n/a |" in text
     assert "interference" not in text  # no such points: no such table
