@@ -10,6 +10,7 @@ scheduler cuts only steps that carry decoding requests), the two alternating.
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
     python bench/prefill.py --threads 2 --lengths 1024,2048 --only chunking
+    python bench/prefill.py --threads 2 --lengths 2048 --only profile
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def attention_layer(lengths: list[int], repeats: int, chunk: int = 512) -> None:
         whole = {name: _best_ms(lambda f=f, q=q, k=k, v=v: f(q, k, v, 0.125), repeats)
                  for name, f in paths.items()}
         chunked = {name: _best_ms(lambda f=f: chunks(f), repeats) for name, f in paths.items()}
+        # Causal: each of 9 heads multiplies n^2 / 2 query-key pairs of 64 dims twice (QK, PV).
+        tflop = 9 * n * n / 2 * 64 * 4 / 1e12
         print(f"  {n:5d} tokens: " + "  ".join(
-            f"{name} {whole[name]:6.2f} / {chunked[name]:6.2f} ms ({chunked['SDPA'] / chunked[name]:.2f}x)"
+            f"{name} {whole[name]:6.2f} / {chunked[name]:6.2f} ms ({chunked['SDPA'] / chunked[name]:.2f}x, "
+            f"{tflop / whole[name] * 1e3:.2f} TFLOP/s whole)"
             for name in paths) + "   (whole / chunked; x: SDPA's chunked time over this)")
 
 
@@ -116,15 +120,41 @@ def chunking(model: str, lengths: list[int], repeats: int, threads: int) -> None
               f"(chunked / whole {chunked / whole:.2f}x)")
 
 
+def profile_prompt(model: str, n: int, threads: int) -> None:
+    """One n-token prompt alone through the shipped engine under torch.profiler (after three
+    unprofiled ones, each a new prompt): where a prefill step's time goes, by operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, num_kv_blocks=1024))
+    salt = iter(range(10**6))
+
+    def prefill() -> None:
+        s = next(salt)
+        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.scheduler.waiting or engine.scheduler.running:
+            engine.step()
+
+    for _ in range(3):
+        prefill()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        prefill()
+    print(f"one {n}-token prompt through the shipped engine ({threads} thread(s)), by operator "
+          "(torch.profiler, self CPU time):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("attention", "engine", "chunking"), default=None,
+    parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile"),
+                        default=None,
                         help="run one part: the attention layer, the engine's attention "
-                             "choices, or whole against chunked prompts")
+                             "choices, whole against chunked prompts, or a profile of the "
+                             "longest length's prefill by operator")
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
@@ -143,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         whole_prefill(args.model, lengths, args.repeats, args.threads)
     if args.only in (None, "chunking"):
         chunking(args.model, lengths, args.repeats, args.threads)
+    if args.only in (None, "profile"):
+        profile_prompt(args.model, max(lengths), args.threads)
     return 0
 
 
