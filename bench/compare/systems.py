@@ -89,6 +89,10 @@ def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None)
             "splitserve disaggregated, decode never pauses: SPLITSERVE_CORE_SHARE_YIELD=0, not "
             "the shipped default; the decode worker keeps stepping on its own core while the "
             "prefill worker steps, the baseline prompts-first is measured against"),
+        "splitserve-disagg-burst1": (
+            "splitserve disaggregated, decode pauses up to 1 s at once: "
+            "SPLITSERVE_CORE_SHARE_YIELD_BURST_S=1, a candidate default measured beside the "
+            "shipped 0.5 s"),
     }
     return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
@@ -152,6 +156,9 @@ SYSTEMS = {
         SystemSpec("splitserve-disagg-noyield", "splitserve disaggregated, decode never pauses "
                    "(yield 0)", "openai", probe="/ready", probe_port_offset=1,
                    extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),)),
+        SystemSpec("splitserve-disagg-burst1", "splitserve disaggregated, pauses up to 1 s "
+                   "(yield burst 1 s)", "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

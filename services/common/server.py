@@ -74,7 +74,8 @@ class Worker:
             if self.engine.runner.device.type == "cpu":
                 self.engine_loop.core_share = CoreShare(
                     config.core_share, config.num_threads, priority=config.role == "prefill",
-                    yield_share=config.core_share_yield)
+                    yield_share=config.core_share_yield,
+                    yield_burst_s=config.core_share_yield_burst_s)
             else:
                 log.warning("--core-share ignored: it lends CPU threads, and this worker "
                             "runs on %s", self.engine.runner.device)

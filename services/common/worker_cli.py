@@ -113,8 +113,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=float(_env("core_share_yield", DEFAULT_YIELD_SHARE)),
                         help="with --core-share, a worker that does not prefill pauses while a "
                              "co-located prefill worker steps, so prompts run on every core, "
-                             f"for at most this share of its time (and {DEFAULT_YIELD_BURST_S:g} s "
+                             "for at most this share of its time (and --core-share-yield-burst-s "
                              "at once); 0: never")
+    parser.add_argument("--core-share-yield-burst-s", type=float,
+                        default=float(_env("core_share_yield_burst_s", DEFAULT_YIELD_BURST_S)),
+                        help="with --core-share-yield, the longest a decode worker pauses for "
+                             "prompts at once (the credit's cap; a pause also waits out the "
+                             f"prefill step it let run); default {DEFAULT_YIELD_BURST_S:g}")
     parser.add_argument("--speculative-method", default=_env("speculative_method", ""),
                         help="decode: speculative decoding, 'ngram' (prompt lookup) or "
                              "'draft' (a smaller model); off when empty")
@@ -215,6 +220,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         step_timeout_s=args.step_timeout_s,
         core_share=args.core_share,
         core_share_yield=args.core_share_yield,
+        core_share_yield_burst_s=args.core_share_yield_burst_s,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,

@@ -13,7 +13,7 @@ from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.attention import ATTENTION_BACKENDS
-from services.common.core_share import DEFAULT_YIELD_SHARE
+from services.common.core_share import DEFAULT_YIELD_BURST_S, DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
 from services.prefill.kv_endpoints import parse_allow_list
@@ -104,6 +104,8 @@ class WorkerConfig:
     # Of a worker that does not prefill: at most this share of its time pauses while a
     # co-located prefill worker steps, so prompts run on every core; 0: never pauses.
     core_share_yield: float = DEFAULT_YIELD_SHARE
+    # ... and at most this long at once (the credit's cap).
+    core_share_yield_burst_s: float = DEFAULT_YIELD_BURST_S
     # Decode role: speculative decoding, "" (off), "ngram" or "draft" (see engine/spec_decode).
     speculative_method: str = ""
     num_speculative_tokens: int = 4
@@ -165,6 +167,8 @@ class WorkerConfig:
         if not 0.0 <= self.core_share_yield <= 1.0:
             raise ValueError("--core-share-yield must be in [0, 1] (0: decode never pauses for "
                              "a co-located prefill worker's steps)")
+        if not 0.0 <= self.core_share_yield_burst_s <= 60.0:
+            raise ValueError("--core-share-yield-burst-s must be in [0, 60] seconds")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

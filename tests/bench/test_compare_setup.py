@@ -112,3 +112,15 @@ def test_no_yield_is_the_disaggregated_deployment_whose_decoder_never_pauses_and
     from bench.compare.systems import peer_settings_note
 
     assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-noyield",))
+
+
+def test_burst1_is_the_disaggregated_deployment_with_a_one_second_pause_and_says_so():
+    opts = ServeOptions()
+    shipped = SYSTEMS["splitserve-disagg"]
+    burst1 = SYSTEMS["splitserve-disagg-burst1"]
+    assert burst1.command("m", 1234, opts) == shipped.command("m", 1234, opts)
+    assert burst1.env(opts)["SPLITSERVE_CORE_SHARE_YIELD_BURST_S"] == "1"
+    assert "SPLITSERVE_CORE_SHARE_YIELD_BURST_S" not in shipped.env(opts)
+    from bench.compare.systems import peer_settings_note
+
+    assert "shipped 0.5 s" in peer_settings_note(opts, ("splitserve-disagg-burst1",))

@@ -284,6 +284,34 @@ def test_core_share_needs_own_threads_and_one_process(tiny_llama_dir, share_path
     with pytest.raises(ValueError, match="--core-share-yield"):
         WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path,
                      num_threads=1, core_share_yield=1.5)
+    with pytest.raises(ValueError, match="--core-share-yield-burst-s"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), core_share=share_path,
+                     num_threads=1, core_share_yield_burst_s=-0.1)
+
+
+def test_the_yield_burst_flows_from_the_environment_to_the_workers_share(tiny_llama_dir,
+                                                                        share_path, monkeypatch):
+    """SPLITSERVE_CORE_SHARE_YIELD_BURST_S (what bench.compare sets for a candidate default),
+    through the CLI and WorkerConfig, into the CoreShare a real Worker builds."""
+    import argparse
+
+    from services.common.server import Worker
+    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
+
+    monkeypatch.setenv("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "0.8")
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, role="decode")
+    config = worker_config_from_args(parser.parse_args(
+        ["--model", str(tiny_llama_dir), "--core-share", share_path, "--num-threads", "1",
+         "--num-kv-blocks", "64", "--dtype", "float32"]), "decode")
+    assert config.core_share_yield_burst_s == 0.8
+    worker = Worker(config)
+    try:
+        share = worker.engine_loop.core_share
+        assert (share.yield_burst_s, share.yield_share) == (0.8, 0.5)
+    finally:
+        worker.engine_loop.core_share.close()
+        worker.engine.close()
 
 
 def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share_path):
