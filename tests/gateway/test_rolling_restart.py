@@ -119,6 +119,20 @@ def _long_stream(url: str, model: str, i: int) -> tuple[int, str, str | None, st
         return response.status_code, text, finish, error
 
 
+def _a_stream_starts(worker):
+    """A predicate for wait_until: true once the worker runs more streams than at the previous
+    poll (a stream has just started there)."""
+    seen = [worker.health().stats.running]
+
+    def started() -> bool:
+        running = worker.health().stats.running
+        rose = running > seen[0]
+        seen[0] = running
+        return rose
+
+    return started
+
+
 def test_rolling_restart_of_decoders_under_long_generations_alters_no_stream(redis_server,
                                                                              tiny_llama_dir):
     """Generations outlive the decoders' drain grace (0 s here, so that every drain surely
@@ -147,8 +161,12 @@ def test_rolling_restart_of_decoders_under_long_generations_alters_no_stream(red
             thread.start()
         try:
             for name in ("d1", "d2"):
-                wait_until(lambda name=name: cluster.workers[name].health().stats.running,
-                           what=f"streams on {name}", interval=0.02)
+                # Drained just as a stream starts there, so it holds one with nearly all of
+                # its 450 tokens to go. (Draining once any stream ran raced the streams' ends:
+                # with the replacement of d1 idle, the gateway sent the new streams there, and
+                # d2's last one could finish before its drain, which then had none to hand off.)
+                wait_until(_a_stream_starts(cluster.workers[name]),
+                           what=f"a stream starting on {name}", interval=0.02)
                 old = cluster.stop(name, signal.SIGTERM)
                 assert old.process.returncode == 0, old.output
                 # Read from its pipe by a thread: the last lines may come just after the exit.
