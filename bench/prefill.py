@@ -38,6 +38,21 @@ def _best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
+_SALT = iter(range(10**6))
+
+
+def _prefill(engine: LLMEngine, n: int) -> float:
+    """One new n-token prompt (a cold prefix cache) through `engine` to its first token;
+    returns the seconds it took."""
+    s = next(_SALT)
+    engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
+                       SamplingParams(max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.scheduler.waiting or engine.scheduler.running:
+        engine.step()
+    return time.perf_counter() - start
+
+
 def attention_layer(lengths: list[int], repeats: int, chunk: int = 512) -> None:
     print(f"one attention layer, 9 query / 3 KV heads of 64, bf16, whole and in {chunk}-token "
           f"chunks (best of {repeats}):")
@@ -69,17 +84,8 @@ def whole_prefill(model: str, lengths: list[int], repeats: int, threads: int) ->
     engines = {choice: LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=threads,
                                               num_kv_blocks=1024, cpu_attention=choice))
                for choice in ("torch", "cpp")}
-    salt = iter(range(10**6))
-
-    def prefill(engine: LLMEngine, n: int) -> None:
-        s = next(salt)
-        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
-                           SamplingParams(max_tokens=1, ignore_eos=True))
-        while engine.scheduler.waiting or engine.scheduler.running:
-            engine.step()
-
     for n in lengths:
-        ms = {c: _best_ms(lambda e=e, n=n: prefill(e, n), repeats) for c, e in engines.items()}
+        ms = {c: _best_ms(lambda e=e, n=n: _prefill(e, n), repeats) for c, e in engines.items()}
         print(f"  {n:5d} tokens: torch attention {ms['torch']:8.1f} ms  C++ {ms['cpp']:8.1f} ms  "
               f"({ms['torch'] / ms['cpp']:.2f}x; {n / ms['cpp'] * 1e3:.0f} tokens/s)")
 
@@ -97,25 +103,14 @@ def chunking(model: str, lengths: list[int], repeats: int, threads: int) -> None
     print(f"a prompt alone through the engine ({model}, shipped dtype "
           f"{engines['whole'].runner.dtype}, {threads} thread(s), best of {repeats}, "
           f"alternating): whole (shipped) against {chunk}-token chunks (chunk_prompts_alone):")
-    salt = iter(range(10**6))
-    times: dict[str, dict[int, list[float]]] = {name: {} for name in engines}
-
-    def prefill(engine: LLMEngine, n: int) -> float:
-        s = next(salt)
-        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
-                           SamplingParams(max_tokens=1, ignore_eos=True))
-        start = time.perf_counter()
-        while engine.scheduler.waiting or engine.scheduler.running:
-            engine.step()
-        return time.perf_counter() - start
-
     for n in lengths:
         for engine in engines.values():
-            prefill(engine, n)  # warm
+            _prefill(engine, n)  # warm
+        times: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(repeats):
             for name, engine in engines.items():
-                times[name].setdefault(n, []).append(prefill(engine, n))
-        whole, chunked = (min(times[name][n]) * 1e3 for name in ("whole", "chunked"))
+                times[name].append(_prefill(engine, n))
+        whole, chunked = (min(times[name]) * 1e3 for name in ("whole", "chunked"))
         print(f"  {n:5d} tokens: whole {whole:8.1f} ms  chunked {chunked:8.1f} ms  "
               f"(chunked / whole {chunked / whole:.2f}x)")
 
@@ -126,19 +121,10 @@ def profile_prompt(model: str, n: int, threads: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine = LLMEngine(EngineConfig(model=model, num_threads=threads, num_kv_blocks=1024))
-    salt = iter(range(10**6))
-
-    def prefill() -> None:
-        s = next(salt)
-        engine.add_request(f"r{s}", [100 + (i * 7 + 31 * s) % 20000 for i in range(n)],
-                           SamplingParams(max_tokens=1, ignore_eos=True))
-        while engine.scheduler.waiting or engine.scheduler.running:
-            engine.step()
-
     for _ in range(3):
-        prefill()
+        _prefill(engine, n)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        prefill()
+        _prefill(engine, n)
     print(f"one {n}-token prompt through the shipped engine ({threads} thread(s)), by operator "
           "(torch.profiler, self CPU time):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))

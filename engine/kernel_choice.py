@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp
 from engine.layers.linear import amx_layout_fits, packable_bytes
-from engine.memory_profile import HostMemory
+from engine.memory_readers import HostMemory
 from kernels import cpu_kernels
 from kernels.attention import calibrate_prefill_attention
 from kernels.linear import (

@@ -72,8 +72,6 @@ class Scheduler:
         # Runner-side knowledge: which requests it holds state for.
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
-        # This step's longest prefill chunk (schedule()).
-        self._chunk_limit = config.long_prefill_token_threshold
 
     # -- admission -----------------------------------------------------------------------
 
@@ -155,9 +153,10 @@ class Scheduler:
         alone decides."""
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
-        self._chunk_limit = (self.config.long_prefill_token_threshold
-                             if self.config.chunk_prompts_alone or self.num_decoding()
-                             else budget)
+        # The longest prefill chunk this step: the threshold where it delays decoding
+        # requests (or always, with chunk_prompts_alone); otherwise the budget alone.
+        cut = chunked and (self.config.chunk_prompts_alone or self.num_decoding() > 0)
+        chunk_limit = self.config.long_prefill_token_threshold if cut else budget
         prompt_left = budget if prompt_budget is None or not chunked else prompt_budget
         num_scheduled: dict[str, int] = {}
         scheduled_spec: dict[str, list[int]] = {}
@@ -168,7 +167,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, chunk_limit, budget)
             prompt = _prefill_left(request) > 0
             if prompt:
                 num_new = min(num_new, prompt_left)
@@ -219,7 +218,7 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(self._chunk(num_new), budget, prompt_left)
+            num_new = min(num_new, chunk_limit, budget, prompt_left)
             new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
             if new_block_ids is None:
                 break
@@ -254,11 +253,6 @@ class Scheduler:
             spec_token_ids=scheduled_spec,
             preempted_request_ids=preempted,
         )
-
-    def _chunk(self, num_tokens: int) -> int:
-        if self.config.enable_chunked_prefill:
-            return min(num_tokens, self._chunk_limit)
-        return num_tokens
 
     def _emit(self, request: Request, new_block_ids: list[int], new_reqs, cached_reqs) -> None:
         rid = request.request_id

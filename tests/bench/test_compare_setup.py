@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from bench.compare.machine import ForeignCpu, cores, process_tree
 from bench.compare.systems import SYSTEMS, ServeOptions, serve_settings
 from bench.compare.targets import max_sustainable_rate
@@ -102,25 +104,19 @@ def test_fixed_halves_is_the_disaggregated_deployment_without_the_core_share_and
     assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-fixed",))
 
 
-def test_no_yield_is_the_disaggregated_deployment_whose_decoder_never_pauses_and_says_so():
-    opts = ServeOptions()
-    shipped = SYSTEMS["splitserve-disagg"]
-    noyield = SYSTEMS["splitserve-disagg-noyield"]
-    assert noyield.command("m", 1234, opts) == shipped.command("m", 1234, opts)
-    assert noyield.env(opts)["SPLITSERVE_CORE_SHARE_YIELD"] == "0"
-    assert "SPLITSERVE_CORE_SHARE_YIELD" not in shipped.env(opts)
+@pytest.mark.parametrize("system,variable,value,says", [
+    # The core share without prompts first: decode never pauses for the prefill worker.
+    ("splitserve-disagg-noyield", "SPLITSERVE_CORE_SHARE_YIELD", "0", "not the shipped default"),
+    # A candidate cap on a decoder's pause, measured beside the shipped 0.5 s.
+    ("splitserve-disagg-burst1", "SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1", "shipped 0.5 s"),
+])
+def test_a_variant_of_the_disaggregated_deployment_differs_by_one_variable_and_says_so(
+        system, variable, value, says):
     from bench.compare.systems import peer_settings_note
 
-    assert "not the shipped default" in peer_settings_note(opts, ("splitserve-disagg-noyield",))
-
-
-def test_burst1_is_the_disaggregated_deployment_with_a_one_second_pause_and_says_so():
     opts = ServeOptions()
-    shipped = SYSTEMS["splitserve-disagg"]
-    burst1 = SYSTEMS["splitserve-disagg-burst1"]
-    assert burst1.command("m", 1234, opts) == shipped.command("m", 1234, opts)
-    assert burst1.env(opts)["SPLITSERVE_CORE_SHARE_YIELD_BURST_S"] == "1"
-    assert "SPLITSERVE_CORE_SHARE_YIELD_BURST_S" not in shipped.env(opts)
-    from bench.compare.systems import peer_settings_note
-
-    assert "shipped 0.5 s" in peer_settings_note(opts, ("splitserve-disagg-burst1",))
+    shipped, variant = SYSTEMS["splitserve-disagg"], SYSTEMS[system]
+    assert variant.command("m", 1234, opts) == shipped.command("m", 1234, opts)
+    assert variant.env(opts)[variable] == value
+    assert variable not in shipped.env(opts)
+    assert says in peer_settings_note(opts, (system,))

@@ -17,10 +17,10 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import (
     CPU_AUTO_KV_CAP,
     KVPoolTooSmall,
-    MemoryReader,
     ProfileStep,
     kv_budget,
 )
+from engine.memory_readers import MemoryReader
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -162,7 +162,7 @@ def test_explicit_num_kv_blocks_wins_and_skips_the_profile(tiny_llama_dir, monke
 
 _PEAK_PROBE = """
 import sys, time, torch
-from engine.memory_profile import HostMemory
+from engine.memory_readers import HostMemory
 reset = sys.argv[1] == "1"
 reader = HostMemory(reset_high_water=reset)
 reader.start()

@@ -253,7 +253,7 @@ def test_auto_keeps_plain_weights_when_the_copies_would_crowd_memory(tiny_llama_
     import logging
 
     from engine import kernel_choice
-    from engine.memory_profile import HostMemory
+    from engine.memory_readers import HostMemory
     from kernels.packed_weights import PackingCalibration
 
     layout = "amx" if amx else "packed"
@@ -275,7 +275,7 @@ def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
     """cgroup v2 files in a folder stand in for a pod's /sys/fs/cgroup (no container runtime
     here): a limit leaves less than the host's MemAvailable; "max" or no files leave it."""
     from engine import kernel_choice
-    from engine.memory_profile import HostMemory
+    from engine.memory_readers import HostMemory
 
     monkeypatch.setattr(HostMemory, "free_and_total", lambda self: (8 << 30, 16 << 30))
     assert kernel_choice.available_memory(str(tmp_path)) == 8 << 30  # no cgroup files
