@@ -107,6 +107,9 @@ class BlockPool:
         # the engine thread appends, a publisher thread pops from the left.
         self.events: deque[tuple[str, int]] = deque(maxlen=1 << 16)
         self.record_events = False
+        # Blocks [0, high_water) have been handed out at least once; the free queue starts in
+        # id order, so never-used blocks go out lowest id first (engine/kv_prefault.py).
+        self.high_water = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -137,6 +140,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            self.high_water = max(self.high_water, block_id + 1)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

@@ -153,6 +153,10 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9  # of the device's total, for everything this worker holds
     num_kv_blocks: int | None = None  # overrides the memory budget, and no profile step runs
+    # CPU: while the engine is idle, fault in the KV pool's pages this many tokens' worth of
+    # blocks ahead of the highest block handed out (engine/kv_prefault.py), so that steps do not
+    # pay for first touches; -1: 4x max_num_batched_tokens; 0: off (pages fault as steps write).
+    cpu_kv_prefault_tokens: int = -1
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

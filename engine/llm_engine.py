@@ -17,6 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.executor import TensorParallelExecutor, create_model_runner
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_prefault import KVPrefault
 from engine.outputs import Logprobs, RequestOutput, SchedulerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.kv_prefault = self._build_kv_prefault()
         self.speculator: Speculator | None = None
         if config.speculative.enabled:
             config.speculative.validate()
@@ -80,6 +82,25 @@ class LLMEngine:
             self.step_threads = StepThreads(config.num_threads, small)
             if not self.step_threads.active:
                 self.step_threads = None
+
+    def _build_kv_prefault(self) -> KVPrefault | None:
+        """The idle-time prefault of a one-rank CPU pool (engine/kv_prefault.py), or None."""
+        tokens = self.config.cpu_kv_prefault_tokens
+        if tokens < -1:
+            raise ValueError("cpu_kv_prefault_tokens must be >= -1 (-1: auto, 0: off)")
+        if tokens == -1:
+            tokens = 4 * self.config.scheduler.max_num_batched_tokens
+        if (tokens == 0 or isinstance(self.runner, TensorParallelExecutor)
+                or self.runner.device.type != "cpu"):
+            return None
+        return KVPrefault(self.runner.kv_cache, cdiv(tokens, self.config.block_size))
+
+    def prefault_kv(self) -> bool:
+        """Fault in the next slice of the KV pool ahead of the blocks handed out so far; for
+        the engine loop while nothing is runnable. False when there is nothing to do."""
+        if self.kv_prefault is None:
+            return False
+        return self.kv_prefault.advance(self.kv.pool.high_water)
 
     # -- admission -----------------------------------------------------------------------
 

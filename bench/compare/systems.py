@@ -93,6 +93,10 @@ def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None)
             "splitserve disaggregated, decode pauses up to 1 s at once: "
             "SPLITSERVE_CORE_SHARE_YIELD_BURST_S=1, a candidate default measured beside the "
             "shipped 0.5 s"),
+        "splitserve-agg-noprefault": (
+            "splitserve aggregated, KV pages faulted in by the steps that write them: "
+            "SPLITSERVE_CPU_KV_PREFAULT_TOKENS=0, not the shipped default; the baseline the "
+            "idle-time prefault (engine/kv_prefault.py) is measured against"),
     }
     return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
@@ -159,6 +163,10 @@ SYSTEMS = {
         SystemSpec("splitserve-disagg-burst1", "splitserve disaggregated, pauses up to 1 s "
                    "(yield burst 1 s)", "openai", probe="/ready", probe_port_offset=1,
                    extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),)),
+        # Not shipped: no idle-time prefault of the KV pool's pages, measured beside the default.
+        SystemSpec("splitserve-agg-noprefault", "splitserve aggregated, no KV prefault",
+                   "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

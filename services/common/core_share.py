@@ -262,6 +262,10 @@ class CoreShare:
         self.waits += 1
         self.wait_seconds += time.monotonic() - start
 
+    def peer_active(self) -> bool:
+        """Whether a live peer is stepping (on its threads, and on any it borrowed)."""
+        return any(active for _, _, active, *_ in self._peers())
+
     def idle(self) -> None:
         """Marks this worker idle: it lends its threads until it next steps."""
         if self.active or self.borrowed:

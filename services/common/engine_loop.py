@@ -320,6 +320,15 @@ class EngineLoop:
         self.step_threads = self.core_share.step_threads()
         self.engine.set_num_threads(self.step_threads)  # every step (LLMEngine.set_num_threads)
 
+    def _prefault(self) -> bool:
+        """While nothing is runnable: fault in the next slice of the KV pool's pages
+        (LLMEngine.prefault_kv), unless a co-located peer is stepping: this thread would take
+        a core its team uses (one that starts meanwhile shares it for at most a slice). True
+        if it did some."""
+        if self.core_share is not None and self.core_share.peer_active():
+            return False
+        return self.engine.prefault_kv()
+
     def _run_commands(self) -> None:
         while True:
             try:
@@ -365,6 +374,8 @@ class EngineLoop:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     if self.core_share is not None:
                         self.core_share.idle()
+                    if self._prefault():
+                        continue  # a slice at a time: commands and work come first
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
         except Exception as exc:

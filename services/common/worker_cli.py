@@ -89,6 +89,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                              "blocked layout ('packed'); 'plain': none; 'auto': amx where the CPU "
                              "has AMX BF16, else packed if it wins at start on this host, and "
                              "only if the copy takes at most a quarter of the available memory")
+    parser.add_argument("--cpu-kv-prefault-tokens", type=int,
+                        default=int(_env("cpu_kv_prefault_tokens", -1)),
+                        help="CPU: while idle, fault in the KV pool's pages this many tokens "
+                             "ahead of the blocks in use, so steps do not pay for first "
+                             "touches; -1 (default): 4x --max-num-batched-tokens; 0: off")
     parser.add_argument("--kv-wait-timeout-s", type=float, default=float(_env("kv_wait_timeout_s", 60)))
     parser.add_argument("--kv-transfer-timeout-s", type=float,
                         default=float(_env("kv_transfer_timeout_s", 30)))
@@ -213,6 +218,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         cuda_graph_max_context=args.cuda_graph_max_context,
         cpu_small_m_max_rows=args.cpu_small_m_max_rows,
         cpu_weight_layout=args.cpu_weight_layout,
+        cpu_kv_prefault_tokens=args.cpu_kv_prefault_tokens,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         kv_reservation_ttl_s=args.kv_reservation_ttl_s,

@@ -88,6 +88,9 @@ class WorkerConfig:
     # CPU bf16: linear weights also packed for AMX or oneDNN (auto | amx | packed | plain;
     # engine/config.py).
     cpu_weight_layout: str = "auto"
+    # CPU: fault in the KV pool's pages this many tokens ahead of use while idle; -1: 4x
+    # max_num_batched_tokens; 0: off (engine/kv_prefault.py).
+    cpu_kv_prefault_tokens: int = -1
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -177,6 +180,9 @@ class WorkerConfig:
                              "(0: the defaults)")
         if not -1 <= self.cpu_small_m_max_rows <= 64:
             raise ValueError("--cpu-small-m-max-rows must be -1 (measured at start) or 0 to 64")
+        if self.cpu_kv_prefault_tokens < -1:
+            raise ValueError("cpu_kv_prefault_tokens must be >= -1 (-1: 4x max_num_batched_tokens, "
+                             "0: off)")
         if self.cpu_weight_layout not in ("auto", "amx", "packed", "plain"):
             raise ValueError("--cpu-weight-layout must be auto, amx, packed or plain")
         self._check_speculative()
@@ -283,6 +289,7 @@ class WorkerConfig:
             cuda_graph_max_context=self.cuda_graph_max_context,
             cpu_small_m_max_rows=self.cpu_small_m_max_rows,
             cpu_weight_layout=self.cpu_weight_layout,
+            cpu_kv_prefault_tokens=self.cpu_kv_prefault_tokens,
             speculative=self.speculative_config(),
         )
 

@@ -109,13 +109,16 @@ def test_fixed_halves_is_the_disaggregated_deployment_without_the_core_share_and
     ("splitserve-disagg-noyield", "SPLITSERVE_CORE_SHARE_YIELD", "0", "not the shipped default"),
     # A candidate cap on a decoder's pause, measured beside the shipped 0.5 s.
     ("splitserve-disagg-burst1", "SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1", "shipped 0.5 s"),
+    # Aggregated without the idle-time prefault of the KV pool's pages.
+    ("splitserve-agg-noprefault", "SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0", "not the shipped default"),
 ])
-def test_a_variant_of_the_disaggregated_deployment_differs_by_one_variable_and_says_so(
+def test_a_variant_of_a_shipped_deployment_differs_by_one_variable_and_says_so(
         system, variable, value, says):
     from bench.compare.systems import peer_settings_note
 
     opts = ServeOptions()
-    shipped, variant = SYSTEMS["splitserve-disagg"], SYSTEMS[system]
+    shipped = SYSTEMS["-".join(system.split("-")[:2])]  # splitserve-disagg or splitserve-agg
+    variant = SYSTEMS[system]
     assert variant.command("m", 1234, opts) == shipped.command("m", 1234, opts)
     assert variant.env(opts)[variable] == value
     assert variable not in shipped.env(opts)

@@ -364,3 +364,41 @@ def test_engine_loop_steps_on_the_threads_the_share_grants(tiny_llama_dir, share
     finally:
         loop.stop()
         peer.stop()
+
+
+def test_an_idle_loop_prefaults_its_kv_pool_only_while_no_peer_steps(tiny_llama_dir, share_path,
+                                                                    monkeypatch):
+    """The idle engine loop's KV prefault (engine/kv_prefault.py) runs on a core a stepping
+    peer's team would use, so it waits while a peer (its own process) is active and runs once
+    the peer idles; SPLITSERVE_CPU_KV_PREFAULT_TOKENS reaches the engine through the CLI."""
+    import argparse
+
+    from services.common.worker_cli import add_worker_arguments, worker_config_from_args
+
+    monkeypatch.setenv("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "48")
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, role="decode")
+    config = worker_config_from_args(parser.parse_args(
+        ["--model", str(tiny_llama_dir), "--num-threads", "1", "--num-kv-blocks", "64",
+         "--dtype", "float32"]), "decode")
+    assert config.cpu_kv_prefault_tokens == 48
+    with pytest.raises(ValueError, match="cpu_kv_prefault_tokens"):
+        WorkerConfig(role="decode", model=str(tiny_llama_dir), cpu_kv_prefault_tokens=-3)
+    engine = LLMEngine(config.engine_config())
+    assert engine.kv_prefault.margin_blocks == 48 // engine.config.block_size
+    peer = Peer(share_path)
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    loop.core_share = CoreShare(share_path, 1, borrow=True, cores=2)
+    try:
+        peer.ask("step")
+        loop.start()
+        time.sleep(0.5)
+        assert engine.kv_prefault.faulted == 0, "prefaulted while the peer stepped"
+        peer.ask("idle")
+        deadline = time.monotonic() + 30
+        while engine.kv_prefault.faulted < engine.kv_prefault.target(0):
+            assert time.monotonic() < deadline, "no prefault once the peer idled"
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+        peer.stop()

@@ -196,3 +196,17 @@ def test_scheduling_modules_import_no_torch():
         "sys.exit('torch' in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_high_water_counts_the_blocks_ever_handed_out():
+    """What the KV prefault keeps ahead of (engine/kv_prefault.py): never-used blocks go out
+    lowest id first, and reused ones do not move the mark."""
+    pool = BlockPool(6)
+    assert pool.high_water == 0
+    blocks = pool.allocate(2)
+    assert pool.high_water == 2
+    pool.free(reversed(blocks))
+    pool.allocate(3)  # 2, 3, 4: never used before
+    assert pool.high_water == 5
+    pool.allocate(3)  # 5, then 1 and 0 again
+    assert pool.high_water == 6
