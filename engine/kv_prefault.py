@@ -6,8 +6,8 @@ for it and its unused blocks take no memory, but the first write to each 4 KiB p
 page fault, and the kernel zeroes the page inside the step that writes it. A burst of 32
 prompts of 128 tokens writes about 23,000 new pages of SmolLM2's cache (23 KiB per token
 over 30 layers); those faults cost ~2-14 us each in this VM, and the burst's prefill took
-about a seventh longer with fresh pages than with pages faulted in beforehand
-(`python bench/kv_prefault.py`).
+about a quarter longer with fresh pages than with pages faulted in beforehand (1,697 against
+1,351 ms, `python bench/kv_prefault.py`).
 
 The block pool hands out never-used blocks in id order before it reuses any
 (engine/block_pool.py), so the blocks the engine writes next are those just past the
