@@ -6,26 +6,27 @@ engine/kernel_choice.py's available_memory."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
 
-class MemoryReader:
+class MemoryReader(ABC):
     """Where the step's peak and the free memory are read: `start` just before the step,
     `peak_above_start` after it, `free_and_total` once the step's temporaries are gone.
     `device_type` picks the sizing rule (kv_budget)."""
 
     device_type = "cpu"
 
-    def start(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self) -> None: ...
 
-    def peak_above_start(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def peak_above_start(self) -> int: ...
 
-    def free_and_total(self) -> tuple[int, int]:
-        raise NotImplementedError
+    @abstractmethod
+    def free_and_total(self) -> tuple[int, int]: ...
 
 
 class CudaMemory(MemoryReader):
