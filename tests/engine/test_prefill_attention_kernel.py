@@ -47,6 +47,8 @@ def _inputs(q_len, ctx, heads, kv_heads, head_dim, seed=0):
     (8, 8, 64),  # no grouping
     (8, 2, 32),
     (16, 1, 128),
+    (6, 2, 48),  # 3 output vectors: a short P V pass
+    (4, 4, 80),  # 5 output vectors: a pass of 4 and one of 1
 ])
 @PATHS
 def test_cpp_prefill_attention_matches_the_torch_reference(q_len, ctx, heads, kv_heads, head_dim, amx):
