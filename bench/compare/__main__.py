@@ -4,6 +4,8 @@
     python -m bench.compare             # SmolLM2-135M, bf16: about 30 minutes on 2 cores
     python -m bench.compare --plan peer --systems splitserve-disagg,splitserve-agg,vllm
                                         # the side-by-side with vLLM (make peers): ~20 minutes
+    python -m bench.compare --plan peer --systems splitserve-agg,vllm --rounds 3 \
+        --workloads burst,long           # interleaved: the systems take turns, point by point
     python -m bench.compare --report-only bench/results/2026-11-29   # re-render a report
 """
 
@@ -57,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-ttft-target-s", type=float, default=None,
                    help="splitserve gateway's early rejection by predicted TTFT (0: off; "
                    "default: the gateway's shipped default, so the sweep measures what ships)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="N > 1: start every system at once and run each point N times, the "
+                   "systems taking turns (the order rotated each round, each turn once the "
+                   "machine is quiet), so the VM's drift over minutes falls on every system "
+                   "alike; tables show each point's median round, a Rounds section all of them")
     p.add_argument("--append", action="store_true",
                    help="keep the other systems' results already in --out (re-run some systems)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<date>, "
@@ -122,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         print(render_from(args.report_only))
         return 0
+    if args.rounds < 1:
+        build_parser().error("--rounds must be at least 1")
+    if args.rounds > 1 and args.append:
+        build_parser().error("--append re-runs systems one after another; not with --rounds")
     systems = choose_systems(args.systems, tiny_model=args.quick and args.model is None)
     out = args.out or REPO / "bench" / "results" / (time.strftime("%Y-%m-%d")
                                                     + ("-quick" if args.quick else ""))
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_dtype=args.peer_dtype or (shipped_dtype() if dtype == "auto" else ""),
         cb_num_blocks=args.peer_blocks, peer_threads=args.peer_threads,
         gateway_ttft_target_s=args.gateway_ttft_target_s)
-    plan = replace(plan, seed=args.seed, serve=serve)
+    plan = replace(plan, seed=args.seed, serve=serve, rounds=args.rounds)
     print(serve_settings(serve, systems).text(), flush=True)
     workloads = plan.workloads
     if args.workloads:

@@ -92,6 +92,20 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def wait_quiet(max_s: float = 20.0, busy_share: float = 0.1, window_s: float = 0.5) -> float:
+    """Waits until the whole machine's busy share over a window (steal included) is at most
+    `busy_share` of its cores, or `max_s` has passed; returns the seconds waited. Between two
+    systems' turns: what the one before left running (splitserve's idle-time KV prefault
+    after a burst, a peer's own background work) ends before the next one is measured."""
+    start = time.monotonic()
+    while True:
+        t0, busy0 = time.monotonic(), _busy_seconds()
+        time.sleep(window_s)
+        t1, busy1 = time.monotonic(), _busy_seconds()
+        if (busy1 - busy0) / max((t1 - t0) * cores(), 1e-9) <= busy_share or t1 - start >= max_s:
+            return t1 - start
+
+
 class ForeignCpu:
     """Share of the machine's CPU time, over a measured interval, that went to anything but the
     benchmark's own processes (the system under test's process tree and this load generator):

@@ -69,6 +69,92 @@ def workload_table(results: dict, workload: str) -> list[str]:
     return rows
 
 
+# The metric that picks a point's median round (interleaved runs) and its Rounds row: the
+# workload's headline figure, TTFT p99 for the rest. (summary path, label, higher is better)
+ROUND_METRICS = {
+    "burst": (("output_throughput",), "out tok/s", True),
+    "batch1": (("itl_s", "p50"), "ITL p50 ms", False),
+    "long": (("ttft_s", "p50"), "TTFT p50 ms", False),
+}
+_TTFT_P99 = (("ttft_s", "p99"), "TTFT p99 ms", False)
+
+
+def round_metric(point: dict) -> float | None:
+    path, _, _ = ROUND_METRICS.get(point["workload"], _TTFT_P99)
+    value = point["summary"]
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def median_rounds(results: dict) -> dict:
+    """`results` with one point per system, workload and rate: in an interleaved run (points
+    with a "round"), the median round by round_metric (of an even count the worse of the two
+    middle ones; a round without the figure counts as the worst). Other runs come back as they
+    are."""
+    if not any("round" in p for p in results["points"]):
+        return results
+    groups: dict[tuple, list[dict]] = {}
+    for p in results["points"]:
+        groups.setdefault((p["system"], p["workload"], p["rate"]), []).append(p)
+
+    def badness(p: dict) -> float:
+        v = round_metric(p)
+        higher_better = ROUND_METRICS.get(p["workload"], _TTFT_P99)[2]
+        return float("inf") if v is None else (-v if higher_better else v)
+
+    chosen = {id(sorted(pts, key=badness)[len(pts) // 2]) for pts in groups.values()}
+    return {**results, "points": [p for p in results["points"] if id(p) in chosen]}
+
+
+def rounds_table(results: dict) -> list[str]:
+    """Every round of an interleaved run: each point's figure per system and each splitserve
+    system over the reference peer in that round, then the median of those ratios."""
+    rounded = [p for p in results["points"] if "round" in p]
+    if not rounded:
+        return []
+    peers = peers_of(results)
+    ref = peers[0] if peers else None
+    if ref is not None and not any(p["system"] == ref for p in rounded):
+        ref = None
+    systems = [s for s in results["systems"] if any(p["system"] == s for p in rounded)]
+    ours = [s for s in systems if s not in peers]
+    label = {s: results["systems"][s]["label"] for s in systems}
+    lines = ["| point | figure | round | " + " | ".join(label[s] for s in systems)
+             + "".join(f" | {label[s]} / {label[ref]}" for s in ours if ref) + " |",
+             "|---" * (3 + len(systems) + (len(ours) if ref else 0)) + "|"]
+    keys: list[tuple] = []
+    for p in rounded:
+        if (p["workload"], p["rate"]) not in keys:
+            keys.append((p["workload"], p["rate"]))
+    for workload, rate in keys:
+        _, name, higher_better = ROUND_METRICS.get(workload, _TTFT_P99)
+        scale = 1.0 if higher_better else 1e3
+        at = {(p["system"], p["round"]): p for p in rounded
+              if p["workload"] == workload and p["rate"] == rate}
+        rounds = sorted({r for _, r in at})
+        point = workload if rate is None else f"{workload} @ {rate:g} req/s"
+        per_ratio: dict[str, list[float]] = {s: [] for s in ours}
+        for r in rounds:
+            vals = {s: (round_metric(at[(s, r)]) if (s, r) in at else None) for s in systems}
+            cells = [_num(None if v is None else v * scale, 1) for v in vals.values()]
+            ratios = []
+            for s in ours if ref else ():
+                x = ratio(vals[s], vals[ref])
+                if x is not None:
+                    per_ratio[s].append(x)
+                ratios.append(_x(x))
+            lines.append(f"| {point} | {name} | {r} | " + " | ".join(cells)
+                         + "".join(f" | {x}" for x in ratios) + " |")
+        if ref and len(rounds) > 1:
+            # Of an even count, the worse of the two middle ratios.
+            middle = (lambda n: (n - 1) // 2) if higher_better else (lambda n: n // 2)
+            meds = [_x(sorted(v)[middle(len(v))] if v else None) for v in per_ratio.values()]
+            lines.append(f"| {point} | {name} | median | " + " | ".join("" for _ in systems)
+                         + "".join(f" | **{m}**" for m in meds) + " |")
+    return lines
+
+
 def peers_of(results: dict) -> list[str]:
     """The peer systems of a sweep, in the order they ran; the first in PEERS is the reference."""
     ran = [s for s in results["systems"] if s not in (DISAGG, AGG)]
@@ -178,6 +264,9 @@ def _interference(results: dict) -> list[str]:
 
 
 def render(results: dict, out_dir: Path) -> Path:
+    every_round = results
+    results = median_rounds(results)
+    rounds = results["plan"].get("rounds", 1)
     plan, m = results["plan"], results.get("machine") or machine()
     command = results.get("command", "")
     peers = " and ".join(results["systems"][s]["label"] for s in peers_of(results)) or "peers"
@@ -189,8 +278,14 @@ def render(results: dict, out_dir: Path) -> Path:
              f"model `{plan['model_dir']}`; {m['cores']} CPU cores ({m['cpu']}); "
              f"torch {m['torch']}, transformers {m['transformers']}{versions}; "
              f"commit {m['commit']}{_uncommitted(m)}.",
-             "Every system ran alone on this machine, one after another; the load generator "
-             "shared its cores. Output lengths were forced exactly (splitserve and vLLM: "
+             ("Every system ran alone on this machine, one after another; the load generator "
+              "shared its cores." if rounds <= 1 else
+              f"Interleaved: every system was up at once, idle but for its turn; each point ran "
+              f"{rounds} times, the systems taking turns (the order rotated each round, each "
+              "turn once the machine had gone quiet); the load generator shared the cores. The "
+              "tables show each point's median round (by the figure under Rounds); Rounds lists "
+              "them all.")
+             + " Output lengths were forced exactly (splitserve and vLLM: "
              "`ignore_eos`; transformers serve: `generation_config` with `eos_token_id: -1`); "
              "prompts were built "
              "to exact token counts with the model's tokenizer. Goodput counts requests with "
@@ -209,6 +304,10 @@ def render(results: dict, out_dir: Path) -> Path:
     if command:
         lines += [f"Command: `{command}`", ""]
     lines += ["## Settings", "", *_settings(plan), "", "## Targets", "", *headline(results), ""]
+    if rounds > 1:
+        lines += ["## Rounds", "", "Each splitserve system over the reference peer in the same "
+                  "round (ratios: higher is better for tok/s, lower for ms), and the median of "
+                  "those ratios (of an even count, the worse of the two middle ones).", "", *rounds_table(every_round), ""]
     notes = out_dir / "notes.md"  # written by hand: what the tables alone do not say
     if notes.exists():
         lines += ["## Notes", "", notes.read_text().strip(), ""]

@@ -1,6 +1,12 @@
 """The comparison sweep: for each system, start it, warm it up, run every workload at every
 request rate with the load generator, and stop it. Raw runs and a results.json are written as it
-goes, so a report can be rendered (again) from disk."""
+goes, so a report can be rendered (again) from disk.
+
+With rounds > 1 the sweep is interleaved instead: every system is started and kept up, and each
+point runs `rounds` times, the systems taking turns (the order rotated each round) once the
+machine has gone quiet. This VM's speed drifts over minutes (memory bandwidth, neighbours), so
+one system's whole sweep after another's compares two machine states as much as two systems;
+taking turns point by point puts the drift on both."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.compare.machine import ForeignCpu, machine
+from bench.compare.machine import ForeignCpu, machine, wait_quiet
 from bench.compare.systems import (
     SYSTEMS,
     RunningSystem,
@@ -57,6 +63,7 @@ class SweepPlan:
     serve: ServeOptions = field(default_factory=ServeOptions)
     quick: bool = False
     name: str = "full"
+    rounds: int = 1  # > 1: every system up at once, each point run this many times in turns
 
 
 def full_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> SweepPlan:
@@ -155,23 +162,57 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
     def save() -> None:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
 
+    if plan.rounds > 1:
+        _interleaved(plan, out_dir, results, builders, progress, save)
+    else:
+        _one_after_another(plan, out_dir, results, builders, progress, save)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+    return results
+
+
+def _start(plan: SweepPlan, name: str, out_dir: Path, results: dict, builders: dict,
+           save) -> RunningSystem | None:
+    """Starts and warms up one system; None (its error recorded) if it did not start."""
+    spec = SYSTEMS[name]
+    # Others may share this machine: the load average before each system says how quiet it was.
+    info = results["systems"][name] = {"label": spec.label, "flavor": spec.flavor,
+                                       "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+    t0 = time.monotonic()
+    try:
+        running = start_system(spec, plan.model_dir, out_dir / "logs", plan.serve)
+    except RuntimeError as exc:
+        info["error"] = f"did not start: {exc}"
+        save()
+        return None
+    info.update(command=" ".join(running.command), startup_s=round(time.monotonic() - t0, 1))
+    if spec.name == "vllm":
+        info["version"] = vllm_version()
+    try:
+        _warm_up(running, builders.get("completions") or next(iter(builders.values())))
+    except RuntimeError as exc:
+        _stop(running, info, out_dir, str(exc))
+        save()
+        return None
+    return running
+
+
+def _stop(running: RunningSystem, info: dict, out_dir: Path, error: str | None = None) -> None:
+    if error is not None:
+        info["error"] = error
+    running.stop()
+    info["log"] = str(running.log_path.relative_to(out_dir))
+
+
+def _one_after_another(plan: SweepPlan, out_dir: Path, results: dict, builders: dict,
+                       progress: bool, save) -> None:
+    raw_dir = out_dir / "raw"
     for name in plan.systems:
-        spec = SYSTEMS[name]
-        # Others may share this machine: the load average before each system says how quiet it was.
-        info = results["systems"][name] = {"label": spec.label, "flavor": spec.flavor,
-                                           "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
-        t0 = time.monotonic()
-        try:
-            running = start_system(spec, plan.model_dir, out_dir / "logs", plan.serve)
-        except RuntimeError as exc:
-            info["error"] = f"did not start: {exc}"
-            save()
+        running = _start(plan, name, out_dir, results, builders, save)
+        if running is None:
             continue
-        info.update(command=" ".join(running.command), startup_s=round(time.monotonic() - t0, 1))
-        if spec.name == "vllm":
-            info["version"] = vllm_version()
+        error = None
         try:
-            _warm_up(running, builders.get("completions") or next(iter(builders.values())))
             for wp in plan.workloads:
                 if wp.systems and name not in wp.systems:
                     continue
@@ -188,14 +229,57 @@ def run_sweep(plan: SweepPlan, out_dir: Path, progress: bool = True,
                         break
                     save()
         except RuntimeError as exc:
-            info["error"] = str(exc)
+            error = str(exc)
         finally:
-            running.stop()
-            info["log"] = str(running.log_path.relative_to(out_dir))
+            _stop(running, results["systems"][name], out_dir, error)
         save()
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    save()
-    return results
+
+
+def _interleaved(plan: SweepPlan, out_dir: Path, results: dict, builders: dict,
+                 progress: bool, save) -> None:
+    """Every system up at once; each point `plan.rounds` times, the systems in turn (round r
+    starts with the r-th), each run once the machine is quiet (an idle system's own background
+    work, such as splitserve's KV prefault after a burst, done). A system whose point fails is
+    stopped and left out of the rest; one that saturates at a rate skips the higher rates."""
+    raw_dir = out_dir / "raw"
+    running: dict[str, RunningSystem] = {}
+    try:
+        for name in plan.systems:
+            started = _start(plan, name, out_dir, results, builders, save)
+            if started is not None:
+                running[name] = started
+        for wp in plan.workloads:
+            names = [n for n in plan.systems if not wp.systems or n in wp.systems]
+            saturated: set[str] = set()
+            for rate in wp.rates or (None,):
+                now_saturated: set[str] = set()
+                for r in range(plan.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        if name not in running or name in saturated:
+                            continue
+                        waited = wait_quiet()
+                        try:
+                            point = _run_point(plan, wp, running[name], builders[wp.endpoint],
+                                               rate, raw_dir, progress, round_=r + 1)
+                        except RuntimeError as exc:
+                            _stop(running.pop(name), results["systems"][name], out_dir, str(exc))
+                            save()
+                            continue
+                        point["cpu"]["quiet_wait_s"] = round(waited, 1)
+                        results["points"].append(point)
+                        print(point_line(point), flush=True)
+                        if rate is not None and _saturated_point(point, plan):
+                            now_saturated.add(name)
+                        save()
+                for name in now_saturated:
+                    for p in results["points"]:
+                        if (p["system"], p["workload"], p["rate"]) == (name, wp.name, rate):
+                            p["note"] = "saturated: higher rates skipped"
+                saturated |= now_saturated
+    finally:
+        for name, r in running.items():
+            _stop(r, results["systems"][name], out_dir)
+        save()
 
 
 def point_line(point: dict) -> str:
@@ -220,12 +304,15 @@ def _saturated_point(point: dict, plan: SweepPlan) -> bool:
 
 
 def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builder, rate,
-               raw_dir: Path, progress: bool) -> dict:
+               raw_dir: Path, progress: bool, round_: int | None = None) -> dict:
     arrivals = (Burst(wp.burst) if wp.burst else ClosedLoop(wp.concurrency) if wp.concurrency
                 else Poisson(rate))
     target = Target(running.url, running.model_name, wp.endpoint, running.spec.flavor)
     drain = plan.drain_timeout_s if wp.drain_timeout_s is None else wp.drain_timeout_s
-    config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=plan.seed,
+    # Each round its own prompts (the systems of one round the same ones): no round finds the
+    # one before it in a prefix cache.
+    seed = plan.seed + 1000 * ((round_ or 1) - 1)
+    config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=seed,
                        num_requests=wp.num_requests, slo=plan.slo, drain_timeout_s=drain,
                        progress=progress)
     load_start = round(os.getloadavg()[0], 2)
@@ -233,9 +320,11 @@ def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builde
     result = asyncio.run(run_load(config, builder))
     cpu = {"loadavg_1m_start": load_start, **foreign.stop()}
     kind = "burst" if wp.burst else f"c{wp.concurrency}" if wp.concurrency else rate
-    raw = raw_dir / f"{running.spec.name}_{wp.name}_{kind}.json"
+    suffix = "" if round_ is None else f"_r{round_}"
+    raw = raw_dir / f"{running.spec.name}_{wp.name}_{kind}{suffix}.json"
     raw.write_text(json.dumps(result.to_json()))
     return {"system": running.spec.name, "workload": wp.name, "rate": rate,
+            **({} if round_ is None else {"round": round_}),
             "concurrency": wp.concurrency or None, "summary": result.summary.to_json(),
             "by_class": {k: v.to_json() for k, v in result.by_class.items()},
             "send_lag_s": asdict(result.send_lag_s), "config": config.describe(), "cpu": cpu,
@@ -245,7 +334,7 @@ def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builde
 def _describe(plan: SweepPlan) -> dict:
     return {"model_dir": plan.model_dir, "systems": list(plan.systems), "quick": plan.quick,
             "seed": plan.seed, "slo": asdict(plan.slo), "drain_timeout_s": plan.drain_timeout_s,
-            "stop_ttft_s": plan.stop_ttft_s, "serve": asdict(plan.serve),
+            "stop_ttft_s": plan.stop_ttft_s, "serve": asdict(plan.serve), "rounds": plan.rounds,
             "name": plan.name, "settings": serve_settings(plan.serve, plan.systems).to_json(),
             "workloads": [{"name": w.name, "about": w.about, "rates": list(w.rates),
                            "burst": w.burst, "concurrency": w.concurrency,

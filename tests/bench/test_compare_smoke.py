@@ -46,3 +46,29 @@ def test_quick_compare_runs_against_a_real_disaggregated_deployment(tiny_llama_d
     # Teardown went through `splitserve up`'s own orderly stop.
     log = (out / results["systems"]["splitserve-disagg"]["log"]).read_text()
     assert "all processes stopped" in log
+
+
+@pytest.mark.slow
+def test_interleaved_rounds_take_turns_against_real_deployments(tiny_llama_dir, tmp_path):
+    """--rounds 2: both deployments up at once, each point run twice with the order rotated,
+    every round recorded with its own raw file, the tables drawn from the median round."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--quick", "--model", str(tiny_llama_dir),
+         "--systems", "splitserve-agg,splitserve-disagg", "--workloads", "chat", "--rates", "4",
+         "--duration", "2", "--rounds", "2", "--out", str(out), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["plan"]["rounds"] == 2
+    turns = [(p["round"], p["system"]) for p in results["points"]]
+    first, second = turns[0][1], turns[1][1]
+    assert turns == [(1, first), (1, second), (2, second), (2, first)]
+    for p in results["points"]:
+        assert p["summary"]["completed"] == p["summary"]["requests"] > 0
+        assert p["raw"].endswith(f"_r{p['round']}.json") and (out / p["raw"]).exists()
+        assert p["cpu"]["quiet_wait_s"] >= 0
+    report = (out / "report.md").read_text()
+    assert "## Rounds" in report and "Interleaved: every system was up at once" in report
+    for name in ("splitserve-agg", "splitserve-disagg"):
+        assert "all processes stopped" in (out / results["systems"][name]["log"]).read_text()

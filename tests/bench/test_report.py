@@ -109,3 +109,45 @@ def test_report_says_when_the_measured_code_had_uncommitted_changes(tmp_path):
     text = render(data, tmp_path).read_text()
     assert "commit abc **plus uncommitted changes to 1 path(s) of the measured code" in text
     assert "`services/gateway/config.py`" in text
+
+
+def interleaved_results():
+    """Three rounds of a burst: splitserve's throughput 20 / 30 / 25 tok/s against the peer's
+    10 / 40 / 20 in the same rounds (ratios 2.0, 0.75, 1.25)."""
+    data = results()
+    data["plan"]["rounds"] = 3
+    data["points"] = []
+    for r, (ours, theirs) in enumerate(((20.0, 10.0), (30.0, 40.0), (25.0, 20.0)), start=1):
+        for system, tput in (("splitserve-disagg", ours), ("transformers-serve", theirs)):
+            data["points"].append({**point(system, "burst", None, 0.3, out_tput=tput), "round": r})
+    return data
+
+
+def test_median_rounds_keeps_each_points_median_round():
+    from bench.compare.report import median_rounds
+
+    kept = median_rounds(interleaved_results())["points"]
+    assert {(p["system"], p["round"], p["summary"]["output_throughput"]) for p in kept} == {
+        ("splitserve-disagg", 3, 25.0), ("transformers-serve", 3, 20.0)}
+    plain = results()
+    assert median_rounds(plain) is plain  # a run without rounds is left as it is
+
+
+def test_median_rounds_takes_the_worse_middle_of_an_even_count():
+    from bench.compare.report import median_rounds
+
+    data = interleaved_results()
+    data["points"] = [p for p in data["points"] if p["round"] < 3]  # 20 and 30 tok/s
+    kept = {p["system"]: p["summary"]["output_throughput"] for p in median_rounds(data)["points"]}
+    assert kept == {"splitserve-disagg": 20.0, "transformers-serve": 10.0}
+
+
+def test_an_interleaved_report_lists_every_round_and_the_median_ratio(tmp_path):
+    text = render(interleaved_results(), tmp_path).read_text()
+    assert "Interleaved: every system was up at once" in text
+    assert "## Rounds" in text
+    assert "| burst | out tok/s | 1 | 20.0 | 10.0 | 2.00x |" in text
+    assert "| burst | out tok/s | 2 | 30.0 | 40.0 | 0.75x |" in text
+    assert "| burst | out tok/s | median |  |  | **1.25x** |" in text
+    # the targets and the workload table show the median round (25 against 20)
+    assert "| burst output throughput (tok/s) | 25.0 | - | 20.0 | 1.25x | n/a |" in text
