@@ -7,6 +7,7 @@ from pathlib import Path
 
 from bench.compare.machine import machine
 from bench.compare.plots import plot_workload
+from bench.compare.rounds import ROUND_METRICS, TTFT_P99, median_rounds, round_metric
 from bench.compare.targets import (
     MAX_REFUSED_SHARE,
     class_metric,
@@ -69,44 +70,6 @@ def workload_table(results: dict, workload: str) -> list[str]:
     return rows
 
 
-# The metric that picks a point's median round (interleaved runs) and its Rounds row: the
-# workload's headline figure, TTFT p99 for the rest. (summary path, label, higher is better)
-ROUND_METRICS = {
-    "burst": (("output_throughput",), "out tok/s", True),
-    "batch1": (("itl_s", "p50"), "ITL p50 ms", False),
-    "long": (("ttft_s", "p50"), "TTFT p50 ms", False),
-}
-_TTFT_P99 = (("ttft_s", "p99"), "TTFT p99 ms", False)
-
-
-def round_metric(point: dict) -> float | None:
-    path, _, _ = ROUND_METRICS.get(point["workload"], _TTFT_P99)
-    value = point["summary"]
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
-def median_rounds(results: dict) -> dict:
-    """`results` with one point per system, workload and rate: in an interleaved run (points
-    with a "round"), the median round by round_metric (of an even count the worse of the two
-    middle ones; a round without the figure counts as the worst). Other runs come back as they
-    are."""
-    if not any("round" in p for p in results["points"]):
-        return results
-    groups: dict[tuple, list[dict]] = {}
-    for p in results["points"]:
-        groups.setdefault((p["system"], p["workload"], p["rate"]), []).append(p)
-
-    def badness(p: dict) -> float:
-        v = round_metric(p)
-        higher_better = ROUND_METRICS.get(p["workload"], _TTFT_P99)[2]
-        return float("inf") if v is None else (-v if higher_better else v)
-
-    chosen = {id(sorted(pts, key=badness)[len(pts) // 2]) for pts in groups.values()}
-    return {**results, "points": [p for p in results["points"] if id(p) in chosen]}
-
-
 def rounds_table(results: dict) -> list[str]:
     """Every round of an interleaved run: each point's figure per system and each splitserve
     system over the reference peer in that round, then the median of those ratios."""
@@ -128,7 +91,7 @@ def rounds_table(results: dict) -> list[str]:
         if (p["workload"], p["rate"]) not in keys:
             keys.append((p["workload"], p["rate"]))
     for workload, rate in keys:
-        _, name, higher_better = ROUND_METRICS.get(workload, _TTFT_P99)
+        _, name, higher_better = ROUND_METRICS.get(workload, TTFT_P99)
         scale = 1.0 if higher_better else 1e3
         at = {(p["system"], p["round"]): p for p in rounded
               if p["workload"] == workload and p["rate"] == rate}

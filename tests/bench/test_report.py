@@ -124,7 +124,7 @@ def interleaved_results():
 
 
 def test_median_rounds_keeps_each_points_median_round():
-    from bench.compare.report import median_rounds
+    from bench.compare.rounds import median_rounds
 
     kept = median_rounds(interleaved_results())["points"]
     assert {(p["system"], p["round"], p["summary"]["output_throughput"]) for p in kept} == {
@@ -134,7 +134,7 @@ def test_median_rounds_keeps_each_points_median_round():
 
 
 def test_median_rounds_takes_the_worse_middle_of_an_even_count():
-    from bench.compare.report import median_rounds
+    from bench.compare.rounds import median_rounds
 
     data = interleaved_results()
     data["points"] = [p for p in data["points"] if p["round"] < 3]  # 20 and 30 tok/s
