@@ -1,9 +1,9 @@
 """Overload, on real processes and with the gateway's shipped admission settings (TTFT target
 1 s, no in-flight limit): 10x the cluster's capacity offered for 30 s. Admitted requests meet
 the TTFT target (at least 90% of them), the others are refused at once (90% within 50 ms, none
-later than half the target), nothing hangs, and the gateway's memory stays flat. Within 5 s of the overload's end, and likewise
-after a burst of cancelled streams, a normal load is admitted and served in full: nothing the
-overload taught the admission estimator locks the gateway out.
+later than half the target), nothing hangs, and the gateway's memory stays flat. Within 5 s of
+the overload's end, and likewise after a burst of cancelled streams, a normal load is admitted
+and served in full: nothing the overload taught the admission estimator locks the gateway out.
 
 Latencies are measured by the load generator, in this process. A refusal the generator could
 not have seen in time because its own event loop was stalled (the machine's other work
