@@ -1,4 +1,5 @@
-"""PNG plots of a workload's rate sweep, one line per system (matplotlib, Agg backend)."""
+"""PNG plots of a workload's rate sweep, one line per system, and of an interleaved run's rounds
+(matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
+from bench.compare.rounds import advantage, rounds_by_point  # noqa: E402
 from bench.compare.targets import failed, points_of  # noqa: E402
 
 # (file suffix, title, y label, value from a summary, log scale)
@@ -65,3 +68,49 @@ def plot_workload(results: dict, workload: str, out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_rounds(results: dict, ref: str, ours: list[str], out_dir: Path) -> Path | None:
+    """rounds.png: per point of an interleaved run, each of `ours` against `ref` in every round
+    as dots (> 1: splitserve better; throughput ours over theirs, latency theirs over ours) and
+    the median of the rounds as a bar. None when no round has both."""
+    table = rounds_by_point(results)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(table)), 4), dpi=100)
+    width = 0.7 / max(1, len(ours))
+    drawn = False
+    for i, system in enumerate(ours):
+        color = f"C{i}"
+        for j, ((workload, _rate), by_round) in enumerate(table.items()):
+            values = [advantage(workload, v.get(system), v.get(ref)) for v in by_round.values()]
+            values = sorted(v for v in values if v is not None)
+            if not values:
+                continue
+            x = j - 0.35 + width * (i + 0.5)
+            ax.scatter([x] * len(values), values, color=color, s=18, zorder=3,
+                       label=results["systems"][system]["label"])
+            median = values[(len(values) - 1) // 2]  # of an even count, the worse middle one
+            ax.plot([x - width / 3, x + width / 3], [median, median], color=color, linewidth=2.5)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    times = FuncFormatter(lambda v, _: f"{v:g}x")
+    ax.yaxis.set_major_formatter(times)
+    ax.yaxis.set_minor_formatter(times)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_xticks(range(len(table)), [w if r is None else f"{w}\n@ {r:g}/s" for w, r in table],
+                  fontsize=8)
+    ax.set_ylabel(f"times better than {results['systems'][ref]['label']}")
+    ax.set_title("Each round (dots) and the median of the rounds (bar); above 1: splitserve "
+                 "better", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "rounds.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

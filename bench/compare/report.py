@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from bench.compare.machine import machine
-from bench.compare.plots import plot_workload
-from bench.compare.rounds import ROUND_METRICS, TTFT_P99, median_rounds, round_metric
+from bench.compare.plots import plot_rounds, plot_workload
+from bench.compare.rounds import ROUND_METRICS, TTFT_P99, median_rounds, rounds_by_point
 from bench.compare.targets import (
     MAX_REFUSED_SHARE,
     class_metric,
@@ -73,49 +73,50 @@ def workload_table(results: dict, workload: str) -> list[str]:
 def rounds_table(results: dict) -> list[str]:
     """Every round of an interleaved run: each point's figure per system and each splitserve
     system over the reference peer in that round, then the median of those ratios."""
-    rounded = [p for p in results["points"] if "round" in p]
-    if not rounded:
+    table = rounds_by_point(results)
+    if not table:
         return []
-    peers = peers_of(results)
-    ref = peers[0] if peers else None
-    if ref is not None and not any(p["system"] == ref for p in rounded):
-        ref = None
-    systems = [s for s in results["systems"] if any(p["system"] == s for p in rounded)]
-    ours = [s for s in systems if s not in peers]
+    ref, ours = _round_systems(results)
+    systems = [*ours, *([ref] if ref else [])]
     label = {s: results["systems"][s]["label"] for s in systems}
     lines = ["| point | figure | round | " + " | ".join(label[s] for s in systems)
              + "".join(f" | {label[s]} / {label[ref]}" for s in ours if ref) + " |",
              "|---" * (3 + len(systems) + (len(ours) if ref else 0)) + "|"]
-    keys: list[tuple] = []
-    for p in rounded:
-        if (p["workload"], p["rate"]) not in keys:
-            keys.append((p["workload"], p["rate"]))
-    for workload, rate in keys:
+    for (workload, rate), by_round in table.items():
         _, name, higher_better = ROUND_METRICS.get(workload, TTFT_P99)
         scale = 1.0 if higher_better else 1e3
-        at = {(p["system"], p["round"]): p for p in rounded
-              if p["workload"] == workload and p["rate"] == rate}
-        rounds = sorted({r for _, r in at})
-        point = workload if rate is None else f"{workload} @ {rate:g} req/s"
+        point = _point_name(workload, rate)
         per_ratio: dict[str, list[float]] = {s: [] for s in ours}
-        for r in rounds:
-            vals = {s: (round_metric(at[(s, r)]) if (s, r) in at else None) for s in systems}
-            cells = [_num(None if v is None else v * scale, 1) for v in vals.values()]
+        for r, vals in by_round.items():
+            cells = [_num(None if vals.get(s) is None else vals[s] * scale, 1) for s in systems]
             ratios = []
             for s in ours if ref else ():
-                x = ratio(vals[s], vals[ref])
+                x = ratio(vals.get(s), vals.get(ref))
                 if x is not None:
                     per_ratio[s].append(x)
                 ratios.append(_x(x))
             lines.append(f"| {point} | {name} | {r} | " + " | ".join(cells)
                          + "".join(f" | {x}" for x in ratios) + " |")
-        if ref and len(rounds) > 1:
+        if ref and len(by_round) > 1:
             # Of an even count, the worse of the two middle ratios.
             middle = (lambda n: (n - 1) // 2) if higher_better else (lambda n: n // 2)
             meds = [_x(sorted(v)[middle(len(v))] if v else None) for v in per_ratio.values()]
             lines.append(f"| {point} | {name} | median | " + " | ".join("" for _ in systems)
                          + "".join(f" | **{m}**" for m in meds) + " |")
     return lines
+
+
+def _round_systems(results: dict) -> tuple[str | None, list[str]]:
+    """(the reference peer, or None if it ran no round; the other systems that did), in the
+    results' order."""
+    ran = {p["system"] for p in results["points"] if "round" in p}
+    peers = peers_of(results)
+    ref = peers[0] if peers and peers[0] in ran else None
+    return ref, [s for s in results["systems"] if s in ran and s not in peers]
+
+
+def _point_name(workload: str, rate: float | None) -> str:
+    return workload if rate is None else f"{workload} @ {rate:g} req/s"
 
 
 def peers_of(results: dict) -> list[str]:
@@ -270,7 +271,12 @@ def render(results: dict, out_dir: Path) -> Path:
     if rounds > 1:
         lines += ["## Rounds", "", "Each splitserve system over the reference peer in the same "
                   "round (ratios: higher is better for tok/s, lower for ms), and the median of "
-                  "those ratios (of an even count, the worse of the two middle ones).", "", *rounds_table(every_round), ""]
+                  "those ratios (of an even count, the worse of the two middle ones).", "",
+                  *rounds_table(every_round), ""]
+        ref, ours = _round_systems(every_round)
+        plotted = plot_rounds(every_round, ref, ours, out_dir) if ref else None
+        if plotted is not None:
+            lines += [f"![rounds]({plotted.name})", ""]
     notes = out_dir / "notes.md"  # written by hand: what the tables alone do not say
     if notes.exists():
         lines += ["## Notes", "", notes.read_text().strip(), ""]

@@ -39,3 +39,26 @@ def median_rounds(results: dict) -> dict:
 
     chosen = {id(sorted(pts, key=badness)[len(pts) // 2]) for pts in groups.values()}
     return {**results, "points": [p for p in results["points"] if id(p) in chosen]}
+
+
+def higher_is_better(workload: str) -> bool:
+    return ROUND_METRICS.get(workload, TTFT_P99)[2]
+
+
+def rounds_by_point(results: dict) -> dict[tuple, dict[int, dict[str, float | None]]]:
+    """An interleaved run's points as (workload, rate) -> round -> system -> round_metric, points
+    in the order they ran, rounds in order."""
+    table: dict[tuple, dict[int, dict[str, float | None]]] = {}
+    for p in results["points"]:
+        if "round" in p:
+            by_round = table.setdefault((p["workload"], p["rate"]), {})
+            by_round.setdefault(p["round"], {})[p["system"]] = round_metric(p)
+    return {key: dict(sorted(by_round.items())) for key, by_round in table.items()}
+
+
+def advantage(workload: str, ours: float | None, theirs: float | None) -> float | None:
+    """How many times better `ours` is than `theirs` (> 1: better): throughput ours / theirs,
+    a latency theirs / ours."""
+    if not ours or not theirs:
+        return None
+    return ours / theirs if higher_is_better(workload) else theirs / ours

@@ -151,3 +151,5 @@ def test_an_interleaved_report_lists_every_round_and_the_median_ratio(tmp_path):
     assert "| burst | out tok/s | median |  |  | **1.25x** |" in text
     # the targets and the workload table show the median round (25 against 20)
     assert "| burst output throughput (tok/s) | 25.0 | - | 20.0 | 1.25x | n/a |" in text
+    assert (tmp_path / "rounds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![rounds](rounds.png)" in text
