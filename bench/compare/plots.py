@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from bench.compare.rounds import advantage, rounds_by_point  # noqa: E402
+from bench.compare.rounds import advantage, rounds_by_point, worse_middle  # noqa: E402
 from bench.compare.targets import failed, points_of  # noqa: E402
 
 # (file suffix, title, y label, value from a summary, log scale)
@@ -82,13 +82,13 @@ def plot_rounds(results: dict, ref: str, ours: list[str], out_dir: Path) -> Path
         color = f"C{i}"
         for j, ((workload, _rate), by_round) in enumerate(table.items()):
             values = [advantage(workload, v.get(system), v.get(ref)) for v in by_round.values()]
-            values = sorted(v for v in values if v is not None)
+            values = [v for v in values if v is not None]
             if not values:
                 continue
             x = j - 0.35 + width * (i + 0.5)
             ax.scatter([x] * len(values), values, color=color, s=18, zorder=3,
                        label=results["systems"][system]["label"])
-            median = values[(len(values) - 1) // 2]  # of an even count, the worse middle one
+            median = worse_middle(values, lambda v: v)
             ax.plot([x - width / 3, x + width / 3], [median, median], color=color, linewidth=2.5)
             drawn = True
     if not drawn:

@@ -7,7 +7,13 @@ from pathlib import Path
 
 from bench.compare.machine import machine
 from bench.compare.plots import plot_rounds, plot_workload
-from bench.compare.rounds import ROUND_METRICS, TTFT_P99, median_rounds, rounds_by_point
+from bench.compare.rounds import (
+    ROUND_METRICS,
+    TTFT_P99,
+    median_rounds,
+    rounds_by_point,
+    worse_middle,
+)
 from bench.compare.targets import (
     MAX_REFUSED_SHARE,
     class_metric,
@@ -98,9 +104,8 @@ def rounds_table(results: dict) -> list[str]:
             lines.append(f"| {point} | {name} | {r} | " + " | ".join(cells)
                          + "".join(f" | {x}" for x in ratios) + " |")
         if ref and len(by_round) > 1:
-            # Of an even count, the worse of the two middle ratios.
-            middle = (lambda n: (n - 1) // 2) if higher_better else (lambda n: n // 2)
-            meds = [_x(sorted(v)[middle(len(v))] if v else None) for v in per_ratio.values()]
+            better = (lambda x: x) if higher_better else (lambda x: -x)
+            meds = [_x(worse_middle(v, better) if v else None) for v in per_ratio.values()]
             lines.append(f"| {point} | {name} | median | " + " | ".join("" for _ in systems)
                          + "".join(f" | **{m}**" for m in meds) + " |")
     return lines

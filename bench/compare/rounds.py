@@ -32,13 +32,18 @@ def median_rounds(results: dict) -> dict:
     for p in results["points"]:
         groups.setdefault((p["system"], p["workload"], p["rate"]), []).append(p)
 
-    def badness(p: dict) -> float:
+    def goodness(p: dict) -> float:
         v = round_metric(p)
-        higher_better = ROUND_METRICS.get(p["workload"], TTFT_P99)[2]
-        return float("inf") if v is None else (-v if higher_better else v)
+        return float("-inf") if v is None else (v if higher_is_better(p["workload"]) else -v)
 
-    chosen = {id(sorted(pts, key=badness)[len(pts) // 2]) for pts in groups.values()}
+    chosen = {id(worse_middle(pts, goodness)) for pts in groups.values()}
     return {**results, "points": [p for p in results["points"] if id(p) in chosen]}
+
+
+def worse_middle(items: list, goodness) -> object:
+    """The median of `items` by `goodness` (higher is better); of an even count, the worse of
+    the two middle ones."""
+    return sorted(items, key=goodness)[(len(items) - 1) // 2]
 
 
 def higher_is_better(workload: str) -> bool:
