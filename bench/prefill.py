@@ -5,12 +5,16 @@ dot products and its AMX path (where the CPU has AMX); then a whole prompt throu
 with `cpu_attention` torch and cpp (every repetition a new prompt: a cold prefix cache); then
 a whole prompt through the shipped engine (every setting its default) against the same engine
 cutting prompts alone into `long_prefill_token_threshold` chunks as it did before (the shipped
-scheduler cuts only steps that carry decoding requests), the two alternating.
+scheduler cuts only steps that carry decoding requests), the two alternating; then many
+prompts prefilled in one step, their attention in one C++ call per layer
+(prefill_attention_into) against one call per prompt as before, on one layer and through
+the shipped engine, alternating.
 
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
     python bench/prefill.py --threads 2 --lengths 1024,2048 --only chunking
     python bench/prefill.py --threads 2 --lengths 2048 --only profile
+    python bench/prefill.py --threads 2 --only prompts --prompts 64x32,16x128
 """
 
 from __future__ import annotations
@@ -115,6 +119,71 @@ def chunking(model: str, lengths: list[int], repeats: int, threads: int) -> None
               f"(chunked / whole {chunked / whole:.2f}x)")
 
 
+def many_prompts(model: str, shapes: list[tuple[int, int]], repeats: int, threads: int) -> None:
+    """`count` prompts of `length` tokens in one step: their attention in one C++ call per layer
+    (prefill_attention_into, shipped) against one call per prompt (the path before it), on one
+    attention layer and through the shipped engine. The engine's per-prompt runs take the old
+    path by giving the runner no fresh-prompt spans; both alternate, new prompts every run."""
+    import statistics
+
+    print(f"many prompts in one step, one attention call per layer (shipped) against one per "
+          f"prompt ({threads} thread(s)):")
+    for count, length in shapes:
+        n = count * length
+        q, k, v = (torch.randn(n, heads, 64).bfloat16() for heads in (9, 3, 3))
+        spans = torch.tensor([(i * length, length) for i in range(count)], dtype=torch.long)
+
+        def per_prompt(q=q, k=k, v=v, count=count, length=length):
+            out = torch.empty_like(q)
+            for start in range(0, count * length, length):
+                end = start + length
+                out[start:end] = torch.ops.splitserve_cpu.prefill_attention(
+                    q[start:end], k[start:end], v[start:end], 0.125, 0)
+
+        def one_call(q=q, k=k, v=v, spans=spans):
+            torch.ops.splitserve_cpu.prefill_attention_into(torch.empty_like(q), q, k, v, spans,
+                                                            0.125, 0)
+
+        each, one = (_best_ms(f, max(5, repeats)) for f in (per_prompt, one_call))
+        print(f"  {count} x {length} tokens, one layer: per prompt {each:.3f} ms, one call "
+              f"{one:.3f} ms ({each / one:.2f}x; best of {max(5, repeats)})")
+    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, num_kv_blocks=2048))
+    if not engine.runner.native_prefill:
+        print("  the engine does not run the C++ prefill attention here: no engine figures")
+        return
+    shipped = engine.runner._fresh_prefill_spans
+    vocab = engine.model_config.vocab_size
+    salt = iter(range(10**6))
+
+    def step_ms(count: int, length: int) -> float:
+        s = next(salt)
+        for i in range(count):
+            engine.add_request(f"p{s}-{i}", [100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
+                                             for j in range(length)],
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished():
+            engine.step()
+        return elapsed * 1e3
+
+    for count, length in shapes:
+        times: dict[str, list[float]] = {"one call": [], "per prompt": []}
+        for r in range(2 * repeats + 1):
+            order = ("one call", "per prompt") if r % 2 else ("per prompt", "one call")
+            for name in order:
+                engine.runner._fresh_prefill_spans = (shipped if name == "one call"
+                                                      else lambda seqs: None)
+                ms = step_ms(count, length)
+                if r:  # the first round warms both
+                    times[name].append(ms)
+        engine.runner._fresh_prefill_spans = shipped
+        one, each = (statistics.median(times[name]) for name in ("one call", "per prompt"))
+        print(f"  {count} x {length} tokens, the engine's step: per prompt {each:.0f} ms, one "
+              f"call {one:.0f} ms ({each / one:.3f}x; medians of {2 * repeats}, alternating)")
+
+
 def profile_prompt(model: str, n: int, threads: int) -> None:
     """One n-token prompt alone through the shipped engine under torch.profiler (after three
     unprofiled ones, each a new prompt): where a prefill step's time goes, by operator."""
@@ -136,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile"),
+    parser.add_argument("--prompts", default="64x32,16x128",
+                        help="COUNTxLENGTH,...: the many-prompts part's steps")
+    parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile", "prompts"),
                         default=None,
                         help="run one part: the attention layer, the engine's attention "
-                             "choices, whole against chunked prompts, or a profile of the "
-                             "longest length's prefill by operator")
+                             "choices, whole against chunked prompts, a profile of the "
+                             "longest length's prefill by operator, or many prompts in a step")
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
@@ -149,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     print("settings: the attention and engine parts force dtype bfloat16 (the C++ prefill "
           "attention is bfloat16 only; the shipped --dtype auto is "
           f"{'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this CPU) and set "
-          "cpu_attention torch against cpp; the chunking part runs every shipped default; "
+          "cpu_attention torch against cpp; the chunking and prompts parts run every shipped default "
+          "(prompts: its per-prompt runs take the attention path before prefill_attention_into); "
           f"{args.threads} torch thread(s)")
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -161,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         chunking(args.model, lengths, args.repeats, args.threads)
     if args.only in (None, "profile"):
         profile_prompt(args.model, max(lengths), args.threads)
+    if args.only in (None, "prompts"):
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.prompts.split(",")]
+        many_prompts(args.model, shapes, args.repeats, args.threads)
     return 0
 
 

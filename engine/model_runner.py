@@ -276,8 +276,17 @@ class ModelRunner:
             native_decode=self.native_decode,
             native_prefill=self.native_prefill,
             attention_backend=self.config.attention_backend,
+            fresh_prefill_spans=self._fresh_prefill_spans(batch.prefill_seqs),
         )
         return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _fresh_prefill_spans(self, prefill_seqs: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """(start, length) of the step's prompts with nothing cached before them, for the C++
+        prefill attention's one call per layer over all of them (AttentionMetadata)."""
+        if not self.native_prefill:
+            return None
+        fresh = [(start, q_len) for start, q_len, ctx_len in prefill_seqs if ctx_len == q_len]
+        return torch.tensor(fresh, dtype=torch.long) if fresh else None
 
     def _decode_graph(self, batch: StepBatch) -> DecodeGraph | None:
         """The CUDA graph that runs this step, if it has one: decode rows only, none scored

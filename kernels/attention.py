@@ -52,6 +52,10 @@ class AttentionMetadata:
     # prefill_seqs as a [3, sequences] int tensor on the device (starts, query lengths, context
     # lengths), for the Triton prefill kernel; None: it builds its own.
     prefill_seq_info: torch.Tensor | None = None
+    # With native_prefill: the prefill sequences with nothing cached before them (context
+    # length = query length) as an int64 [n, 2] tensor of (query start, length), attended in
+    # one call per layer (prefill_attention_into) instead of one per sequence; None: none.
+    fresh_prefill_spans: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,12 @@ def paged_attention(
     for group in groups or ([meta] if num_decode else []):
         start, end = (group.start, group.end) if groups else (0, num_decode)
         out[start:end] = _attend_decode(query[start:end], k_cache, v_cache, group, scale, window)
+    fresh = meta.fresh_prefill_spans
+    if fresh is not None:
+        torch.ops.splitserve_cpu.prefill_attention_into(out, query, key, value, fresh, scale, window)
     for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables, strict=True):
+        if fresh is not None and ctx_len == q_len:
+            continue  # attended above
         end = start + q_len
         if ctx_len == q_len:
             k, v = key[start:end], value[start:end]

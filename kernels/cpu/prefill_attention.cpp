@@ -6,6 +6,8 @@
 // position ctx - q_len + i and sees keys up to it) -> [q_len, heads, D]. D a multiple of 16.
 // window > 0 (a sliding-window layer): query i sees only the `window` keys up to its own; key
 // chunks wholly before a tile's window are skipped.
+// prefill_attention_into does the same for several fresh prompts of one step in one call (each
+// causal over its own rows of a packed [tokens, heads, D]), their tiles over the threads at once.
 // Query head h reads KV head h / (heads / kv_heads), as transformers' repeat_kv does.
 //
 // Why not torch's own: its CPU flash kernel runs at about 40-75 GFLOP/s here on SmolLM2's
@@ -63,35 +65,33 @@ inline uint16_t bits_of(c10::BFloat16 x) {
   return b;
 }
 
-void pack(const at::Tensor& key, const at::Tensor& value, const Problem& p, uint16_t* kp,
-          uint16_t* vp) {
-  const auto* k = key.data_ptr<c10::BFloat16>();
-  const auto* v = value.data_ptr<c10::BFloat16>();
+// Task `task` of packing (KV head h, 16 keys): k, v are the problem's [ctx, kv_heads, D] rows.
+void pack_block(const Problem& p, const c10::BFloat16* k, const c10::BFloat16* v, uint16_t* kp,
+                uint16_t* vp, int64_t task) {
   const int64_t D = p.dim, pairs = D / 2, dvecs = D / kLanes, kv = p.kv_heads;
-  at::parallel_for(0, kv * (p.padded / kLanes), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / (p.padded / kLanes), block = task % (p.padded / kLanes);
-      uint16_t* kdst = kp + (h * (p.padded / kLanes) + block) * pairs * 2 * kLanes;
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const int64_t t = block * kLanes + j;
-        for (int64_t d = 0; d < D; ++d) {
-          kdst[((d / 2) * kLanes + j) * 2 + d % 2] = t < p.ctx ? bits_of(k[(t * kv + h) * D + d]) : 0;
-        }
-      }
-      // The same 16 keys are 8 key pairs of packed V.
-      for (int64_t pair = block * kLanes / 2; pair < (block + 1) * kLanes / 2; ++pair) {
-        uint16_t* vdst = vp + (h * (p.padded / 2) + pair) * dvecs * 2 * kLanes;
-        for (int64_t j = 0; j < 2; ++j) {
-          const int64_t t = pair * 2 + j;
-          for (int64_t d = 0; d < D; ++d) {
-            vdst[((d / kLanes) * kLanes + d % kLanes) * 2 + j] =
-                t < p.ctx ? bits_of(v[(t * kv + h) * D + d]) : 0;
-          }
-        }
+  const int64_t h = task / (p.padded / kLanes), block = task % (p.padded / kLanes);
+  uint16_t* kdst = kp + (h * (p.padded / kLanes) + block) * pairs * 2 * kLanes;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const int64_t t = block * kLanes + j;
+    for (int64_t d = 0; d < D; ++d) {
+      kdst[((d / 2) * kLanes + j) * 2 + d % 2] = t < p.ctx ? bits_of(k[(t * kv + h) * D + d]) : 0;
+    }
+  }
+  // The same 16 keys are 8 key pairs of packed V.
+  for (int64_t pair = block * kLanes / 2; pair < (block + 1) * kLanes / 2; ++pair) {
+    uint16_t* vdst = vp + (h * (p.padded / 2) + pair) * dvecs * 2 * kLanes;
+    for (int64_t j = 0; j < 2; ++j) {
+      const int64_t t = pair * 2 + j;
+      for (int64_t d = 0; d < D; ++d) {
+        vdst[((d / kLanes) * kLanes + d % kLanes) * 2 + j] =
+            t < p.ctx ? bits_of(v[(t * kv + h) * D + d]) : 0;
       }
     }
-  });
+  }
 }
+
+// Packing tasks of a problem: one per KV head and 16 keys.
+int64_t pack_tasks(const Problem& p) { return p.kv_heads * (p.padded / kLanes); }
 
 // exp(x) for x <= 0, 16 at a time: exp_nonpositive's method, 2^n by vscalefps.
 BF16_TARGET inline __m512 exp512_nonpositive(__m512 x) {
@@ -234,46 +234,136 @@ BF16_TARGET void attend_tile(const Problem& p, int64_t h, int64_t row0, int64_t 
   }
 }
 
-at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                             double scale, int64_t window, bool amx) {
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  int64_t window) {
   TORCH_CHECK(splitserve_cpu::has_avx512_bf16(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "query [q_len, heads, D], key and value [ctx, kv_heads, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
               value.scalar_type() == at::kBFloat16, "prefill_attention is bfloat16 only");
   TORCH_CHECK(key.sizes() == value.sizes(), "key and value must have one shape");
-  const int64_t q_len = query.size(0), heads = query.size(1), dim = query.size(2);
-  const int64_t ctx = key.size(0), kv_heads = key.size(1);
+  const int64_t heads = query.size(1), dim = query.size(2), kv_heads = key.size(1);
   TORCH_CHECK(key.size(2) == dim && dim % kLanes == 0 && dim <= kMaxDim,
               "head_dim must match and be a multiple of 16, at most 256");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q_len >= 1 && ctx >= q_len, "need 1 <= q_len <= ctx");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+}
+
+// One sequence's problem: queries q_len rows from q (and out), keys ctx rows; kp, vp unset.
+Problem problem(const at::Tensor& q, const at::Tensor& out, int64_t first_row, int64_t q_len,
+                int64_t ctx, int64_t kv_heads, double scale, int64_t window) {
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t row = first_row * heads * dim;
+  return Problem{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()) + row,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + row, nullptr, nullptr,
+                 q_len, ctx, heads, kv_heads, heads / kv_heads, dim,
+                 (ctx + kChunk - 1) / kChunk * kChunk, static_cast<float>(scale), window};
+}
+
+// Query tiles of a problem: kRows rows (a position's query heads of one KV head) each.
+int64_t tiles_per_head(const Problem& p) { return (p.q_len * p.group + kRows - 1) / kRows; }
+
+// Every tile of `problems` over the threads: packs their K and V (rows k_rows[i] on of key and
+// value for problem i), then attends. Tiles in zigzag order (first, last, second, second to
+// last, ...), so the contiguous ranges parallel_for hands each thread mix short causal rows
+// with long ones, and one sequence's tiles with another's.
+void attend_all(std::vector<Problem>& problems, const std::vector<int64_t>& k_rows,
+                const at::Tensor& k, const at::Tensor& v) {
+  const int64_t n = static_cast<int64_t>(problems.size());
+  const int64_t kv = k.size(1), dim = k.size(2);
+  std::vector<int64_t> packed_at(n + 1, 0), tasks_at(n + 1, 0), tiles_at(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    packed_at[i + 1] = packed_at[i] + kv * problems[i].padded * dim;
+    tasks_at[i + 1] = tasks_at[i] + pack_tasks(problems[i]);
+    tiles_at[i + 1] = tiles_at[i] + kv * tiles_per_head(problems[i]);
+  }
+  std::vector<uint16_t> kp(packed_at[n]), vp(packed_at[n]);
+  for (int64_t i = 0; i < n; ++i) {
+    problems[i].kp = kp.data() + packed_at[i];
+    problems[i].vp = vp.data() + packed_at[i];
+  }
+  // The problem holding global index u of a prefix-count array.
+  auto owner = [n](const std::vector<int64_t>& at, int64_t u) {
+    return static_cast<int64_t>(std::upper_bound(at.begin(), at.begin() + n + 1, u) - at.begin()) - 1;
+  };
+  const auto* kb = k.data_ptr<c10::BFloat16>();
+  const auto* vb = v.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, tasks_at[n], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t i = owner(tasks_at, u);
+      pack_block(problems[i], kb + k_rows[i] * kv * dim, vb + k_rows[i] * kv * dim, kp.data() + packed_at[i],
+                 vp.data() + packed_at[i], u - tasks_at[i]);
+    }
+  });
+  const int64_t tiles = tiles_at[n];
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
+      const int64_t i = owner(tiles_at, t), local = t - tiles_at[i];
+      const Problem& p = problems[i];
+      const int64_t per_head = tiles_per_head(p);
+      const int64_t h = local / per_head, row0 = (local % per_head) * kRows;
+      attend_tile(p, h, row0, std::min<int64_t>(kRows, p.q_len * p.group - row0));
+    }
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             double scale, int64_t window, bool amx) {
+  check_inputs(query, key, value, window);
+  const int64_t q_len = query.size(0), ctx = key.size(0);
+  TORCH_CHECK(q_len >= 1 && ctx >= q_len, "need 1 <= q_len <= ctx");
   if (amx && splitserve_cpu::has_amx_bf16()) {
     auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
     return splitserve_cpu::prefill_attention_amx(rows(query), rows(key), rows(value), scale, window);
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   at::Tensor out = at::empty_like(q);
-  Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
-            reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), nullptr, nullptr,
-            q_len, ctx, heads, kv_heads, heads / kv_heads, dim,
-            (ctx + kChunk - 1) / kChunk * kChunk, static_cast<float>(scale), window};
-  std::vector<uint16_t> kp(kv_heads * p.padded * dim), vp(kv_heads * p.padded * dim);
-  pack(k, v, p, kp.data(), vp.data());
-  p.kp = kp.data();
-  p.vp = vp.data();
-  // Tiles in zigzag order (first, last, second, second to last, ...), so the contiguous
-  // ranges parallel_for hands each thread mix short causal rows with long ones.
-  const int64_t tiles_per_head = (q_len * p.group + kRows - 1) / kRows, tiles = kv_heads * tiles_per_head;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t t = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
-      const int64_t h = t / tiles_per_head, row0 = (t % tiles_per_head) * kRows;
-      attend_tile(p, h, row0, std::min<int64_t>(kRows, q_len * p.group - row0));
-    }
-  });
+  std::vector<Problem> problems{problem(q, out, 0, q_len, ctx, key.size(1), scale, window)};
+  attend_all(problems, {0}, k, v);
   return out;
+}
+
+// Several fresh prompts of one step in one call: sequence i is rows [start, start + length) of
+// query, key and value (seqs [n, 2] int64: start, length), causal attention over its own rows
+// only, written to the same rows of out [tokens, heads, D]. Other rows of out are left as they
+// are (a mixed step's decode rows go there). One call per layer instead of one per prompt: a
+// 128-token prompt's attention is ~30 us of work, and each call's fork and join of the threads
+// and its packing cost about as much again.
+void prefill_attention_into(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& seqs, double scale,
+                            int64_t window, bool amx) {
+  check_inputs(query, key, value, window);
+  const int64_t tokens = query.size(0);
+  TORCH_CHECK(key.size(0) == tokens, "key and value must have one row per query row");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+              "out must be contiguous bfloat16 of query's shape");
+  TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 2 && seqs.scalar_type() == at::kLong,
+              "seqs must be int64 [sequences, 2] (start, length)");
+  const at::Tensor spans = seqs.contiguous();
+  const int64_t* s = spans.data_ptr<int64_t>();
+  const int64_t n = spans.size(0);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(s[2 * i] >= 0 && s[2 * i + 1] >= 1 && s[2 * i] + s[2 * i + 1] <= tokens,
+                "sequence ", i, " (start ", s[2 * i], ", length ", s[2 * i + 1], ") is not within the ",
+                tokens, " rows");
+  if (n == 0) return;
+  if (amx && splitserve_cpu::has_amx_bf16()) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = s[2 * i], b = a + s[2 * i + 1];
+      out.slice(0, a, b).copy_(prefill_attention(query.slice(0, a, b), key.slice(0, a, b),
+                                                 value.slice(0, a, b), scale, window, true));
+    }
+    return;
+  }
+  const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  std::vector<Problem> problems;
+  std::vector<int64_t> k_rows;
+  for (int64_t i = 0; i < n; ++i) {
+    problems.push_back(problem(q, out, s[2 * i], s[2 * i + 1], s[2 * i + 1], key.size(1), scale, window));
+    k_rows.push_back(s[2 * i]);
+  }
+  attend_all(problems, k_rows, k, v);
 }
 
 }  // namespace
@@ -281,7 +371,12 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("prefill_attention(Tensor query, Tensor key, Tensor value, float scale, int window=0, "
         "bool amx=True) -> Tensor");
+  m.def("prefill_attention_into(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+        "Tensor seqs, float scale, int window=0, bool amx=True) -> ()");
   m.def("has_amx_bf16() -> bool", &splitserve_cpu::has_amx_bf16);
 }
 
-TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_into", &prefill_attention_into);
+}

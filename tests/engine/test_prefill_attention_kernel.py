@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import drive
+from engine_harness import absorb, drive
 from kernel_build import require_cpu_kernels
 
 from engine.config import EngineConfig
@@ -100,6 +100,65 @@ def test_cpp_prefill_attention_is_causal(length, amx):
     assert torch.equal(before[:-1], after[:-1]) and not torch.equal(before[-1], after[-1])
 
 
+def _packed_prompts(lengths, heads, kv_heads, head_dim, seed=0):
+    """A step's rows: prompts of `lengths` back to back, as the model passes them (strided
+    slices of the qkv projection), with a decode-like row between the first two."""
+    rows = sum(lengths) + 1
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator).bfloat16()
+    spans, start = [], 0
+    for i, length in enumerate(lengths):
+        spans.append((start, length))
+        start += length + (1 if i == 0 else 0)
+    return (qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], spans)
+
+
+@pytest.mark.parametrize("lengths", [
+    [1], [128] * 16, [5, 63, 64, 65, 1, 130], [300, 17],
+])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (6, 2, 48), (4, 4, 80)])
+@pytest.mark.parametrize("window", [0, 7, 64])
+@PATHS
+def test_prefill_attention_into_attends_each_prompt_on_its_own(lengths, heads, kv_heads, head_dim,
+                                                               window, amx):
+    """Several prompts of a step in one call: each prompt's rows equal the one-prompt op on that
+    prompt alone (bit for bit on the dot-product path: the same tiles, the same order of
+    sums), and rows outside every prompt keep what out held."""
+    query, key, value, spans = _packed_prompts(lengths, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
+    torch.ops.splitserve_cpu.prefill_attention_into(
+        out, query, key, value, torch.tensor(spans, dtype=torch.long), scale, window, amx)
+    covered = torch.zeros(len(query), dtype=torch.bool)
+    for start, length in spans:
+        end = start + length
+        alone = torch.ops.splitserve_cpu.prefill_attention(
+            query[start:end], key[start:end], value[start:end], scale, window, amx)
+        assert torch.equal(out[start:end], alone), (start, length)
+        exact = prefill_attention(query[start:end].float(), key[start:end].float(),
+                                  value[start:end].float(), scale, window)
+        assert (out[start:end].float() - exact).abs().max().item() < 3e-2
+        covered[start:end] = True
+    assert (out[~covered] == 7.0).all()
+
+
+@pytest.mark.parametrize("spans,message", [
+    ([(0, 0)], "not within"), ([(-1, 3)], "not within"), ([(10, 10)], "not within"),
+])
+def test_prefill_attention_into_refuses_spans_outside_the_rows(spans, message):
+    query, key, value = _inputs(12, 12, 9, 3, 64)
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.splitserve_cpu.prefill_attention_into(
+            out, query, key, value, torch.tensor(spans, dtype=torch.long), 0.125)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.splitserve_cpu.prefill_attention_into(
+            out, query, key, value, torch.tensor([[0, 4]], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="one row per query row"):
+        torch.ops.splitserve_cpu.prefill_attention_into(
+            out[:4], query[:4], key, value, torch.tensor([[0, 4]], dtype=torch.long), 0.125)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda q, k, v: (q.float(), k.float(), v.float()), "bfloat16 only"),
     (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), "multiple of 16"),
@@ -150,3 +209,51 @@ def test_the_calibration_keeps_the_kernel_only_when_it_wins_by_the_margin():
     assert kept.cpp_s > 0 and kept.torch_s > 0
     assert "prefill attention cpp" in kept.describe()
     assert "prefill attention torch SDPA" in dropped.describe()
+
+
+def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(tmp_path):
+    """A tiny bf16 model (head_dim 32); one step carries a decoding request, a prompt after a
+    cached prefix and three fresh prompts. With the fresh prompts' spans (shipped) they are
+    attended in one prefill_attention_into call per layer; without them (the runner's spans
+    taken away), one call per prompt as before. Every token and logprob is the same bit for bit,
+    and the profiler shows which op ran."""
+    from engine.scheduler import SchedulerConfig
+    from splitserve_cli.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", arch="llama", seed=0, head_dim=32)
+    shared = [3 + (11 * i) % 250 for i in range(48)]
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=1)
+
+    def run(one_call: bool) -> tuple[dict, int]:
+        engine = LLMEngine(EngineConfig(
+            model=str(model), dtype="bfloat16", device="cpu", num_kv_blocks=256, block_size=16,
+            cpu_attention="cpp", scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
+        assert engine.runner.native_prefill
+        if not one_call:
+            engine.runner._fresh_prefill_spans = lambda seqs: None
+        engine.add_request("decoding", [7 + i % 90 for i in range(20)], params)
+        engine.add_request("prefix", shared, params)
+        collected: dict = {}
+        for out in engine.step():  # both prefilled; the shared prefix is cached from here
+            absorb(collected, out)
+        engine.add_request("after-prefix", shared + [5, 6, 7, 8, 9], params)
+        for i, length in enumerate((1, 33, 70)):
+            engine.add_request(f"fresh{i}", [20 + (i * 37 + j * 13) % 200 for j in range(length)],
+                               params)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outputs = engine.step()  # 1 decode row, the prompt after the prefix, 3 fresh prompts
+        for out in outputs:
+            absorb(collected, out)
+        calls = sum(e.count for e in prof.key_averages() if "prefill_attention_into" in e.key)
+        layers = len(engine.runner.model.layers)
+        for result in drive(engine).values():
+            for out in result.outputs:
+                absorb(collected, out)
+        return ({rid: (r.token_ids, r.prompt_logprobs, r.logprobs)
+                 for rid, r in collected.items()}, calls / layers)
+
+    one_call, calls = run(True)
+    per_prompt, calls_before = run(False)
+    assert calls == 1 and calls_before == 0  # per layer
+    assert set(one_call) == {"decoding", "prefix", "after-prefix", "fresh0", "fresh1", "fresh2"}
+    assert one_call == per_prompt
