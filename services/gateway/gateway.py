@@ -32,7 +32,7 @@ from services.gateway.routing.config import make_router
 from services.gateway.routing.dispatcher import Dispatcher
 from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.registry_follower import RegistryFollower
-from services.gateway.routing.router import Router
+from services.gateway.routing.router import Router, cached_prompt_tokens
 from services.gateway.routing.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -73,7 +73,10 @@ class Gateway:
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,
                                      migration_limit=config.migration_limit)
-        self.admission = make_admission(config, self.pool)
+        # The TTFT estimate counts what a prefill computes: the prompt less what the prefix
+        # index says a worker already holds.
+        self.admission = make_admission(config, self.pool, functools.partial(
+            cached_prompt_tokens, self.prefix_index, self.pool))
         metrics = self.admission.metrics
         metrics.model = config.model_name
         # Request metrics join admission's registry: one /metrics for the whole gateway.

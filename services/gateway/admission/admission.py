@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -48,13 +48,20 @@ class Ticket:
     lease: Lease | None = None
     seq: int = 0
     released_at: float | None = None  # left the queue for the workers
-    prefill_at_release: int = 0  # prompt tokens to prefill before its first token, its own too
+    # Its prompt tokens not already in a worker's prefix cache (estimated at admission): what
+    # its prefill computes, and what the TTFT estimate counts. The whole prompt by default.
+    prefill_tokens: int = -1
+    prefill_at_release: int = 0  # tokens to prefill before its first token, its own too
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
     output_tokens: int = 0
     finished_choices: int = 0
     done: bool = False
     _ready: asyncio.Future | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens < 0:
+            self.prefill_tokens = self.prompt_tokens
 
     @property
     def slots(self) -> int:
@@ -107,10 +114,16 @@ class _MeteredDispatcher:
                 yield event
 
 
+# cached_tokens(prompt token ids, cache salt): how many of the prompt's tokens a worker that
+# may prefill it holds in its prefix cache (the gateway's prefix index: an estimate).
+CachedTokens = Callable[[Sequence[int], str], int]
+
+
 class Admission:
     def __init__(self, directory: TenantDirectory, quotas: Quotas, queue: FairQueue,
                  room: ClusterRoom, estimator: TTFTEstimator | None = None,
-                 ttft_target_s: float = 1.0, metrics: AdmissionMetrics | None = None) -> None:
+                 ttft_target_s: float = 1.0, metrics: AdmissionMetrics | None = None,
+                 cached_tokens: CachedTokens | None = None) -> None:
         self.directory = directory
         self.quotas = quotas
         self.queue = queue
@@ -119,8 +132,12 @@ class Admission:
         self.ttft_target_s = ttft_target_s  # 0: no early rejection, no deadline
         self.metrics = metrics or AdmissionMetrics()
         self.metrics.admission = self
+        # The TTFT estimate counts the tokens a prefill computes, not the prompt's: a prompt
+        # whose prefix is cached (a system prompt, the turns before in a chat) costs a few
+        # milliseconds where the whole prompt would cost seconds. None: whole prompts.
+        self.cached_tokens = cached_tokens
         self.inflight = 0  # choices released to the workers and not finished
-        self.prefilling_tokens = 0  # prompt tokens of released requests without a first token
+        self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
         self.running = InFlight()  # the released requests, and when they will end
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task | None = None
@@ -147,13 +164,15 @@ class Admission:
                  for s in self._within_limits(tenant, specs)]
         block_size = self.room.pool.block_size()
         now = time.monotonic()
+        prefill_tokens = self._prefill_tokens(specs, prompt_tokens)
         ticket = Ticket(
             self, tenant, specs, prompt_tokens,
             reserved_tokens=prompt_tokens + sum(s.params.max_tokens for s in specs),
             blocks=sum(-(-(len(s.prompt_token_ids) + s.params.max_tokens) // block_size)
                        for s in specs),
             arrival=now,
-            deadline=now + self._ttft_budget_s(prompt_tokens) if self.ttft_target_s else math.inf)
+            deadline=now + self._ttft_budget_s(prefill_tokens) if self.ttft_target_s else math.inf,
+            prefill_tokens=prefill_tokens)
         if tenant.max_queued and self.queue.queued(tenant.name) >= tenant.max_queued:
             raise self._reject(tenant, "queue_full", APIError.rate_limited(
                 f"Tenant {tenant.name} already has {tenant.max_queued} requests waiting; retry "
@@ -176,6 +195,23 @@ class Admission:
 
     # -- the parts --------------------------------------------------------------------------
 
+    def _prefill_tokens(self, specs: list[GenerationSpec], prompt_tokens: int) -> int:
+        """Of `prompt_tokens` (each distinct prompt once), those not in a worker's prefix cache:
+        the cached share of the specs' prompts, applied to the count (exact for one prompt,
+        however many choices; n choices of several prompts each count their prompt n times in
+        the share alike). At least one token: a prefill always computes its last token."""
+        if not self.ttft_target_s or self.cached_tokens is None or not prompt_tokens:
+            return prompt_tokens
+        cached: dict[int, int] = {}  # one estimate per prompt list, however many choices
+        whole = found = 0
+        for s in specs:
+            prompt = s.prompt_token_ids
+            if id(prompt) not in cached:
+                cached[id(prompt)] = min(len(prompt), self.cached_tokens(prompt, s.cache_salt or ""))
+            whole += len(prompt)
+            found += cached[id(prompt)]
+        return max(1, prompt_tokens - round(prompt_tokens * found / max(whole, 1)))
+
     def _within_limits(self, tenant: Tenant, specs: list[GenerationSpec]) -> list[GenerationSpec]:
         longest = max(len(s.prompt_token_ids) for s in specs)
         if tenant.max_prompt_tokens and longest > tenant.max_prompt_tokens:
@@ -197,7 +233,7 @@ class Admission:
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
         slot_in = None if room else self.running.nth_end_s(
             requests, self.estimator.service_at(self.prefilling_tokens))
-        plain = self.estimator.estimate(requests, tokens, ticket.prompt_tokens, room,
+        plain = self.estimator.estimate(requests, tokens, ticket.prefill_tokens, room,
                                         self.inflight, self.prefilling_tokens, slot_in)
         if plain is None:
             return
@@ -208,22 +244,24 @@ class Admission:
         budget = ticket.deadline - ticket.arrival
         if predicted > budget:
             retry = max(1, math.ceil(predicted - budget))
+            uncached = ("" if ticket.prefill_tokens == ticket.prompt_tokens
+                        else f", {ticket.prefill_tokens} of its tokens not cached")
             allowed = (f"the {self.ttft_target_s:g}s target" if budget <= self.ttft_target_s
                        else f"the {budget:.2f}s allowed for a {ticket.prompt_tokens}-token "
-                            f"prompt (its own prefill plus half the {self.ttft_target_s:g}s "
-                            "target)")
+                            f"prompt{uncached} (its own prefill plus half the "
+                            f"{self.ttft_target_s:g}s target)")
             raise self._reject(ticket.tenant, "ttft_predicted", APIError(
                 503, f"Overloaded: the predicted time to first token ({predicted:.2f}s) exceeds "
                      f"{allowed}; retry in {retry}s.",
                 "server_error", None, "ttft_unattainable", retry))
 
-    def _ttft_budget_s(self, prompt_tokens: int) -> float:
+    def _ttft_budget_s(self, prefill_tokens: int) -> float:
         """How long this request may take to its first token before it is refused or dropped:
         the TTFT target, or, for a prompt whose own prefill takes most of it, that prefill plus
         half the target of waiting. The target bounds the wait others' work imposes; a long
         prompt whose prefill alone exceeds it would otherwise be refused on every try, on an
         idle cluster too, however often it came back."""
-        own = self.estimator.service_at(prompt_tokens)
+        own = self.estimator.service_at(prefill_tokens)
         return max(self.ttft_target_s, own + self.ttft_target_s / 2)
 
     def _drain(self) -> None:
@@ -259,12 +297,12 @@ class Admission:
 
     def _service_s(self, ticket: Ticket) -> float:
         """Its release -> first token if released now, behind the prompts still prefilling."""
-        return self.estimator.service_at(self.prefilling_tokens + ticket.prompt_tokens)
+        return self.estimator.service_at(self.prefilling_tokens + ticket.prefill_tokens)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
         self.estimator.released(ticket.prompt_tokens)
-        self.prefilling_tokens += ticket.prompt_tokens
+        self.prefilling_tokens += ticket.prefill_tokens
         ticket.prefill_at_release = self.prefilling_tokens
         self.inflight += ticket.slots
         self.running.add(ticket)
@@ -305,7 +343,7 @@ class Admission:
             self.inflight -= ticket.slots
             self.running.remove(ticket)
             if ticket.first_token_at is None:
-                self.prefilling_tokens -= ticket.prompt_tokens
+                self.prefilling_tokens -= ticket.prefill_tokens
             self.queue.finished(ticket)
             self.estimator.finished(time.monotonic() - ticket.released_at)
         served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
@@ -317,7 +355,7 @@ class Admission:
         self._drain()
 
     def _first_token(self, ticket: Ticket) -> None:
-        self.prefilling_tokens -= ticket.prompt_tokens
+        self.prefilling_tokens -= ticket.prefill_tokens
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
             ticket.first_token_at - ticket.arrival)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,

@@ -8,7 +8,7 @@ import os
 from typing import Protocol
 
 from services.common.security import read_cluster_secret
-from services.gateway.admission.admission import Admission
+from services.gateway.admission.admission import Admission, CachedTokens
 from services.gateway.admission.capacity import CapacityRule, ClusterRoom
 from services.gateway.admission.fair_queue import POLICIES, FairQueue
 from services.gateway.admission.quota import FAIL_MODES, Quotas
@@ -80,7 +80,8 @@ def _directory(config: AdmissionSettings):
     return load_tenants(config.tenants_file, config.api_keys, defaults, salt_key)
 
 
-def make_admission(config: AdmissionSettings, pool: WorkerPool) -> Admission:
+def make_admission(config: AdmissionSettings, pool: WorkerPool,
+                   cached_tokens: CachedTokens | None = None) -> Admission:
     directory = _directory(config)
     log.info("admission: %s; fairness %s; ttft target %gs; quotas %s (fail %s)",
              directory.describe(), config.fairness, config.ttft_target_s,
@@ -89,4 +90,5 @@ def make_admission(config: AdmissionSettings, pool: WorkerPool) -> Admission:
                         config.max_prefill_queue_tokens)
     return Admission(directory, Quotas(config.redis_url, config.quota_fail_mode),
                      FairQueue(config.fairness, config.output_token_weight),
-                     ClusterRoom(rule, pool), TTFTEstimator(), config.ttft_target_s)
+                     ClusterRoom(rule, pool), TTFTEstimator(), config.ttft_target_s,
+                     cached_tokens=cached_tokens)

@@ -177,3 +177,17 @@ def _prefer_unexcluded(endpoints: list[WorkerEndpoint], exclude: Collection[str]
 def _same_model(a: WorkerEndpoint, b: WorkerEndpoint) -> bool:
     """KV moves only between workers of one model version (unknown matches anything)."""
     return not a.model or not b.model or a.model == b.model
+
+
+def cached_prompt_tokens(index: PrefixIndex, pool: WorkerPool, prompt_token_ids: Sequence[int],
+                         cache_salt: str = "") -> int:
+    """How much of a prompt is already in the prefix cache of the available worker that holds
+    the most of it, among those that may prefill it (any worker: a decode worker prefills
+    what conditional disaggregation keeps local). An estimate, as routing's: the workers'
+    block events where they publish them, else this gateway's routing history."""
+    workers = [w for w in (*pool.prefillers(), *pool.decoders()) if w.available()]
+    if not workers or not prompt_token_ids:
+        return 0
+    request = RoutingRequest.build(prompt_token_ids, 0, pool.block_size(), cache_salt)
+    return max(index.matched_blocks(w.worker_id, w.address, request.block_hashes)
+               for w in workers) * request.block_size
