@@ -54,6 +54,22 @@ def test_history_is_bounded_least_recently_routed_first():
     assert index.matched_blocks("wa", "a", HASHES) == 0
 
 
+def test_history_of_a_worker_is_bounded_by_its_kv_pool():
+    """A worker whose pool holds 3 blocks cannot still cache more than the last 3 blocks it was
+    sent: without events, the older ones stop counting (and leave the shared history too)."""
+    index = PrefixIndex(history_blocks=100)
+    index.record_routed("a", HASHES[:2], capacity_blocks=3)
+    index.record_routed("a", HASHES[4:6], capacity_blocks=3)  # the oldest of a's 4 drops out
+    assert index.matched_blocks("wa", "a", HASHES) == 0  # HASHES[0] is gone
+    assert index.matched_blocks("wa", "a", HASHES[1:2]) == 1
+    assert index.matched_blocks("wa", "a", HASHES[4:6]) == 2
+    index.record_routed("b", HASHES[:5])  # no capacity known: the shared bound only
+    assert index.matched_blocks("wb", "b", HASHES) == 5
+    index.forget_worker(address="a")
+    assert index.matched_blocks("wa", "a", HASHES[4:6]) == 0
+    assert index.matched_blocks("wb", "b", HASHES) == 5
+
+
 def test_forgetting_a_worker_drops_its_events_and_history():
     index = PrefixIndex()
     index.apply_event("p1", "stored", HASHES)

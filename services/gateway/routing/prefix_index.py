@@ -15,7 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 class PrefixIndex:
     """Invariants: `_holders[h]` and `_blocks[w]` mirror each other (events only); history
-    holds at most `history_blocks` (address, hash) entries, least recently routed dropped first."""
+    holds at most `history_blocks` (address, hash) entries, least recently routed dropped first,
+    and per address at most the blocks its worker's KV pool holds where that is known (a
+    worker cannot still cache more than that of what it was sent); `_history` (all addresses,
+    in routing order) and `_routed[address]` (each address's, in routing order, with the time)
+    hold the same entries."""
 
     def __init__(self, history_blocks: int = 200_000, history_grace_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -25,7 +29,8 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = defaultdict(set)  # block hash -> worker ids
         self._blocks: dict[str, set[int]] = defaultdict(set)  # worker id -> block hashes
         self._followed: set[str] = set()  # worker ids whose events have been seen
-        self._history: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._history: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._routed: dict[str, OrderedDict[int, float]] = {}
         self.events_applied = 0
 
     # -- events (exact) -------------------------------------------------------------------
@@ -53,15 +58,24 @@ class PrefixIndex:
 
     # -- routing history (fallback) ---------------------------------------------------------
 
-    def record_routed(self, address: str, hashes: Sequence[int]) -> None:
-        """This gateway sent a prompt with these block hashes to the worker at `address`."""
+    def record_routed(self, address: str, hashes: Sequence[int], capacity_blocks: int = 0) -> None:
+        """This gateway sent a prompt with these block hashes to the worker at `address`, whose
+        KV pool holds `capacity_blocks` (0: not known)."""
         now = self.clock()
+        routed = self._routed.setdefault(address, OrderedDict())
         for h in hashes:
             key = (address, h)
-            self._history[key] = now
+            self._history[key] = None
             self._history.move_to_end(key)
+            routed[h] = now
+            routed.move_to_end(h)
+        if capacity_blocks > 0:
+            while len(routed) > capacity_blocks:
+                h, _ = routed.popitem(last=False)
+                del self._history[(address, h)]
         while len(self._history) > self.history_blocks:
-            self._history.popitem(last=False)
+            (old_address, h), _ = self._history.popitem(last=False)
+            del self._routed[old_address][h]
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -74,7 +88,7 @@ class PrefixIndex:
         matched = 0
         for h in hashes:
             if worker_id not in self._holders.get(h, ()):
-                routed_at = self._history.get((address, h))
+                routed_at = self._routed.get(address, {}).get(h)
                 if routed_at is None or (followed and now - routed_at > self.history_grace_s):
                     break
             matched += 1
@@ -97,5 +111,5 @@ class PrefixIndex:
                     if not holders:
                         del self._holders[h]
         if address:
-            for key in [k for k in self._history if k[0] == address]:
-                del self._history[key]
+            for h in self._routed.pop(address, {}):
+                del self._history[(address, h)]

@@ -145,11 +145,13 @@ class ScoringRouter:
         decode.requests_since_poll += 1
         decode.breaker.on_routed()
         # The decode worker ends up holding the prompt's blocks either way (received or computed).
-        self.index.record_routed(decode.address, request.block_hashes)
+        self.index.record_routed(decode.address, request.block_hashes,
+                                 decode.stats.kv_blocks_total)
         if prefill is not None:
             prefill.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
             prefill.breaker.on_routed()
-            self.index.record_routed(prefill.address, request.block_hashes)
+            self.index.record_routed(prefill.address, request.block_hashes,
+                                     prefill.stats.kv_blocks_total)
         elif decode.role == "decode":  # prefilled there: in its line until the next poll
             decode.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
         log.debug("route decode=%s prefill=%s (%s, %d cached)", decode.address,
