@@ -8,13 +8,16 @@ cutting prompts alone into `long_prefill_token_threshold` chunks as it did befor
 scheduler cuts only steps that carry decoding requests), the two alternating; then many
 prompts prefilled in one step, their attention in one C++ call per layer
 (prefill_attention_into) against one call per prompt as before, on one layer and through
-the shipped engine, alternating.
+the shipped engine, alternating; then prompts that add a few tokens to one cached prefix (a
+system prompt, a chat's earlier turns) in one step of the shipped engine, whose attention
+reads the whole cached context for each of them.
 
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
     python bench/prefill.py --threads 2 --lengths 1024,2048 --only chunking
     python bench/prefill.py --threads 2 --lengths 2048 --only profile
     python bench/prefill.py --threads 2 --only prompts --prompts 64x32,16x128
+    python bench/prefill.py --threads 2 --only cached --cached 1x44+1280,16x44+1280
 """
 
 from __future__ import annotations
@@ -184,6 +187,62 @@ def many_prompts(model: str, shapes: list[tuple[int, int]], repeats: int, thread
               f"call {one:.0f} ms ({each / one:.3f}x; medians of {2 * repeats}, alternating)")
 
 
+def cached_prefix(model: str, shapes: list[tuple[int, int, int]], repeats: int, threads: int) -> None:
+    """`count` prompts that each add `new` tokens to one `prefix`-token prefix, cached by a
+    request before them: one step of the shipped engine, the median of `repeats` steps (each
+    with new suffixes; the prefix stays cached), and the share of it in attention."""
+    import statistics
+
+    from kernels import attention
+
+    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, num_kv_blocks=2048))
+    while engine.prefault_kv():  # as a serving worker has done before its first request
+        pass
+    vocab = engine.model_config.vocab_size
+    salt = iter(range(10**6))
+    spent = [0.0]
+    attend = attention.paged_attention
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return attend(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    print(f"prompts after one cached prefix, one step of the shipped engine ({threads} "
+          f"thread(s), median of {repeats}):")
+    import engine.models.llama as llama
+
+    llama.paged_attention = timed
+    try:
+        for count, new, prefix_len in shapes:
+            prefix = [100 + (j * 31 + 7 * prefix_len) % (vocab - 100) for j in range(prefix_len)]
+            engine.add_request(f"prefix{next(salt)}", prefix, SamplingParams(max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            steps, shares = [], []
+            for _ in range(repeats + 1):
+                s = next(salt)
+                for i in range(count):
+                    engine.add_request(f"c{s}-{i}", prefix + [100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
+                                                              for j in range(new)],
+                                       SamplingParams(max_tokens=1, ignore_eos=True))
+                spent[0] = 0.0
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                while engine.has_unfinished():
+                    engine.step()
+                steps.append(elapsed * 1e3)
+                shares.append(spent[0] * 1e3 / steps[-1])
+            step, share = statistics.median(steps[1:]), statistics.median(shares[1:])
+            print(f"  {count} x ({prefix_len} cached + {new} new tokens): step {step:.0f} ms, "
+                  f"attention {share:.0%} of it")
+    finally:
+        llama.paged_attention = attend
+
+
 def profile_prompt(model: str, n: int, threads: int) -> None:
     """One n-token prompt alone through the shipped engine under torch.profiler (after three
     unprofiled ones, each a new prompt): where a prefill step's time goes, by operator."""
@@ -207,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", default="64x32,16x128",
                         help="COUNTxLENGTH,...: the many-prompts part's steps")
-    parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile", "prompts"),
+    parser.add_argument("--cached", default="1x44+1280,16x44+1280",
+                        help="COUNTxNEW+PREFIX,...: the cached-prefix part's steps")
+    parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile", "prompts",
+                                           "cached"),
                         default=None,
                         help="run one part: the attention layer, the engine's attention "
                              "choices, whole against chunked prompts, a profile of the "
-                             "longest length's prefill by operator, or many prompts in a step")
+                             "longest length's prefill by operator, many prompts in a step, or "
+                             "prompts after a cached prefix")
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
@@ -220,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     print("settings: the attention and engine parts force dtype bfloat16 (the C++ prefill "
           "attention is bfloat16 only; the shipped --dtype auto is "
           f"{'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this CPU) and set "
-          "cpu_attention torch against cpp; the chunking and prompts parts run every shipped default "
+          "cpu_attention torch against cpp; the chunking, prompts and cached parts run every shipped default "
           "(prompts: its per-prompt runs take the attention path before prefill_attention_into); "
           f"{args.threads} torch thread(s)")
     torch.set_num_threads(args.threads)
@@ -236,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "prompts"):
         shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.prompts.split(",")]
         many_prompts(args.model, shapes, args.repeats, args.threads)
+    if args.only in (None, "cached"):
+        steps = []
+        for shape in args.cached.split(","):
+            count_new, prefix_len = shape.split("+")
+            count, new = count_new.split("x")
+            steps.append((int(count), int(new), int(prefix_len)))
+        cached_prefix(args.model, steps, args.repeats, args.threads)
     return 0
 
 

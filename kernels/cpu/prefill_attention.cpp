@@ -59,33 +59,42 @@ struct Problem {
   int64_t window;      // 0: full causal attention
 };
 
-inline uint16_t bits_of(c10::BFloat16 x) {
-  uint16_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
 // Task `task` of packing (KV head h, 16 keys): k, v are the problem's [ctx, kv_heads, D] rows.
-void pack_block(const Problem& p, const c10::BFloat16* k, const c10::BFloat16* v, uint16_t* kp,
-                uint16_t* vp, int64_t task) {
+// K: pair p of the 16 keys is one 16-lane gather of 32-bit pairs (key j's pair p to lane j);
+// V: each key pair's 16 dims at a time, the two keys' values interleaved by one permute. Keys
+// past ctx pack as zeros. (Element by element, packing a cached context of 1,300 tokens took
+// about as long as attending 44 new queries over it.)
+BF16_TARGET void pack_block(const Problem& p, const c10::BFloat16* k, const c10::BFloat16* v,
+                            uint16_t* kp, uint16_t* vp, int64_t task) {
   const int64_t D = p.dim, pairs = D / 2, dvecs = D / kLanes, kv = p.kv_heads;
   const int64_t h = task / (p.padded / kLanes), block = task % (p.padded / kLanes);
+  const int64_t first = block * kLanes, present = std::clamp<int64_t>(p.ctx - first, 0, kLanes);
+  const __mmask16 keys = static_cast<__mmask16>((1u << present) - 1u);
   uint16_t* kdst = kp + (h * (p.padded / kLanes) + block) * pairs * 2 * kLanes;
-  for (int64_t j = 0; j < kLanes; ++j) {
-    const int64_t t = block * kLanes + j;
-    for (int64_t d = 0; d < D; ++d) {
-      kdst[((d / 2) * kLanes + j) * 2 + d % 2] = t < p.ctx ? bits_of(k[(t * kv + h) * D + d]) : 0;
-    }
+  const int32_t stride = static_cast<int32_t>(kv * D / 2);  // one key to the next, in pairs
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(stride));
+  const auto* krow = reinterpret_cast<const int32_t*>(k + (std::min(first, p.ctx - 1) * kv + h) * D);
+  for (int64_t dp = 0; dp < pairs; ++dp) {
+    const __m512i pair = present == 0 ? _mm512_setzero_si512()
+        : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys, lanes, krow + dp, 4);
+    _mm512_storeu_si512(kdst + dp * 2 * kLanes, pair);
   }
-  // The same 16 keys are 8 key pairs of packed V.
-  for (int64_t pair = block * kLanes / 2; pair < (block + 1) * kLanes / 2; ++pair) {
+  // The same 16 keys are 8 key pairs of packed V: lane 2i takes key 0's dim i, 2i + 1 key 1's.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t pair = first / 2; pair < (first + kLanes) / 2; ++pair) {
     uint16_t* vdst = vp + (h * (p.padded / 2) + pair) * dvecs * 2 * kLanes;
-    for (int64_t j = 0; j < 2; ++j) {
-      const int64_t t = pair * 2 + j;
-      for (int64_t d = 0; d < D; ++d) {
-        vdst[((d / kLanes) * kLanes + d % kLanes) * 2 + j] =
-            t < p.ctx ? bits_of(v[(t * kv + h) * D + d]) : 0;
-      }
+    const int64_t t0 = pair * 2, t1 = t0 + 1;
+    for (int64_t dv = 0; dv < dvecs; ++dv) {
+      const __m256i a = t0 < p.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         v + (t0 * kv + h) * D + dv * kLanes))
+                                   : _mm256_setzero_si256();
+      const __m256i b = t1 < p.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         v + (t1 * kv + h) * D + dv * kLanes))
+                                   : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(vdst + dv * 2 * kLanes, _mm512_permutexvar_epi16(interleave, both));
     }
   }
 }
