@@ -4,6 +4,8 @@ and the engine's prompt logprobs with either."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_harness import absorb, drive
@@ -231,12 +233,16 @@ def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(t
         assert engine.runner.native_prefill
         if not one_call:
             engine.runner._fresh_prefill_spans = lambda seqs: None
-        engine.add_request("decoding", [7 + i % 90 for i in range(20)], params)
-        engine.add_request("prefix", shared, params)
+        engine.add_request("decoding", [7 + i % 90 for i in range(20)],
+                           dataclasses.replace(params, max_tokens=12))
+        engine.add_request("prefix", shared, dataclasses.replace(params, max_tokens=1))
         collected: dict = {}
-        for out in engine.step():  # both prefilled; the shared prefix is cached from here
-            absorb(collected, out)
-        engine.add_request("after-prefix", shared + [5, 6, 7, 8, 9], params)
+        while "prefix" not in collected or collected["prefix"].finish_reason is None:
+            for out in engine.step():  # the shared prefix is cached once it is done
+                absorb(collected, out)
+        # (no prompt logprobs: they need every position computed, so they skip the cache)
+        engine.add_request("after-prefix", shared + [5, 6, 7, 8, 9],
+                           dataclasses.replace(params, prompt_logprobs=None))
         for i, length in enumerate((1, 33, 70)):
             engine.add_request(f"fresh{i}", [20 + (i * 37 + j * 13) % 200 for j in range(length)],
                                params)
@@ -249,6 +255,7 @@ def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(t
         for result in drive(engine).values():
             for out in result.outputs:
                 absorb(collected, out)
+        assert collected["after-prefix"].num_cached_tokens == 48
         return ({rid: (r.token_ids, r.prompt_logprobs, r.logprobs)
                  for rid, r in collected.items()}, calls / layers)
 
