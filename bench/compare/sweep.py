@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.compare.machine import ForeignCpu, machine, wait_quiet
@@ -102,6 +102,11 @@ def peer_plan(model_dir: str, systems: tuple[str, ...] = tuple(SYSTEMS)) -> Swee
                      systems=("splitserve-disagg", "splitserve-agg", "vllm"),
                      about="the chat mix sampled: 40% greedy, 40% temperature 0.8 top_p 0.95, "
                            "20% also presence/frequency penalties and top-2 logprobs"),
+        WorkloadPlan("shared-prefix", replace(preset("chat"), prefix_groups=4, prefix_len=1024),
+                     rates=(3.0,), duration_s=60.0,
+                     about="the chat mix behind one of 4 shared prefixes of 1,024 tokens (system "
+                           "prompts, a document asked about): each prefill is mostly a cache "
+                           "hit once its prefix was seen, Poisson"),
     ), drain_timeout_s=45.0, name="peer")
 
 

@@ -123,7 +123,10 @@ def test_printed_settings_give_vllms_configuration_when_it_runs():
 def test_peer_plan_runs_the_issues_rows_and_nothing_longer():
     plan = peer_plan("m", ("splitserve-disagg", "splitserve-agg", "vllm"))
     by_name = {w.name: w for w in plan.workloads}
-    assert set(by_name) == {"burst", "batch1", "long", "chat", "chat-sampled"}
+    assert set(by_name) == {"burst", "batch1", "long", "chat", "chat-sampled", "shared-prefix"}
+    shared = by_name["shared-prefix"].workload
+    assert (shared.prefix_groups, shared.prefix_len) == (4, 1024)
+    assert by_name["shared-prefix"].rates == (3.0,)
     long = by_name["long"]
     assert long.concurrency == 1 and long.num_requests == 6
     assert "2048" in long.workload.describe()
