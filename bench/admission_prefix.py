@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the bursts' results here")
     args = parser.parse_args(argv)
-    print("settings: splitserve up's shipped defaults (gateway TTFT target 1 s), nothing changed",
-          flush=True)
+    print("settings: " + (f"the deployment at {args.url}, as it was started" if args.url else
+                          "splitserve up's shipped defaults (gateway TTFT target 1 s), nothing "
+                          "changed"), flush=True)
     deployment = None
     url = args.url
     if url is None:

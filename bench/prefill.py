@@ -27,6 +27,7 @@ import time
 
 import torch
 
+import engine.models.llama as llama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -58,6 +59,19 @@ def _prefill(engine: LLMEngine, n: int) -> float:
     while engine.scheduler.waiting or engine.scheduler.running:
         engine.step()
     return time.perf_counter() - start
+
+
+def _step_ms(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    """Add `prompts` (one output token each) and time the engine's next step, which prefills
+    them together; then run them out. Milliseconds of that step."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed * 1e3
 
 
 def attention_layer(lengths: list[int], repeats: int, chunk: int = 512) -> None:
@@ -160,16 +174,8 @@ def many_prompts(model: str, shapes: list[tuple[int, int]], repeats: int, thread
 
     def step_ms(count: int, length: int) -> float:
         s = next(salt)
-        for i in range(count):
-            engine.add_request(f"p{s}-{i}", [100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
-                                             for j in range(length)],
-                               SamplingParams(max_tokens=1, ignore_eos=True))
-        start = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - start
-        while engine.has_unfinished():
-            engine.step()
-        return elapsed * 1e3
+        return _step_ms(engine, [[100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
+                                  for j in range(length)] for i in range(count)], f"p{s}")
 
     for count, length in shapes:
         times: dict[str, list[float]] = {"one call": [], "per prompt": []}
@@ -193,15 +199,13 @@ def cached_prefix(model: str, shapes: list[tuple[int, int, int]], repeats: int, 
     with new suffixes; the prefix stays cached), and the share of it in attention."""
     import statistics
 
-    from kernels import attention
-
     engine = LLMEngine(EngineConfig(model=model, num_threads=threads, num_kv_blocks=2048))
     while engine.prefault_kv():  # as a serving worker has done before its first request
         pass
     vocab = engine.model_config.vocab_size
     salt = iter(range(10**6))
     spent = [0.0]
-    attend = attention.paged_attention
+    attend = llama.paged_attention
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -212,8 +216,6 @@ def cached_prefix(model: str, shapes: list[tuple[int, int, int]], repeats: int, 
 
     print(f"prompts after one cached prefix, one step of the shipped engine ({threads} "
           f"thread(s), median of {repeats}):")
-    import engine.models.llama as llama
-
     llama.paged_attention = timed
     try:
         for count, new, prefix_len in shapes:
@@ -224,17 +226,10 @@ def cached_prefix(model: str, shapes: list[tuple[int, int, int]], repeats: int, 
             steps, shares = [], []
             for _ in range(repeats + 1):
                 s = next(salt)
-                for i in range(count):
-                    engine.add_request(f"c{s}-{i}", prefix + [100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
-                                                              for j in range(new)],
-                                       SamplingParams(max_tokens=1, ignore_eos=True))
                 spent[0] = 0.0
-                start = time.perf_counter()
-                engine.step()
-                elapsed = time.perf_counter() - start
-                while engine.has_unfinished():
-                    engine.step()
-                steps.append(elapsed * 1e3)
+                steps.append(_step_ms(engine, [prefix + [100 + (j * 7 + 131 * s + 977 * i) % (vocab - 100)
+                                                         for j in range(new)] for i in range(count)],
+                                      f"c{s}"))
                 shares.append(spent[0] * 1e3 / steps[-1])
             step, share = statistics.median(steps[1:]), statistics.median(shares[1:])
             print(f"  {count} x ({prefix_len} cached + {new} new tokens): step {step:.0f} ms, "

@@ -51,6 +51,8 @@ constexpr int kOutVecs = 4;  // output vectors of 16 dims per P V pass
 struct Problem {
   const uint16_t* q;   // [q_len, heads, D]
   uint16_t* out;       // [q_len, heads, D]
+  const c10::BFloat16* k;  // [ctx, kv_heads, D]: the keys, as given
+  const c10::BFloat16* v;  // [ctx, kv_heads, D]: the values, as given
   const uint16_t* kp;  // packed K
   const uint16_t* vp;  // packed V
   int64_t q_len, ctx, heads, kv_heads, group, dim;
@@ -59,13 +61,13 @@ struct Problem {
   int64_t window;      // 0: full causal attention
 };
 
-// Task `task` of packing (KV head h, 16 keys): k, v are the problem's [ctx, kv_heads, D] rows.
+// Task `task` of packing (KV head h, 16 keys) of p's keys and values into kp and vp.
 // K: pair p of the 16 keys is one 16-lane gather of 32-bit pairs (key j's pair p to lane j);
 // V: each key pair's 16 dims at a time, the two keys' values interleaved by one permute. Keys
 // past ctx pack as zeros. (Element by element, packing a cached context of 1,300 tokens took
 // about as long as attending 44 new queries over it.)
-BF16_TARGET void pack_block(const Problem& p, const c10::BFloat16* k, const c10::BFloat16* v,
-                            uint16_t* kp, uint16_t* vp, int64_t task) {
+BF16_TARGET void pack_block(const Problem& p, uint16_t* kp, uint16_t* vp, int64_t task) {
+  const c10::BFloat16 *k = p.k, *v = p.v;
   const int64_t D = p.dim, pairs = D / 2, dvecs = D / kLanes, kv = p.kv_heads;
   const int64_t h = task / (p.padded / kLanes), block = task % (p.padded / kLanes);
   const int64_t first = block * kLanes, present = std::clamp<int64_t>(p.ctx - first, 0, kLanes);
@@ -258,13 +260,16 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
 }
 
-// One sequence's problem: queries q_len rows from q (and out), keys ctx rows; kp, vp unset.
-Problem problem(const at::Tensor& q, const at::Tensor& out, int64_t first_row, int64_t q_len,
-                int64_t ctx, int64_t kv_heads, double scale, int64_t window) {
-  const int64_t heads = q.size(1), dim = q.size(2);
-  const int64_t row = first_row * heads * dim;
+// One sequence's problem: q_len query rows of q (and out) from q_row on, ctx key and value
+// rows of k and v (contiguous) from k_row on; kp, vp unset.
+Problem problem(const at::Tensor& q, const at::Tensor& out, int64_t q_row, int64_t q_len,
+                const at::Tensor& k, const at::Tensor& v, int64_t k_row, int64_t ctx, double scale,
+                int64_t window) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  const int64_t row = q_row * heads * dim, key = k_row * kv_heads * dim;
   return Problem{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()) + row,
-                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + row, nullptr, nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + row,
+                 k.data_ptr<c10::BFloat16>() + key, v.data_ptr<c10::BFloat16>() + key, nullptr, nullptr,
                  q_len, ctx, heads, kv_heads, heads / kv_heads, dim,
                  (ctx + kChunk - 1) / kChunk * kChunk, static_cast<float>(scale), window};
 }
@@ -272,14 +277,12 @@ Problem problem(const at::Tensor& q, const at::Tensor& out, int64_t first_row, i
 // Query tiles of a problem: kRows rows (a position's query heads of one KV head) each.
 int64_t tiles_per_head(const Problem& p) { return (p.q_len * p.group + kRows - 1) / kRows; }
 
-// Every tile of `problems` over the threads: packs their K and V (rows k_rows[i] on of key and
-// value for problem i), then attends. Tiles in zigzag order (first, last, second, second to
+// Every tile of `problems` over the threads: packs their K and V, then attends. Tiles in zigzag order (first, last, second, second to
 // last, ...), so the contiguous ranges parallel_for hands each thread mix short causal rows
 // with long ones, and one sequence's tiles with another's.
-void attend_all(std::vector<Problem>& problems, const std::vector<int64_t>& k_rows,
-                const at::Tensor& k, const at::Tensor& v) {
+void attend_all(std::vector<Problem>& problems) {
   const int64_t n = static_cast<int64_t>(problems.size());
-  const int64_t kv = k.size(1), dim = k.size(2);
+  const int64_t kv = problems[0].kv_heads, dim = problems[0].dim;
   std::vector<int64_t> packed_at(n + 1, 0), tasks_at(n + 1, 0), tiles_at(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     packed_at[i + 1] = packed_at[i] + kv * problems[i].padded * dim;
@@ -295,13 +298,10 @@ void attend_all(std::vector<Problem>& problems, const std::vector<int64_t>& k_ro
   auto owner = [n](const std::vector<int64_t>& at, int64_t u) {
     return static_cast<int64_t>(std::upper_bound(at.begin(), at.begin() + n + 1, u) - at.begin()) - 1;
   };
-  const auto* kb = k.data_ptr<c10::BFloat16>();
-  const auto* vb = v.data_ptr<c10::BFloat16>();
   at::parallel_for(0, tasks_at[n], 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t i = owner(tasks_at, u);
-      pack_block(problems[i], kb + k_rows[i] * kv * dim, vb + k_rows[i] * kv * dim, kp.data() + packed_at[i],
-                 vp.data() + packed_at[i], u - tasks_at[i]);
+      pack_block(problems[i], kp.data() + packed_at[i], vp.data() + packed_at[i], u - tasks_at[i]);
     }
   });
   const int64_t tiles = tiles_at[n];
@@ -328,8 +328,8 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   at::Tensor out = at::empty_like(q);
-  std::vector<Problem> problems{problem(q, out, 0, q_len, ctx, key.size(1), scale, window)};
-  attend_all(problems, {0}, k, v);
+  std::vector<Problem> problems{problem(q, out, 0, q_len, k, v, 0, ctx, scale, window)};
+  attend_all(problems);
   return out;
 }
 
@@ -367,12 +367,9 @@ void prefill_attention_into(at::Tensor& out, const at::Tensor& query, const at::
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   std::vector<Problem> problems;
-  std::vector<int64_t> k_rows;
-  for (int64_t i = 0; i < n; ++i) {
-    problems.push_back(problem(q, out, s[2 * i], s[2 * i + 1], s[2 * i + 1], key.size(1), scale, window));
-    k_rows.push_back(s[2 * i]);
-  }
-  attend_all(problems, k_rows, k, v);
+  for (int64_t i = 0; i < n; ++i)
+    problems.push_back(problem(q, out, s[2 * i], s[2 * i + 1], k, v, s[2 * i], s[2 * i + 1], scale, window));
+  attend_all(problems);
 }
 
 }  // namespace

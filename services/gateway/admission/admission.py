@@ -49,8 +49,8 @@ class Ticket:
     seq: int = 0
     released_at: float | None = None  # left the queue for the workers
     # Its prompt tokens not already in a worker's prefix cache (estimated at admission): what
-    # its prefill computes, and what the TTFT estimate counts. The whole prompt by default.
-    prefill_tokens: int = -1
+    # its prefill computes, and what the TTFT estimate counts.
+    prefill_tokens: int = 0
     prefill_at_release: int = 0  # tokens to prefill before its first token, its own too
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
@@ -58,10 +58,6 @@ class Ticket:
     finished_choices: int = 0
     done: bool = False
     _ready: asyncio.Future | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.prefill_tokens < 0:
-            self.prefill_tokens = self.prompt_tokens
 
     @property
     def slots(self) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.block_pool import hash_prompt_blocks
 from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.scorers import (
     DEFAULT_DECODE_WEIGHTS,
@@ -190,6 +191,6 @@ def cached_prompt_tokens(index: PrefixIndex, pool: WorkerPool, prompt_token_ids:
     workers = [w for w in (*pool.prefillers(), *pool.decoders()) if w.available()]
     if not workers or not prompt_token_ids:
         return 0
-    request = RoutingRequest.build(prompt_token_ids, 0, pool.block_size(), cache_salt)
-    return max(index.matched_blocks(w.worker_id, w.address, request.block_hashes)
-               for w in workers) * request.block_size
+    block_size = pool.block_size()
+    hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
+    return max(index.matched_blocks(w.worker_id, w.address, hashes) for w in workers) * block_size
