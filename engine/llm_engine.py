@@ -42,6 +42,15 @@ class GenerationResult:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class RemoteReservation:
+    """What reserve_remote set aside: the blocks to receive KV into, after the first
+    `num_cached_tokens` prompt tokens, whose KV this worker already held."""
+
+    block_ids: list[int]
+    num_cached_tokens: int = 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
@@ -167,42 +176,60 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str = "",
         resumed_output_token_ids: Sequence[int] = (),
+        kv_reused_tokens: int = 0,
     ) -> Request:
         """Queue a request. `hold_kv` (prefill role) keeps its KV after the first token and
-        returns it in that token's RequestOutput.kv. `cache_salt` (the gateway's, per tenant
+        returns it in that token's RequestOutput.kv: the prompt's blocks after the first
+        `kv_reused_tokens` (whole blocks the decode worker holds already). `cache_salt` (the gateway's, per tenant
         or cache group) seeds its block hashes, so it hits only blocks cached with the same.
         `resumed_output_token_ids`: tokens it already generated elsewhere (migration); it
         starts as a preempted request resumes, recomputing them and counting them as outputs
         (penalties, max_tokens, output indexes), so it goes on as it would have there."""
         if hold_kv and resumed_output_token_ids:
             raise ValueError("a resumed request is recomputed on its decode worker, not held")
+        if kv_reused_tokens:
+            self._check_kv_reused(kv_reused_tokens, len(prompt_token_ids), hold_kv)
         request = self._make_request(request_id, prompt_token_ids, params, priority, hold_kv,
                                      arrival_time, cache_salt, resumed_output_token_ids)
+        request.kv_reused_tokens = kv_reused_tokens
         if hold_kv:
             self._held[request_id] = request
         self.scheduler.add_request(request)
         return request
 
+    def _check_kv_reused(self, kv_reused_tokens: int, num_prompt_tokens: int,
+                         hold_kv: bool) -> None:
+        bs = self.config.block_size
+        if not hold_kv:
+            raise ValueError("kv_reused_tokens applies to held KV only (hold_kv)")
+        if kv_reused_tokens < 0 or kv_reused_tokens % bs or kv_reused_tokens >= num_prompt_tokens:
+            raise ValueError(
+                f"{kv_reused_tokens} prompt tokens held by the decode worker "
+                f"(decode_cached_tokens) must be a multiple of the block size "
+                f"({bs}) and fewer than the prompt's {num_prompt_tokens} tokens")
+
     def reserve_remote(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str = "",
-    ) -> list[int]:
-        """Decode role: reserve blocks for a prompt whose KV a prefill worker will send.
-        Returns the block ids to scatter into; raises KVCacheFull at once if they don't fit."""
+        priority: int = 0, cache_salt: str = "", reuse_cached_prefix: bool = False,
+    ) -> RemoteReservation:
+        """Decode role: reserve blocks for a prompt whose KV a prefill worker will send;
+        raises KVCacheFull at once if they don't fit. `reuse_cached_prefix`: the prompt's
+        prefix this worker caches (whole blocks, never the whole prompt) is adopted, and the KV
+        to come is the rest's only."""
         request = self._make_request(request_id, prompt_token_ids, params, priority, False, None,
                                      cache_salt)
-        block_ids = self.scheduler.reserve_for_remote_kv(request)
+        block_ids = self.scheduler.reserve_for_remote_kv(request, reuse_cached_prefix)
         if block_ids is None:
             raise KVCacheFull(
                 f"{cdiv(len(prompt_token_ids), self.config.block_size)} KV blocks needed, "
                 f"{self.kv.num_free_blocks} free"
             )
-        return block_ids
+        return RemoteReservation(block_ids, request.kv_reused_tokens)
 
     def receive_remote_kv(self, request_id: str, first_token: int, payload) -> RequestOutput | None:
         """Write a prompt's received KV (`payload`, [layers, 2, blocks, block_size, kv_heads,
-        head_dim], one block per reserved block) into its reserved blocks and start decoding
-        it. Returns an output only when the first token already finished the request. A
+        head_dim], one block per reserved block: the prompt's after any it reused) into its
+        reserved blocks and start decoding it. Returns an output only when the first token already finished the request. A
         missing or misshapen payload raises ValueError and changes nothing."""
         if payload is None:
             raise ValueError(
@@ -213,7 +240,7 @@ class LLMEngine:
         request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
             return None  # aborted meanwhile: the payload is dropped
-        block_ids = self.kv.block_ids(request_id)
+        block_ids = self.kv.block_ids(request_id)[request.kv_reused_tokens // self.config.block_size:]
         shape = tuple(payload.shape)
         if len(shape) != 6 or shape[2] != len(block_ids):
             raise ValueError(
@@ -312,8 +339,10 @@ class LLMEngine:
                 if out.request_id in self._held:
                     request = self._held.pop(out.request_id)
                     copy_started = time.perf_counter()
-                    num_blocks = cdiv(request.num_prompt_tokens, self.config.block_size)
-                    out.kv = self.runner.gather_kv(self.kv.block_ids(out.request_id)[:num_blocks])
+                    bs = self.config.block_size
+                    sent = slice(request.kv_reused_tokens // bs,
+                                 cdiv(request.num_prompt_tokens, bs))
+                    out.kv = self.runner.gather_kv(self.kv.block_ids(out.request_id)[sent])
                     copied = time.perf_counter() - copy_started
                     request.transfer_seconds += copied  # the KV copy is its alone
                     copy_seconds += copied

@@ -64,6 +64,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Prefill role: keep the blocks after the first token so the KV can be shipped.
         self.hold_kv = hold_kv
+        # Both roles, disaggregated: prompt tokens (whole blocks from the start) whose KV the
+        # decode worker already held, so it is not shipped. Prefill role: the held KV sent
+        # starts after them. Decode role: the reserved blocks start after them. Not usage's
+        # cached tokens: the prefill worker computed them.
+        self.kv_reused_tokens = 0
         self.max_model_len = max_model_len
         # Seeds the chain of block hashes: requests with different salts (tenants) never share
         # a cached block. Raises ValueError for a salt block_pool would not hash.

@@ -79,12 +79,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_order_key)
 
-    def reserve_for_remote_kv(self, request: Request) -> list[int] | None:
+    def reserve_for_remote_kv(self, request: Request, reuse_cached_prefix: bool = False
+                              ) -> list[int] | None:
         """Decode role: allocate blocks for the prompt now; the KV arrives later. Returns the
-        block ids, or None (nothing changed) when the cache cannot hold the prompt."""
-        new_ids = self.kv.allocate_slots(request, request.num_prompt_tokens)
+        ids of the blocks to receive it, or None (nothing changed) when the cache cannot hold
+        the prompt. `reuse_cached_prefix`: the prompt's cached prefix blocks are adopted, not
+        received (request.kv_reused_tokens), and only the blocks after them are reserved."""
+        hits, num_hit = (self.kv.get_computed_blocks(request) if reuse_cached_prefix
+                         else ([], 0))
+        new_ids = self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits)
         if new_ids is None:
             return None
+        if reuse_cached_prefix:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        request.kv_reused_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
@@ -119,6 +127,7 @@ class Scheduler:
         if request is None:
             return False
         self.kv.free(request)
+        request.kv_reused_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=_order_key)
         return True

@@ -102,13 +102,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         def start(engine: LLMEngine):
             if remote:
                 return engine.reserve_remote(rid, prompt, params, priority=request.priority,
-                                             cache_salt=request.cache_salt)
+                                             cache_salt=request.cache_salt,
+                                             reuse_cached_prefix=request.reuse_cached_prefix)
             engine.add_request(rid, prompt, params, priority=request.priority,
                                cache_salt=request.cache_salt, resumed_output_token_ids=resumed)
             return None
 
         try:
-            stream, block_ids = await self.engine_loop.open(rid, start)
+            stream, reservation = await self.engine_loop.open(rid, start)
         except KVCacheFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {exc}")
         except ValueError as exc:
@@ -121,10 +122,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._streams[rid] = stream
         try:
             if remote:
-                self.kv_keys.add(rid, num_tokens=len(prompt), num_blocks=len(block_ids))
-                yield decode_pb2.GenerateResponse(
-                    reserved=decode_pb2.Reserved(kv_endpoint=self.kv_endpoint, num_blocks=len(block_ids))
-                )
+                # The KV to come is the prompt's after the prefix this worker holds already.
+                held = reservation.num_cached_tokens
+                num_blocks = len(reservation.block_ids)
+                span.set_attribute("splitserve.kv_reused_tokens", held)
+                self.kv_keys.add(rid, num_tokens=len(prompt) - held, num_blocks=num_blocks)
+                yield decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(
+                    kv_endpoint=self.kv_endpoint, num_blocks=num_blocks, num_cached_tokens=held))
                 timer = asyncio.get_running_loop().call_later(
                     self.kv_wait_timeout_s, self._kv_timed_out, rid
                 )

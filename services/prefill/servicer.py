@@ -79,7 +79,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             engine.validate(rid, prompt, params)
             first_only = dataclasses.replace(params, max_tokens=1)
             engine.add_request(rid, prompt, first_only, priority=request.priority, hold_kv=True,
-                               cache_salt=request.cache_salt)
+                               cache_salt=request.cache_salt,
+                               kv_reused_tokens=request.decode_cached_tokens)
 
         try:
             stream, _ = await self.engine_loop.open(rid, start)
@@ -103,8 +104,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             send_span = _tracer.start_span(
                 "prefill.kv_send", attributes={"splitserve.transfer_bytes": kv_bytes,
                                                "splitserve.decode_kv_endpoint": endpoint})
+            # Only the prompt's tokens after those the decode worker holds travel.
+            num_sent = out.num_prompt_tokens - request.decode_cached_tokens
+            span.set_attribute("splitserve.kv_reused_tokens", request.decode_cached_tokens)
             try:
-                self.kv_handoff.send(endpoint, rid, first, out.num_prompt_tokens, out.kv,
+                self.kv_handoff.send(endpoint, rid, first, num_sent, out.kv,
                                      on_done=lambda error, s=send_span: _finish_send(s, error))
             except Exception as exc:
                 # Not even queued (full queue, unusable endpoint): fail the call, so the caller

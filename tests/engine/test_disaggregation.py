@@ -81,8 +81,9 @@ def test_prefill_on_one_engine_and_decode_on_another_equals_one_engine(tiny_llam
     decode_engine.step()
     results = {}
     for rid, prompt in prompts.items():
-        block_ids = decode_engine.reserve_remote(rid, prompt, params)
-        assert len(block_ids) == cdiv(len(prompt), BLOCK)
+        reservation = decode_engine.reserve_remote(rid, prompt, params)
+        assert len(reservation.block_ids) == cdiv(len(prompt), BLOCK)
+        assert reservation.num_cached_tokens == 0
         first, kv = prefill(prefill_engine, rid, prompt, params)
         assert decode_engine.receive_remote_kv(rid, first, kv) is None  # not finished yet
         results[rid] = [first]
@@ -136,7 +137,7 @@ def test_eos_as_first_token_finishes_with_stop(tiny_llama_dir):
 def test_reserve_remote_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_kv_blocks=6)
     a, b = random_prompts([16, 12], seed=5)
-    assert engine.reserve_remote("a", a, GREEDY) == [0, 1, 2, 3]
+    assert engine.reserve_remote("a", a, GREEDY).block_ids == [0, 1, 2, 3]
     with pytest.raises(KVCacheFull, match="3 KV blocks needed, 2 free"):
         engine.reserve_remote("b", b, GREEDY)
     assert engine.kv.num_free_blocks == 2
@@ -144,7 +145,7 @@ def test_reserve_remote_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir)
     engine.abort("a")
     # Retryable: the same id is accepted once there is room.
     # Free queue: never-used 4, 5, then a's blocks tail first.
-    assert engine.reserve_remote("b", b, GREEDY) == [4, 5, 3]
+    assert engine.reserve_remote("b", b, GREEDY).block_ids == [4, 5, 3]
     engine.abort("b")
     assert_no_leak(engine)
 
@@ -237,4 +238,109 @@ def test_the_profiler_entry_point_decodes_without_kv_and_caches_none_of_it(tiny_
     # Blocks that never held the request's KV (nor KV computed from them) are not findable.
     assert engine.kv.pool.num_cached_blocks == 0
     assert engine.start_decode_for_profiling("ghost", 100) is None
+    assert_no_leak(engine)
+
+
+# -- the decode worker's cached prefix is reused, and only the KV after it travels -----------
+
+
+def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped(tiny_llama_dir):
+    """Two prompts share 3 blocks. The first one's KV arrives whole and is cached on the decode
+    engine; the second reserves only its own blocks, and the prefill engine ships just those.
+    Tokens and logprobs equal one engine's, and usage does not count the reused tokens as
+    cached (the prefill engine computed them)."""
+    shared = random_prompts([12], seed=20)[0]
+    prompts = {"a": shared + random_prompts([5], seed=21)[0],
+               "b": shared + random_prompts([6], seed=22)[0]}
+    expected = single_engine_tokens(tiny_llama_dir, prompts, GREEDY)
+    prefill_engine = make_engine(tiny_llama_dir, enable_prefix_caching=False)
+    decode_engine = make_engine(tiny_llama_dir)
+    results = {}
+    for rid, prompt in prompts.items():
+        reservation = decode_engine.reserve_remote(rid, prompt, GREEDY, reuse_cached_prefix=True)
+        held = 0 if rid == "a" else 12
+        assert reservation.num_cached_tokens == held
+        assert len(reservation.block_ids) == cdiv(len(prompt), BLOCK) - held // BLOCK
+        prefill_engine.add_request(rid, prompt, GREEDY, hold_kv=True, kv_reused_tokens=held)
+        (out,) = [o for _ in range(20) if prefill_engine.has_unfinished()
+                  for o in prefill_engine.step()]
+        assert out.kv.shape[2] == len(reservation.block_ids)
+        decode_engine.receive_remote_kv(rid, out.new_token_ids[0], out.kv)
+        collected = drive(decode_engine)[rid]
+        results[rid] = [out.new_token_ids[0], *collected.token_ids]
+        assert collected.num_cached_tokens == 0
+    assert results == expected
+    assert decode_engine.kv.prefix_hits == 12
+    assert_no_leak(prefill_engine)
+    assert_no_leak(decode_engine)
+
+
+def test_reserve_without_reuse_takes_every_block_fresh(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([10], seed=23)
+    engine.reserve_remote("warm", prompt, GREEDY)
+    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
+    drive(engine)
+    assert engine.kv.pool.num_cached_blocks >= 2  # the prompt's two full blocks, and outputs'
+    # The same prompt again, reuse not asked (an older gateway): all three blocks are new.
+    reservation = engine.reserve_remote("r", prompt, GREEDY)
+    assert reservation.num_cached_tokens == 0 and len(reservation.block_ids) == 3
+    engine.abort("r")
+    assert_no_leak(engine)
+
+
+def test_the_whole_prompt_is_never_reused(tiny_llama_dir):
+    # A prompt of exactly two cached blocks: the last block still comes from the prefill
+    # worker, which must produce the first token's logits from it.
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([8], seed=24)
+    engine.reserve_remote("warm", prompt + [1, 2], GREEDY)
+    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
+    drive(engine)
+    reservation = engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
+    assert reservation.num_cached_tokens == 4 and len(reservation.block_ids) == 1
+    engine.abort("r")
+    assert_no_leak(engine)
+
+
+def test_a_payload_for_the_whole_prompt_is_refused_after_reuse(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([10], seed=25)
+    engine.reserve_remote("warm", prompt, GREEDY)
+    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
+    drive(engine)
+    engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
+    with pytest.raises(ValueError, match=r"expected 6 dims with 1 blocks on axis 2"):
+        engine.receive_remote_kv("r", 7, blank_kv(engine, 3))
+    assert "r" in engine.scheduler.waiting_for_kv
+    engine.abort("r")
+    assert_no_leak(engine)
+
+
+def test_recompute_locally_after_reuse_gives_the_same_output(tiny_llama_dir):
+    shared = random_prompts([8], seed=26)[0]
+    a, b = shared + [3, 4, 5], shared + [6, 7]
+    expected = single_engine_tokens(tiny_llama_dir, {"b": b}, SEEDED)["b"]
+    engine = make_engine(tiny_llama_dir)
+    first, kv = prefill(make_engine(tiny_llama_dir), "a", a, GREEDY)
+    engine.reserve_remote("a", a, GREEDY)
+    engine.receive_remote_kv("a", first, kv)
+    drive(engine)
+    assert engine.reserve_remote("b", b, SEEDED, reuse_cached_prefix=True).num_cached_tokens == 8
+    assert engine.recompute_locally("b") is True
+    assert engine.scheduler.requests["b"].kv_reused_tokens == 0
+    assert drive(engine)["b"].token_ids == expected
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("reused", [-4, 3, 12, 16], ids=["negative", "not whole blocks",
+                                                          "the whole prompt", "past it"])
+def test_held_kv_skip_that_is_not_whole_blocks_before_the_end_is_refused(tiny_llama_dir, reused):
+    engine = make_engine(tiny_llama_dir)
+    (prompt,) = random_prompts([12], seed=27)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        engine.add_request("r", prompt, GREEDY, hold_kv=True, kv_reused_tokens=reused)
+    with pytest.raises(ValueError, match="held KV only"):
+        engine.add_request("r", prompt, GREEDY, kv_reused_tokens=4)
+    assert engine.scheduler.num_unfinished == 0
     assert_no_leak(engine)

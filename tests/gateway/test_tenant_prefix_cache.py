@@ -6,6 +6,7 @@ prefill and decode workers through the cache hit counts (never timing)."""
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from engine.block_pool import hash_prompt_blocks
 from services.gateway.admission.tenants import ANONYMOUS, Tenant, key_digest, load_tenants
 from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.router import ScoringRouter
+from tests.metrics_text import scrape
 
 SYSTEM = list(range(1000, 1256))  # 16 blocks of 16 tokens
 
@@ -126,6 +128,35 @@ def test_another_tenants_cached_prefix_gives_no_cached_tokens_and_no_hits(
     # A shared cache group shares: g2 reuses what g1 cached, a's stays apart from both.
     assert _cached_tokens(cache_gateway, model, "g1", prompt) == 0
     assert _cached_tokens(cache_gateway, model, "g2", prompt) == 80
+
+
+def _kv_bytes_sent(prefill, before: float | None = None) -> float:
+    """The prefill worker's KV bytes sent so far; with `before`, waits (up to 10 s) for the
+    count to move past it: a sender counts a transfer once its last byte is written."""
+    url = f"http://{prefill.field('metrics')}"
+    deadline = time.monotonic() + 10
+    while True:
+        sent = scrape(url)['splitserve_kv_transfer_bytes_total{role="prefill"}']
+        if before is None or sent > before or time.monotonic() > deadline:
+            return sent
+        time.sleep(0.02)
+
+
+def test_the_decode_workers_cached_prefix_is_not_sent_again_but_never_across_tenants(
+        cache_gateway, disagg_workers, tiny_llama_dir):
+    """Through the gateway: tenant a's repeat ships only the block after the 5 the decode
+    worker holds; tenant b's first send of the same prompt ships all 6 (a's blocks are not
+    b's); usage's cached tokens stay the prefill worker's."""
+    prefill, _ = disagg_workers
+    model = tiny_llama_dir.name
+    prompt = random.Random().sample(range(100, 400), 83)  # 5 blocks + 3
+    sent = [_kv_bytes_sent(prefill)]
+    for tenant, cached in (("a", 0), ("a", 80), ("b", 0)):
+        assert _cached_tokens(cache_gateway, model, tenant, prompt) == cached
+        sent.append(_kv_bytes_sent(prefill, sent[-1]))
+    first, repeat, other = (b - a for a, b in zip(sent, sent[1:], strict=False))
+    assert repeat * 6 == first
+    assert other == first
 
 
 def test_gateway_metrics_carry_no_cache_salt_or_block_hash(cache_gateway, tiny_llama_dir):

@@ -12,7 +12,7 @@ from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, 
 
 from engine.sampling_params import SamplingParams
 from splitserve_cli.processes import start_worker
-from tests.services.flows import aggregated, disaggregated, greedy
+from tests.services.flows import aggregated, disaggregated, disaggregated_reusing, greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,6 +75,63 @@ def test_aggregated_mode_matches_disaggregated(workers, reference_engine):
     prompt = mixed_prompts(1, seed=3)[0]
     tokens = asyncio.run(aggregated(decode.address, "agg-1", prompt, greedy(16)))
     assert tokens == expected(reference_engine, [prompt], 16)[0]
+
+
+def test_a_prefix_the_decode_worker_holds_is_not_sent_again(workers, reference_engine):
+    """Two prompts share 3 blocks. The second's reservation adopts them from the decode
+    worker's cache, the prefill worker sends one block, not four, and the decode worker
+    computes no prompt token: its tokens still equal the engine alone's."""
+    decode, (prefill, _) = workers
+    block = decode.health().block_size
+    shared = [600 + i % 90 for i in range(3 * block + 5)]
+    first_prompt, second_prompt = shared + [11, 12, 13], shared + [21, 22, 23, 24]
+    computed_before = decode.health().stats.computed_tokens
+
+    async def run(rid, prompt):
+        return await disaggregated_reusing(decode.address, prefill.address, rid, prompt, greedy(8))
+
+    tokens, reserved, whole = asyncio.run(run("reuse-1", first_prompt))
+    assert reserved.num_cached_tokens == 0 and reserved.num_blocks == 4
+    assert tokens == expected(reference_engine, [first_prompt], 8)[0]
+    tokens, reserved, partial = asyncio.run(run("reuse-2", second_prompt))
+    assert reserved.num_cached_tokens == 3 * block and reserved.num_blocks == 1
+    assert partial.kv_bytes * 4 == whole.kv_bytes
+    assert tokens == expected(reference_engine, [second_prompt], 8)[0]
+    # Seven decode steps each; a prompt recomputed here (a refused frame) would add dozens.
+    health = decode.wait_for(lambda h: h.stats.running == 0, what="idle")
+    assert health.stats.computed_tokens - computed_before == 2 * 7
+
+
+def test_whole_prompt_kv_after_a_reuse_is_refused_and_recomputed(workers, reference_engine):
+    """A prefill worker that does not know decode_cached_tokens (a rolling update) sends the
+    whole prompt's KV: the decode worker refuses the frame and computes the prompt itself, so
+    the request still ends right."""
+    decode, (prefill, _) = workers
+    block = decode.health().block_size
+    shared = [300 + i % 70 for i in range(2 * block + 3)]
+    prompt = shared + [31, 32]
+
+    async def run(rid, prompt, tell_prefill):
+        return await disaggregated_reusing(decode.address, prefill.address, rid, prompt,
+                                           greedy(6), tell_prefill=tell_prefill)
+
+    asyncio.run(run("old-1", shared + [41], True))
+    tokens, reserved, _ = asyncio.run(run("old-2", prompt, False))
+    assert reserved.num_cached_tokens == 2 * block
+    assert tokens == expected(reference_engine, [prompt], 6)[0]
+
+
+@pytest.mark.parametrize("cached", [5, 48, 10**6], ids=["not whole blocks", "the whole prompt",
+                                                      "past it"])
+def test_a_bad_decode_cached_tokens_gets_invalid_argument(workers, cached):
+    _, (prefill, _) = workers
+    with prefill.channel() as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id=f"bad-cached-{cached}", prompt_token_ids=[5 + i for i in range(48)],
+                sampling=greedy(4), decode_cached_tokens=cached), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "multiple of the block size" in err.value.details()
 
 
 def test_cancel_before_kv_arrives_frees_blocks(workers):

@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from splitserve_cli.processes import start_worker
 from tests.gateway.gateway_processes import start_gateway
 from tests.gateway.gateway_processes import start_worker as start_service_worker
-from tests.services.flows import aggregated, disaggregated, greedy
+from tests.services.flows import aggregated, disaggregated, disaggregated_reusing, greedy
 
 pytestmark = pytest.mark.timeout(300)
 # Parity is judged in float32 (DESIGN.md): bfloat16 results depend on the batch's makeup.
@@ -76,6 +76,26 @@ def test_tp2_prefill_to_tp2_decode_matches_one_rank(tp2_pair, reference_engine):
                              what="every block back")
     # Only the 9 decode steps of each request ran there: no prompt was recomputed.
     assert health.stats.computed_tokens - computed_before == 9 * len(prompts)
+
+
+def test_tp2_decode_reuses_its_cached_prefix_and_takes_the_rest_from_every_rank(
+        tp2_pair, reference_engine):
+    decode, prefill = tp2_pair
+    block = decode.health().block_size
+    shared = [400 + i % 80 for i in range(2 * block + 2)]
+    prompts = [shared + [7, 8], shared + [9, 10, 11]]
+    computed_before = decode.health().stats.computed_tokens
+
+    async def run(rid, prompt):
+        return await disaggregated_reusing(decode.address, prefill.address, rid, prompt,
+                                           greedy(6))
+
+    results = [asyncio.run(run(f"tp-reuse-{i}", p)) for i, p in enumerate(prompts)]
+    assert [tokens for tokens, _, _ in results] == _expected(reference_engine, prompts, 6)
+    assert [reserved.num_cached_tokens for _, reserved, _ in results] == [0, 2 * block]
+    assert results[1][2].kv_bytes * 3 == results[0][2].kv_bytes
+    health = decode.wait_for(lambda h: h.stats.running == 0, what="idle")
+    assert health.stats.computed_tokens - computed_before == 5 * len(prompts)
 
 
 def test_tp2_aggregated_matches_one_rank(tp2_pair, reference_engine):

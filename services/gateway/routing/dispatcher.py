@@ -232,7 +232,7 @@ class Dispatcher:
                              uncached_tokens: int, observer: AttemptObserver, cache_salt: str):
         call = decode.decode.Generate(decode_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            remote_prefill=True, cache_salt=cache_salt,
+            remote_prefill=True, cache_salt=cache_salt, reuse_cached_prefix=True,
         ), metadata=observer.grpc_metadata)
         prefill_call = prefill_done = decode_next = None
         try:
@@ -248,6 +248,8 @@ class Dispatcher:
             prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 decode_kv_endpoint=reserved.reserved.kv_endpoint, cache_salt=cache_salt,
+                # The decode worker's cached prefix: only the KV after it is sent.
+                decode_cached_tokens=reserved.reserved.num_cached_tokens,
             ), timeout=self.prefill_timeout_s, metadata=observer.grpc_metadata)
             # Watch the decode stream while the prefill runs: a decode worker that dies now
             # fails the attempt before its first token, so it is retried, not errored.
