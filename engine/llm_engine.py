@@ -180,8 +180,9 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. `hold_kv` (prefill role) keeps its KV after the first token and
         returns it in that token's RequestOutput.kv: the prompt's blocks after the first
-        `kv_reused_tokens` (whole blocks the decode worker holds already). `cache_salt` (the gateway's, per tenant
-        or cache group) seeds its block hashes, so it hits only blocks cached with the same.
+        `kv_reused_tokens` (whole blocks the decode worker holds already). `cache_salt` (the
+        gateway's, per tenant or cache group) seeds its block hashes, so it hits only blocks
+        cached with the same.
         `resumed_output_token_ids`: tokens it already generated elsewhere (migration); it
         starts as a preempted request resumes, recomputing them and counting them as outputs
         (penalties, max_tokens, output indexes), so it goes on as it would have there."""
@@ -229,8 +230,9 @@ class LLMEngine:
     def receive_remote_kv(self, request_id: str, first_token: int, payload) -> RequestOutput | None:
         """Write a prompt's received KV (`payload`, [layers, 2, blocks, block_size, kv_heads,
         head_dim], one block per reserved block: the prompt's after any it reused) into its
-        reserved blocks and start decoding it. Returns an output only when the first token already finished the request. A
-        missing or misshapen payload raises ValueError and changes nothing."""
+        reserved blocks and start decoding it. Returns an output only when the first token
+        already finished the request. A missing or misshapen payload raises ValueError and
+        changes nothing."""
         if payload is None:
             raise ValueError(
                 f"receive_remote_kv({request_id!r}) got no KV payload: the blocks would be "
@@ -240,7 +242,8 @@ class LLMEngine:
         request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
             return None  # aborted meanwhile: the payload is dropped
-        block_ids = self.kv.block_ids(request_id)[request.kv_reused_tokens // self.config.block_size:]
+        reused_blocks = request.kv_reused_tokens // self.config.block_size
+        block_ids = self.kv.block_ids(request_id)[reused_blocks:]
         shape = tuple(payload.shape)
         if len(shape) != 6 or shape[2] != len(block_ids):
             raise ValueError(
