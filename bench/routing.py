@@ -8,7 +8,12 @@ events + queued work). Prints the prefill workers' prefix-cache hit rate and cli
 and the settings it runs with: the gateway's shipped admission unless --gateway-ttft-target-s
 says otherwise; a refused request (429/503) is counted and reported, not a failure.
 
+`--topology agg`: 2 aggregated workers instead (each prefills what it decodes), and the two
+arms are the shipped routing without its decode prefix affinity (`--decode-affinity-slack
+-1`: the decode scorers alone) and the shipped routing.
+
     .venv/bin/python bench/routing.py            # SmolLM2-135M on CPU, a few minutes
+    .venv/bin/python bench/routing.py --topology agg
     .venv/bin/python bench/routing.py --quick    # tiny model smoke run
 """
 
@@ -36,6 +41,7 @@ from splitserve_cli.processes import WorkerProcess, free_port, start_worker
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("round_robin", "scored")
+AGG_ARMS = ("no_affinity", "scored")  # --topology agg: decode prefix affinity off, then shipped
 
 
 @dataclass(frozen=True)
@@ -198,14 +204,24 @@ def run_settings(args) -> RunSettings:
     if args.gateway_ttft_target_s is not None:
         overrides += (gateway_override("ttft_target_s", args.gateway_ttft_target_s,
                                        "--gateway-ttft-target-s given"),)
+    overrides += (gateway_override("health_interval_s", 0.2, "fresh workers per arm: the "
+                                   "gateway sees the workers' load and caches sooner"),)
+    if args.topology == "agg":
+        overrides += (
+            Override("bench", "--decode-affinity-slack", "-1, then 4", "4",
+                     "the variable under test: decode prefix affinity off, then shipped"),
+            Override("workers", "--num-kv-blocks", f"{args.prefill_kv_blocks} (each)",
+                     "from --kv-cache-memory 1GiB",
+                     "caches smaller than the workload's prefixes, as in a busy deployment"))
+    else:
+        overrides += (
+            Override("bench", "--routing", "round_robin, then scored", "scored",
+                     "the variable under test: one arm per policy"),
+            Override("workers", "--num-kv-blocks", f"{args.prefill_kv_blocks} (prefill), 2048 "
+                     "(decode)", "from --kv-cache-memory 1GiB",
+                     "prefill caches smaller than the workload's prefixes, as in a busy "
+                     "deployment"))
     overrides += (
-        gateway_override("health_interval_s", 0.2, "fresh workers per arm: the gateway sees "
-                         "both prefill workers' load and caches sooner"),
-        Override("bench", "--routing", "round_robin, then scored", "scored",
-                 "the variable under test: one arm per policy"),
-        Override("workers", "--num-kv-blocks", f"{args.prefill_kv_blocks} (prefill), 2048 "
-                 "(decode)", "from --kv-cache-memory 1GiB",
-                 "prefill caches smaller than the workload's prefixes, as in a busy deployment"),
         Override("workers", "--num-threads", str(args.threads), "0 (torch's own)",
                  "3 workers on a small machine: no oversubscription"),
         Override("workers", "--heartbeat-ttl-s", "2", "5", "each arm's workers register anew"))
@@ -213,18 +229,27 @@ def run_settings(args) -> RunSettings:
 
 
 def run_policy(policy: str, model: Path, redis_url: str, workload: Workload,
-               prefill_kv_blocks: int, threads: int, settings: RunSettings) -> Result:
+               prefill_kv_blocks: int, threads: int, settings: RunSettings,
+               topology: str = "disagg") -> Result:
     common = ("--redis-url", redis_url, "--heartbeat-ttl-s", "2", "--log-format", "text",
               "--num-threads", str(threads))
     workers: list[WorkerProcess] = []
     gateway = None
+    if topology == "agg":
+        arm = ("--decode-affinity-slack", "-1" if policy == "no_affinity" else "4")
+    else:
+        arm = ("--routing", policy)
     try:
-        workers = [start_worker("prefill", model, *common, "--num-kv-blocks", str(prefill_kv_blocks))
-                   for _ in range(2)]
-        workers.append(start_worker("decode", model, *common, "--num-kv-blocks", "2048"))
+        if topology == "agg":
+            workers = [start_worker("both", model, *common, "--num-kv-blocks",
+                                    str(prefill_kv_blocks)) for _ in range(2)]
+        else:
+            workers = [start_worker("prefill", model, *common, "--num-kv-blocks",
+                                    str(prefill_kv_blocks)) for _ in range(2)]
+            workers.append(start_worker("decode", model, *common, "--num-kv-blocks", "2048"))
         gateway = Process([sys.executable, "-m", "splitserve_cli.main", "gateway", "--model",
                            str(model), "--port", "0", "--redis-url", redis_url,
-                           "--routing", policy, *settings.gateway_args(),
+                           *arm, *settings.gateway_args(),
                            "--log-level", "WARNING"],
                           ready_prefix="SPLITSERVE_READY").wait_ready()
         url = f"http://{gateway.ready_line.split()[2]}"
@@ -270,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
     parser.add_argument("--quick", action="store_true", help="tiny random model, small workload")
+    parser.add_argument("--topology", choices=("disagg", "agg"), default="disagg",
+                        help="disagg: 2 prefill + 1 decode, round_robin vs scored; agg: 2 "
+                             "aggregated workers, decode prefix affinity off vs on")
     parser.add_argument("--prefill-kv-blocks", type=int, default=160,
                         help="KV blocks per prefill worker (less than the workload's prefixes "
                              "need in total, as in a busy deployment)")
@@ -299,13 +327,17 @@ def main(argv: list[str] | None = None) -> int:
                                 turn_tokens=16, max_tokens=2, concurrency=2)
         redis, port = start_redis(tmp)
         try:
+            arms = AGG_ARMS if args.topology == "agg" else POLICIES
             results = [run_policy(policy, model, f"redis://127.0.0.1:{port}/{db}", workload,
-                                  args.prefill_kv_blocks, args.threads, settings)
-                       for db, policy in enumerate(POLICIES)]
+                                  args.prefill_kv_blocks, args.threads, settings,
+                                  args.topology)
+                       for db, policy in enumerate(arms)]
         finally:
             redis.stop()
-    print(f"\nworkload: {asdict(workload)}; model {model.name}; 2 prefill workers x "
-          f"{args.prefill_kv_blocks} KV blocks, 1 decode worker")
+    shape = ("2 aggregated workers" if args.topology == "agg"
+             else "2 prefill workers, 1 decode worker")
+    print(f"\nworkload: {asdict(workload)}; model {model.name}; {shape}, "
+          f"{args.prefill_kv_blocks} KV blocks each prefilling worker")
     print(settings.text())
     print(f"{'routing':<12} {'requests':>8} {'refused':>7} {'failed':>6} {'hit rate':>9} "
           f"{'TTFT p50':>9} {'TTFT p90':>9} {'mean':>7} {'wall':>7}  prompt tokens per prefill "
@@ -318,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               + " / ".join(f"{x:.0%}" for x in r.prefill_share))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(workload), "model": model.name,
+                                         "topology": args.topology,
                                          "prefill_kv_blocks": args.prefill_kv_blocks,
                                          "settings": settings.to_json(),
                                          "results": [asdict(r) for r in results]}, indent=2))

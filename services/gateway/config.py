@@ -74,6 +74,7 @@ class GatewayConfig:
     prefill_scorers: str = "prefix_cache=1,queued_prefill=1"
     local_prefill_tokens: int = 0  # uncached prompt part this short is prefilled on decode (0: off)
     prefill_backlog_tokens: int = 8192  # all prefill workers this backed up -> decode prefills (0: off)
+    decode_affinity_slack: int = 4  # extra load a decode worker holding the prompt may carry (<0: off)
     breaker_failures: int = 3  # consecutive RPC failures that take a worker out of rotation
     breaker_open_s: float = 2.0  # before a trial request probes it again
     # Admission (services/gateway/admission/admission.py): tenants, quotas (shared via redis_url),
@@ -200,6 +201,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "routing": "scored (the scorers below) or round_robin (a baseline)",
         "decode_scorers": "name=weight,... of free_kv, running_load, prefix_cache, queued_prefill",
         "prefill_scorers": "name=weight,... (same scorers)",
+        "decode_affinity_slack": "a decode worker holding most of the prompt takes it while "
+                                 "at most this many requests (or as many as its least loaded "
+                                 "peer has) above that peer (negative: off)",
         "local_prefill_tokens": "prefill on the decode worker when at most this much of the "
                                 "prompt is uncached there (0: off)",
         "prefill_backlog_tokens": "prefill on the decode worker when every prefill worker has "

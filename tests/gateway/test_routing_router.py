@@ -180,3 +180,68 @@ def test_round_robin_baseline_ignores_cache_and_load():
     r = router(worker("d"), warm, cold, index=index, decode_scorers=[], prefill_scorers=[])
     chosen = [r.route(prompt(i), 8).prefill.address for i in range(4)]
     assert chosen == ["warm", "cold", "warm", "cold"]
+
+
+# -- prefix affinity: the decode worker holding most of the prompt takes it ------------------
+
+
+def _held_by(endpoint, prompt_tokens, index=None) -> PrefixIndex:
+    index = index or PrefixIndex()
+    index.apply_event(endpoint.worker_id, "stored", hash_prompt_blocks(prompt_tokens, 16))
+    return index
+
+
+def test_a_chats_next_turn_goes_back_to_the_worker_holding_its_history():
+    """Equal workers take turns under the scorers alone, so half the next turns would land
+    where the history is not; with affinity every turn goes to the holder."""
+    history = prompt(1, 200)
+    holder, peer = worker("holder", "both"), worker("peer", "both")
+    index = _held_by(holder, history)
+    routes = [router(peer, holder, index=index, decode_affinity_slack=4).route(
+        history + [9] * 30, 16) for _ in range(3)]
+    assert [r.decode.address for r in routes] == ["holder"] * 3
+    assert all(r.cached_tokens >= len(history) // 16 * 16 for r in routes)
+    off = router(peer, holder, index=index, decode_affinity_slack=-1)
+    assert {off.route(history + [9] * 30, 16).decode.address for _ in range(4)} == {"holder", "peer"}
+
+
+@pytest.mark.parametrize(("peer_load", "holder_load", "chosen"), [
+    (0, 4, "holder"), (0, 5, "peer"),          # the slack, at low load
+    (10, 20, "holder"), (10, 21, "peer"),       # about twice the peer's, at high load
+])
+def test_affinity_gives_way_to_load(peer_load, holder_load, chosen):
+    history = prompt(1, 200)
+    holder = worker("holder", "both", running=holder_load)
+    peer = worker("peer", "both", running=peer_load)
+    route = router(peer, holder, index=_held_by(holder, history),
+                   decode_affinity_slack=4).route(history + [9] * 30, 16)
+    assert route.decode.address == chosen
+
+
+def test_affinity_needs_most_of_the_prompt_and_room_for_it():
+    short_hold = prompt(1, 0)[:64]  # 4 blocks of a 400-token prompt: too little of it
+    holder, peer = worker("holder", "both"), worker("peer", "both", running=1)
+    long_prompt = short_hold + [7] * 336
+    assert router(peer, holder, index=_held_by(holder, short_hold), decode_affinity_slack=4,
+                  decode_scorers=[]).route(long_prompt, 16) is not None
+    chosen = {router(peer, holder, index=_held_by(holder, short_hold), decode_affinity_slack=4,
+                     decode_scorers=build_scorers("running_load=1", PrefixIndex()),
+                     ).route(long_prompt, 16).decode.address for _ in range(2)}
+    assert chosen == {"holder"}  # by load alone (the peer is busier), not by affinity
+    # A holder without free blocks for the request does not take it.
+    history = prompt(2, 200)
+    full = worker("full", "both", kv_blocks_free=10)
+    roomy = worker("roomy", "both")
+    route = router(roomy, full, index=_held_by(full, history),
+                   decode_affinity_slack=4).route(history + [9] * 30, 16)
+    assert route.decode.address == "roomy"
+
+
+def test_the_gateway_turns_affinity_on_and_round_robin_leaves_it_off(tiny_llama_dir):
+    from services.gateway.routing.config import make_router
+
+    config = GatewayConfig(model=str(tiny_llama_dir), worker=("w:1",))
+    assert config.decode_affinity_slack == 4
+    assert make_router(config, StaticPool(worker("d")), PrefixIndex()).decode_affinity_slack == 4
+    baseline = GatewayConfig(model=str(tiny_llama_dir), worker=("w:1",), routing="round_robin")
+    assert make_router(baseline, StaticPool(worker("d")), PrefixIndex()).decode_affinity_slack < 0

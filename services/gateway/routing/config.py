@@ -28,6 +28,8 @@ class RoutingSettings(Protocol):
     @property
     def prefill_backlog_tokens(self) -> int: ...
     @property
+    def decode_affinity_slack(self) -> int: ...
+    @property
     def breaker_failures(self) -> int: ...
     @property
     def breaker_open_s(self) -> float: ...
@@ -71,4 +73,5 @@ def make_router(config: RoutingSettings, pool: WorkerPool, index: PrefixIndex) -
         prefill_scorers=build_scorers(config.prefill_scorers, index),
         local_prefill_tokens=config.local_prefill_tokens,
         prefill_backlog_tokens=config.prefill_backlog_tokens,
+        decode_affinity_slack=config.decode_affinity_slack,
     )

@@ -24,6 +24,7 @@ from services.gateway.routing.scorers import (
     build_scorers,
 )
 from services.gateway.routing.scorers.queued_prefill import queued_tokens
+from services.gateway.routing.scorers.running_load import worker_load
 from services.gateway.routing.worker_pool import WorkerEndpoint, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ class ScoringRouter:
     likewise among prefill workers serving the same model as that decode worker (default:
     prompt tokens cached there minus tokens queued there).
 
+    Prefix affinity (decode): a worker that already holds most of the prompt (at least half of
+    its tokens and 4 blocks, by the prefix index) takes it while its load (requests running,
+    queued or waiting for KV) is at most `decode_affinity_slack` requests, or its least
+    loaded peer's load, whichever is more, above that peer's: a chat's next turn goes back to
+    the worker holding its history instead of prefilling it again elsewhere (aggregated) or
+    receiving all of its KV (disaggregated), and a popular prefix spreads once its holder is
+    about twice as busy. Negative: off, the scorers alone decide.
+
     Conditional disaggregation: the decode worker prefills the prompt itself when the part
     of it not in that worker's cache is at most `local_prefill_tokens` (0: never), or when
     every prefill worker has at least `prefill_backlog_tokens` queued (and the decode worker's
@@ -74,7 +83,8 @@ class ScoringRouter:
     def __init__(self, pool: WorkerPool, index: PrefixIndex | None = None,
                  decode_scorers: Sequence[tuple[Scorer, float]] | None = None,
                  prefill_scorers: Sequence[tuple[Scorer, float]] | None = None,
-                 local_prefill_tokens: int = 0, prefill_backlog_tokens: int = 0) -> None:
+                 local_prefill_tokens: int = 0, prefill_backlog_tokens: int = 0,
+                 decode_affinity_slack: int = -1) -> None:
         self.pool = pool
         self.index = index or PrefixIndex()
         if decode_scorers is None:
@@ -85,6 +95,7 @@ class ScoringRouter:
         self.prefill_scorers = list(prefill_scorers)
         self.local_prefill_tokens = local_prefill_tokens
         self.prefill_backlog_tokens = prefill_backlog_tokens
+        self.decode_affinity_slack = decode_affinity_slack
         self._decode_turn: Iterator[int] = itertools.count()
         self._prefill_turn: Iterator[int] = itertools.count()
 
@@ -100,14 +111,39 @@ class ScoringRouter:
         """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count."""
         request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size(),
                                        cache_salt)
-        decode = _best(self.pool.decoders(), self.decode_scorers, request, exclude,
-                       self._decode_turn)
+        decode = (self._holder(request, exclude)
+                  or _best(self.pool.decoders(), self.decode_scorers, request, exclude,
+                           self._decode_turn))
         if decode is None:
             return None
         route = self._place_prefill(request, decode, exclude)
         if route is not None:
             self._commit(request, route)
         return route
+
+    def _holder(self, request: RoutingRequest, exclude: Collection[str]) -> WorkerEndpoint | None:
+        """Prefix affinity (see the class): the decode-capable worker holding most of the
+        prompt, if it may take it; None leaves the choice to the scorers."""
+        if self.decode_affinity_slack < 0 or len(request.block_hashes) < _AFFINITY_MIN_BLOCKS:
+            return None
+        candidates = _prefer_unexcluded([e for e in self.pool.decoders() if e.available()],
+                                        exclude)
+        if len(candidates) < 2:
+            return None
+        held = {e.address: self.index.matched_blocks(e.worker_id, e.address,
+                                                     request.block_hashes)
+                for e in candidates}
+        holder = max(candidates, key=lambda e: (held[e.address], -worker_load(e)))
+        held_tokens = held[holder.address] * request.block_size
+        if held[holder.address] < _AFFINITY_MIN_BLOCKS or 2 * held_tokens < request.num_tokens:
+            return None
+        least = min(worker_load(e) for e in candidates)
+        if worker_load(holder) > least + max(self.decode_affinity_slack, least):
+            return None
+        # Room for the request's blocks, counting what this gateway sent since the last poll.
+        if holder.stats.kv_blocks_free - holder.blocks_since_poll < request.blocks_needed:
+            return None
+        return holder
 
     def _place_prefill(self, request: RoutingRequest, decode: WorkerEndpoint,
                        exclude: Collection[str]) -> Route | None:
@@ -157,6 +193,9 @@ class ScoringRouter:
             decode.prefill_tokens_since_poll += request.num_tokens - route.cached_tokens
         log.debug("route decode=%s prefill=%s (%s, %d cached)", decode.address,
                   prefill.address if prefill else "-", route.reason, route.cached_tokens)
+
+
+_AFFINITY_MIN_BLOCKS = 4  # a held prefix shorter than this saves too little to steer by
 
 
 def _best(endpoints: Sequence[WorkerEndpoint], scorers: Sequence[tuple[Scorer, float]],

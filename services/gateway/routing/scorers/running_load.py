@@ -13,6 +13,11 @@ class RunningLoadScorer:
     name: ClassVar[str] = "running_load"
 
     def score(self, request: RoutingRequest, worker: WorkerEndpoint) -> float:
-        stats = worker.stats
-        load = stats.running + stats.waiting + stats.waiting_for_kv + worker.requests_since_poll
-        return 1.0 / (1.0 + load)
+        return 1.0 / (1.0 + worker_load(worker))
+
+
+def worker_load(worker: WorkerEndpoint) -> int:
+    """Requests running, queued or waiting for KV on the worker at its last poll, plus those
+    this gateway sent it since."""
+    stats = worker.stats
+    return stats.running + stats.waiting + stats.waiting_for_kv + worker.requests_since_poll
