@@ -223,7 +223,7 @@ def run_settings(args) -> RunSettings:
                      "deployment"))
     overrides += (
         Override("workers", "--num-threads", str(args.threads), "0 (torch's own)",
-                 "3 workers on a small machine: no oversubscription"),
+                 "several workers on a small machine: no oversubscription"),
         Override("workers", "--heartbeat-ttl-s", "2", "5", "each arm's workers register anew"))
     return RunSettings("bench/routing.py", with_inherited(overrides))
 
