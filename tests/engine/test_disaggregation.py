@@ -244,6 +244,14 @@ def test_the_profiler_entry_point_decodes_without_kv_and_caches_none_of_it(tiny_
 # -- the decode worker's cached prefix is reused, and only the KV after it travels -----------
 
 
+def hold(engine, prompt):
+    """Leave `prompt`'s full blocks in the decode engine's prefix cache: a request whose
+    (blank) KV arrived from a prefill worker and that ran to its end."""
+    engine.reserve_remote("warm", prompt, GREEDY)
+    engine.receive_remote_kv("warm", 7, blank_kv(engine, cdiv(len(prompt), BLOCK)))
+    drive(engine)
+
+
 def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped(tiny_llama_dir):
     """Two prompts share 3 blocks. The first one's KV arrives whole and is cached on the decode
     engine; the second reserves only its own blocks, and the prefill engine ships just those.
@@ -278,9 +286,7 @@ def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped
 def test_reserve_without_reuse_takes_every_block_fresh(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=23)
-    engine.reserve_remote("warm", prompt, GREEDY)
-    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
-    drive(engine)
+    hold(engine, prompt)
     assert engine.kv.pool.num_cached_blocks >= 2  # the prompt's two full blocks, and outputs'
     # The same prompt again, reuse not asked (an older gateway): all three blocks are new.
     reservation = engine.reserve_remote("r", prompt, GREEDY)
@@ -294,9 +300,7 @@ def test_the_whole_prompt_is_never_reused(tiny_llama_dir):
     # worker, which must produce the first token's logits from it.
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([8], seed=24)
-    engine.reserve_remote("warm", prompt + [1, 2], GREEDY)
-    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
-    drive(engine)
+    hold(engine, prompt + [1, 2])
     reservation = engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
     assert reservation.num_cached_tokens == 4 and len(reservation.block_ids) == 1
     engine.abort("r")
@@ -306,9 +310,7 @@ def test_the_whole_prompt_is_never_reused(tiny_llama_dir):
 def test_a_payload_for_the_whole_prompt_is_refused_after_reuse(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=25)
-    engine.reserve_remote("warm", prompt, GREEDY)
-    engine.receive_remote_kv("warm", 7, blank_kv(engine, 3))
-    drive(engine)
+    hold(engine, prompt)
     engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
     with pytest.raises(ValueError, match=r"expected 6 dims with 1 blocks on axis 2"):
         engine.receive_remote_kv("r", 7, blank_kv(engine, 3))
