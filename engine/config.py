@@ -192,6 +192,11 @@ class EngineConfig:
     # layers in one C++ call (kernels/cpu/fused_decode.cpp, no Python per element-wise op),
     # "torch" runs the modules; "auto": cpp wherever it applies (one rank, Llama family).
     cpu_fused_decode: str = "auto"
+    # CPU decode attention with the C++ kernel: decode rows whose block tables begin with the
+    # same blocks (a shared system prompt, a document asked about) attend that prefix once for
+    # all of their query heads, as a small matrix product (kernels/cpu/shared_prefix_decode.h;
+    # kernels/attention.py find_shared_prefixes); False: every row reads its own context.
+    cpu_shared_prefix_attention: bool = True
     # Attention kernels (kernels/attention.py uses_triton): "triton" runs kernels/triton, reading
     # the paged cache in place; "torch" the reference; "auto": triton on CUDA when it imports.
     attention_backend: str = "auto"

@@ -29,7 +29,12 @@ from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.step_batch import StepBatch, build_step_batch
 from engine.step_inputs import Part, StepInputs, Table
 from engine.token_counts import TokenCounts
-from kernels.attention import AttentionMetadata, plan_decode_groups, uses_triton
+from kernels.attention import (
+    AttentionMetadata,
+    find_shared_prefixes,
+    plan_decode_groups,
+    uses_triton,
+)
 from kernels.kernel_paths import KernelPaths
 
 if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
@@ -78,6 +83,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.native_decode = kernel_choice.native_decode(config, self.device)
+        # Decode rows behind a shared prefix attend it once (kernels/attention.py).
+        self.shared_prefixes = self.native_decode and config.cpu_shared_prefix_attention
         self.native_prefill = kernel_choice.native_prefill(config, model_config, self.dtype,
                                                            self.native_decode)
         # Raises now, not at the first step, for a backend this device cannot run.
@@ -247,6 +254,8 @@ class ModelRunner:
         dev = self.device
         decode_lens, decode_tables = batch.decode_lens, batch.decode_tables
         parts: list[Part] = [batch.input_ids, batch.positions, batch.slots]
+        shared = (find_shared_prefixes(decode_tables, decode_lens, self.block_size)
+                  if self.shared_prefixes and len(decode_lens) > 1 else None)
         if decode_lens:
             parts += [decode_lens, Table(decode_tables, max(map(len, decode_tables)))]
         if batch.prefill_seqs:
@@ -257,6 +266,7 @@ class ModelRunner:
         input_ids, positions, slot_mapping, *rest = self.inputs.pack(parts)
         seq_lens, tables = (rest.pop(0), rest.pop(0)) if decode_lens else (None, None)
         prefill_tables = rest.pop(0) if batch.prefill_seqs else []
+        shared_of, shared_lens = (torch.tensor(shared[0]), torch.tensor(shared[1])) if shared else (None, None)
         max_decode_len = batch.max_decode_len
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -277,6 +287,8 @@ class ModelRunner:
             native_prefill=self.native_prefill,
             attention_backend=self.config.attention_backend,
             fresh_prefill_spans=self._fresh_prefill_spans(batch.prefill_seqs),
+            decode_shared_prefix_of=shared_of,
+            decode_shared_prefix_lens=shared_lens,
         )
         return self.model(input_ids, positions, self.kv_caches, meta)
 

@@ -56,6 +56,11 @@ class AttentionMetadata:
     # length = query length) as an int64 [n, 2] tensor of (query start, length), attended in
     # one call per layer (prefill_attention_into) instead of one per sequence; None: none.
     fresh_prefill_spans: torch.Tensor | None = None
+    # With native_decode: decode rows behind a shared prefix (find_shared_prefixes), as the C++
+    # kernel takes them: each row's prefix (-1: none) [num_decodes] and each prefix's length in
+    # tokens [prefixes], int64; None: no prefix is shared.
+    decode_shared_prefix_of: torch.Tensor | None = None
+    decode_shared_prefix_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,41 @@ def plan_decode_groups(
         groups.append(DecodeGroup(start, end, tables, lens, longest, mask))
         start = end
     return groups
+
+
+# A prefix shared by fewer tokens than this is read per row: its task would cost more to set
+# up than the reads it saves.
+MIN_SHARED_PREFIX_TOKENS = 64
+
+
+def find_shared_prefixes(
+    block_tables: list[list[int]], seq_lens: list[int], block_size: int
+) -> tuple[list[int], list[int]] | None:
+    """Decode rows whose block tables begin with the same blocks (a system prompt or document
+    in the prefix cache): per row the prefix it is behind (-1: none), per prefix its length in
+    tokens (whole blocks every row of it holds, at least MIN_SHARED_PREFIX_TOKENS); None when
+    no prefix is shared by two rows. Rows are grouped by their first block and a group's prefix
+    is what all of its rows hold, so two conversations under one system prompt share the
+    system prompt."""
+    by_first: dict[int, list[int]] = {}
+    for row, table in enumerate(block_tables):
+        if seq_lens[row] >= MIN_SHARED_PREFIX_TOKENS and table:
+            by_first.setdefault(table[0], []).append(row)
+    prefix_of = [-1] * len(seq_lens)
+    prefix_lens: list[int] = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        full = min(seq_lens[r] for r in rows) // block_size  # blocks each row has filled
+        tables = [block_tables[r][:full] for r in rows]
+        low, high = min(tables), max(tables)  # the common prefix of all is theirs
+        blocks = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
+        if blocks * block_size < MIN_SHARED_PREFIX_TOKENS:
+            continue
+        for r in rows:
+            prefix_of[r] = len(prefix_lens)
+        prefix_lens.append(blocks * block_size)
+    return (prefix_of, prefix_lens) if prefix_lens else None
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -289,7 +329,8 @@ def _attend_decode(query, k_cache, v_cache, group: DecodeGroup | AttentionMetada
     """paged_decode_attention over one decode group, or over all decode rows of `meta`."""
     if isinstance(group, AttentionMetadata) and group.native_decode:
         return torch.ops.splitserve_cpu.paged_decode_attention(
-            query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens, scale, window
+            query, k_cache, v_cache, group.decode_block_tables, group.decode_seq_lens, scale, window,
+            group.decode_shared_prefix_of, group.decode_shared_prefix_lens,
         )
     if isinstance(group, DecodeGroup):
         return paged_decode_attention(

@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
             f.gate_up_weight, f.down_weight, f.final_norm, f.k_caches, f.v_caches,
             meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
             f.heads, f.kv_heads, f.eps, f.scale, f.small_m_max_rows, f.packed, f.windows,
+            meta.decode_shared_prefix_of, meta.decode_shared_prefix_lens,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,8 @@ void check_bf16_vector(const at::Tensor& t, int64_t size, const char* what) {
 // sliding window (0: none), as paged_decode_attention takes it; empty: no layer has one.
 // packed: empty, or every layer's four weights packed (kernels/packed_weights.py: for the AMX
 // kernel, dense, or for oneDNN, mkldnn tensors), layer by layer in the order qkv, o, gate_up,
-// down: rows past small_m_max_rows read those.
+// down: rows past small_m_max_rows read those. shared_prefix_of / shared_prefix_lens: the rows'
+// shared prefixes, as paged_decode_attention takes them (None: none).
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList input_norm, at::TensorList qkv_weight, at::TensorList qkv_bias,
                          at::TensorList o_weight, at::TensorList post_norm,
@@ -155,7 +156,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t heads, int64_t kv_heads, double eps, double scale,
-                         int64_t small_m_max_rows, at::TensorList packed, at::IntArrayRef windows) {
+                         int64_t small_m_max_rows, at::TensorList packed, at::IntArrayRef windows,
+                         const std::optional<at::Tensor>& shared_prefix_of,
+                         const std::optional<at::Tensor>& shared_prefix_lens) {
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16,
               "hidden must be [rows, hidden_size] bfloat16");
@@ -201,7 +204,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("splitserve_cpu::paged_decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t)>();
+                        const at::Tensor&, double, int64_t, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&)>();
   static const auto small_m_linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("splitserve_cpu::small_m_linear", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
@@ -234,7 +238,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     rotate_and_store(ptr(qkv), qkv.stride(0), ptr(cos_c), ptr(sin_c), rows, heads, kv_heads, dim,
                      ptr(q), ptr(k_caches[l]), ptr(v_caches[l]), slots);
     const at::Tensor attn = attention.call(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale,
-                                            windows.empty() ? 0 : windows[l]);
+                                            windows.empty() ? 0 : windows[l], shared_prefix_of,
+                                            shared_prefix_lens);
     hidden = linear(attn.view({rows, heads * dim}), o_weight[l], std::nullopt, l, 1);
     add_rms_norm(ptr(hidden), ptr(residual), ptr(post_norm[l]), rows, size, eps_f, true);
     const at::Tensor gate_up = linear(hidden, gate_up_weight[l], std::nullopt, l, 2);
@@ -329,7 +334,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
         "Tensor[] gate_up_weight, Tensor[] down_weight, Tensor final_norm, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
         "int kv_heads, float eps, float scale, int small_m_max_rows, Tensor[] packed, "
-        "int[] windows=[]) -> Tensor");
+        "int[] windows=[], Tensor? shared_prefix_of=None, Tensor? shared_prefix_lens=None) -> Tensor");
 }
 
 // Weights packed for oneDNN are MkldnnCPU tensors, which send the call to that key.

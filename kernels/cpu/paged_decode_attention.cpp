@@ -13,23 +13,31 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#include "decode_attention_parts.h"
+#include "shared_prefix_decode.h"
 #include "vector_math.h"
 
 namespace {
 
 using splitserve_cpu::exp_nonpositive;
 
-constexpr int kLanes = 16;  // partial sums per dot product: one AVX-512 register of floats
+using splitserve_cpu::kLanes;
+using splitserve_cpu::Partial;
+using splitserve_cpu::TokenRows;
+using splitserve_cpu::exp_scores;
+using splitserve_cpu::kSharedChunkTokens;
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -45,69 +53,6 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-
-// One task's share of the work: query heads [group] of one KV head over context tokens
-// [t0, t1). Leaves the scores' maximum, the sum of exp(score - maximum) and the V rows
-// weighted by exp(score - maximum), unnormalized, so chunks of one context can be combined.
-struct Partial {
-  float* max;  // [group]
-  float* sum;  // [group]
-  float* acc;  // [group, dim]
-};
-
-// Context tokens t0, t0 + 1, ... of one KV head through the block table: next() is the row of
-// the current token, then steps on (a division per token, t / block_size, cost more than the
-// dot products it addresses).
-template <typename scalar_t>
-struct TokenRows {
-  const scalar_t* data;
-  const int64_t* table;
-  int64_t block_size, block_stride, token_stride, head_offset;
-  int64_t block, offset;
-
-  TokenRows(const scalar_t* data, const int64_t* table, int64_t t0, int64_t block_size,
-            int64_t block_stride, int64_t token_stride, int64_t head_offset)
-      : data(data), table(table), block_size(block_size), block_stride(block_stride),
-        token_stride(token_stride), head_offset(head_offset), block(t0 / block_size),
-        offset(t0 % block_size) {}
-
-  const scalar_t* next() {
-    const scalar_t* row = data + table[block] * block_stride + offset * token_stride + head_offset;
-    if (++offset == block_size) {
-      offset = 0;
-      ++block;
-    }
-    return row;
-  }
-};
-
-// Scores [group, len] -> exp(score - the row's maximum), in place; each row's maximum and sum
-// into part.
-inline void exp_scores(float* scores, int64_t group, int64_t len, Partial part) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    float lane_max[kLanes];
-    std::fill(lane_max, lane_max + kLanes, s[0]);
-    int64_t i = 0;
-    for (; i + kLanes <= len; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane_max[j] = std::max(lane_max[j], s[i + j]);
-    float max = s[0];
-    for (int j = 0; j < kLanes; ++j) max = std::max(max, lane_max[j]);
-    for (; i < len; ++i) max = std::max(max, s[i]);
-    // Two loops: with the running sum in it, the exp loop stays scalar (a float sum may not be
-    // reordered); alone it vectorizes, and the sum runs in kLanes partial sums.
-    for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - max);
-    float lanes[kLanes] = {0.0f};
-    int64_t t = 0;
-    for (; t + kLanes <= len; t += kLanes)
-      for (int j = 0; j < kLanes; ++j) lanes[j] += s[t + j];
-    float sum = 0.0f;
-    for (int j = 0; j < kLanes; ++j) sum += lanes[j];
-    for (; t < len; ++t) sum += s[t];
-    part.max[g] = max;
-    part.sum[g] = sum;
-  }
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {0.0f};
@@ -284,10 +229,71 @@ void decode_task_generic(const float* q, const scalar_t* k_data, const scalar_t*
 // Context tokens per chunk at least: below this a chunk's fixed costs outweigh the balance.
 constexpr int64_t kMinChunkTokens = 64;
 
+// Decode rows whose contexts begin with the same blocks (a system prompt, a document asked
+// about): each prefix is attended once for all of its rows (shared_prefix_decode.h), each row's
+// own tokens after it as usual, and the two combined as a context's chunks are.
+struct SharedPrefixes {
+  int64_t count = 0;
+  const int64_t* of = nullptr;      // [batch]: the prefix row b's context begins with, -1: none
+  const int64_t* tokens = nullptr;  // [count]: each prefix's length in tokens
+};
+
+// One task over a shared prefix: query heads of all its rows for one KV head, over tokens
+// [t0, t1); its partials are `rows` maxima and sums from `at`, and rows x dim values from
+// at * dim.
+struct SharedTask {
+  int64_t prefix, kv_head, t0, t1, rows, at;
+};
+
+// Query heads [group] of one KV head over tokens [t0, t1) of row b: the bf16 kernels when the
+// CPU has them, else the portable one.
+template <typename scalar_t>
+void attend_group(const scalar_t* q_data, int64_t q_stride_b, int64_t q_stride_h, int64_t b,
+                  int64_t kvh, int64_t group, int64_t dim, double scale, const scalar_t* k_data,
+                  const scalar_t* v_data, const int64_t* table, int64_t t0, int64_t t1,
+                  int64_t block_size, int64_t block_stride, int64_t token_stride,
+                  std::vector<float>& q, std::vector<float>& row, std::vector<float>& scores,
+                  Partial part) {
+  scores.resize(group * (t1 - t0));
+  for (int64_t g = 0; g < group; ++g) {
+    to_float(q_data + b * q_stride_b + (kvh * group + g) * q_stride_h, q.data() + g * dim, dim);
+    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<float>(scale);
+  }
+  const int64_t offset = kvh * dim;
+#ifdef __AVX512F__
+  if (dim == 64 && group >= 1 && group <= 4) {
+    bool scored = false;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (splitserve_cpu::has_avx512_bf16()) {  // bf16 dot products on the raw rows; scaled after
+        const c10::BFloat16* q_rows[4];
+        for (int64_t g = 0; g < group; ++g)
+          q_rows[g] = q_data + b * q_stride_b + (kvh * group + g) * q_stride_h;
+        switch (group) {
+          case 1: scores_bf16_d64<1>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+          case 2: scores_bf16_d64<2>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+          case 3: scores_bf16_d64<3>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+          default: scores_bf16_d64<4>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
+        }
+        scored = true;
+      }
+    }
+    switch (group) {
+      case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+      case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+      case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+      default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
+    }
+    return;
+  }
+#endif
+  decode_task_generic<scalar_t>(q.data(), k_data, v_data, table, t0, t1, group, dim, block_size,
+                                block_stride, token_stride, offset, scores.data(), row.data(), part);
+}
+
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   int64_t window, at::Tensor& out) {
+                   int64_t window, const SharedPrefixes& shared, at::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -302,13 +308,38 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
   const int64_t token_stride = kv_heads * dim;  // within a block
   const int64_t block_stride = block_size * token_stride;
 
+  // Each shared prefix's rows, in batch order; a row's place among them.
+  std::vector<std::vector<int64_t>> members(shared.count);
+  std::vector<int64_t> place(batch, -1);
+  for (int64_t b = 0; b < batch && shared.count; ++b)
+    if (shared.of[b] >= 0) {
+      place[b] = static_cast<int64_t>(members[shared.of[b]].size());
+      members[shared.of[b]].push_back(b);
+    }
+  std::vector<SharedTask> shared_tasks;
+  std::vector<int64_t> shared_first(shared.count + 1, 0);  // prefix p's tasks: [first[p], first[p + 1])
+  int64_t shared_rows = 0;
+  for (int64_t p = 0; p < shared.count; ++p) {
+    const int64_t rows = static_cast<int64_t>(members[p].size()) * group, len = shared.tokens[p];
+    for (int64_t kvh = 0; kv_heads && rows && kvh < kv_heads; ++kvh)
+      for (int64_t t0 = 0; t0 < len; t0 += kSharedChunkTokens) {
+        shared_tasks.push_back({p, kvh, t0, std::min(len, t0 + kSharedChunkTokens), rows, shared_rows});
+        shared_rows += rows;
+      }
+    shared_first[p + 1] = static_cast<int64_t>(shared_tasks.size());
+  }
+
   // Tasks are (sequence, KV head, chunk of the context): a KV head's query heads share every
   // K/V row read. With fewer (sequence, KV head) pairs than two per thread (batch 1: three
   // pairs on SmolLM2, so one thread did two and the other one), each context is cut into
-  // chunks, attended apart and combined after, as flash-decoding does.
+  // chunks, attended apart and combined after, as flash-decoding does. A row behind a shared
+  // prefix reads its own tokens only, from the prefix's end.
   const int64_t pairs = batch * kv_heads;
   // The first context token each sequence reads: past the window, the ones before it weigh 0.
-  auto first_token = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
+  auto first_token = [&](int64_t b) {
+    if (place[b] >= 0) return shared.tokens[shared.of[b]];
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+  };
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_token(b));
   const int64_t threads = at::get_num_threads();
@@ -317,80 +348,100 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
     chunks = std::max<int64_t>(1, std::min(2 * threads, longest / kMinChunkTokens));
   std::vector<float> max_buf(pairs * chunks * group), sum_buf(pairs * chunks * group),
       acc_buf(pairs * chunks * group * dim);
+  std::vector<float> shared_max(shared_rows), shared_sum(shared_rows), shared_acc(shared_rows * dim);
 
-  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), row(dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t pair = task / chunks, chunk = task % chunks;
+  // Shared-prefix tasks first (the longest), then the rows' own: threads take the next task as
+  // they finish one, since a prefix's task is many rows' work.
+  const int64_t num_shared = static_cast<int64_t>(shared_tasks.size());
+  const int64_t num_tasks = num_shared + pairs * chunks;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min(threads, num_tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> q(std::max(group, shared_rows ? group * batch : 0) * dim), row(dim), scores;
+    splitserve_cpu::SharedScratch scratch;
+    std::vector<const scalar_t*> q_rows;
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      if (task < num_shared) {
+        const SharedTask& st = shared_tasks[task];
+        Partial part{shared_max.data() + st.at, shared_sum.data() + st.at, shared_acc.data() + st.at * dim};
+        const int64_t* table = tables + members[st.prefix][0] * table_width;
+        q_rows.clear();
+        for (const int64_t b : members[st.prefix])
+          for (int64_t g = 0; g < group; ++g)
+            q_rows.push_back(q_data + b * q_stride_b + (st.kv_head * group + g) * q_stride_h);
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (dim == 64 && splitserve_cpu::has_avx512_bf16()) {
+            splitserve_cpu::shared_prefix_task_bf16_d64(
+                q_rows.data(), st.rows, k_data, v_data, table, st.t0, st.t1, block_size,
+                block_stride, token_stride, st.kv_head * dim, static_cast<float>(scale), scratch, part);
+            continue;
+          }
+        }
+#endif
+        for (int64_t r = 0; r < st.rows; ++r) {  // any dtype and dim: every row through floats
+          to_float(q_rows[r], q.data() + r * dim, dim);
+          for (int64_t d = 0; d < dim; ++d) q[r * dim + d] *= static_cast<float>(scale);
+        }
+        scores.resize(st.rows * (st.t1 - st.t0));
+        decode_task_generic<scalar_t>(q.data(), k_data, v_data, table, st.t0, st.t1, st.rows, dim,
+                                      block_size, block_stride, token_stride, st.kv_head * dim,
+                                      scores.data(), row.data(), part);
+        continue;
+      }
+      const int64_t own = task - num_shared;
+      const int64_t pair = own / chunks, chunk = own % chunks;
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       const int64_t first = first_token(b), span = lens[b] - first;
       const int64_t t0 = first + span * chunk / chunks, t1 = first + span * (chunk + 1) / chunks;
-      Partial part{max_buf.data() + task * group, sum_buf.data() + task * group,
-                   acc_buf.data() + task * group * dim};
+      Partial part{max_buf.data() + own * group, sum_buf.data() + own * group,
+                   acc_buf.data() + own * group * dim};
       if (t1 == t0) {  // an empty chunk of a short context: adds nothing
         std::fill(part.max, part.max + group, -std::numeric_limits<float>::infinity());
         std::fill(part.sum, part.sum + group, 0.0f);
         std::fill(part.acc, part.acc + group * dim, 0.0f);
         continue;
       }
-      scores.resize(group * (t1 - t0));
-      for (int64_t g = 0; g < group; ++g) {
-        to_float(q_data + b * q_stride_b + (kvh * group + g) * q_stride_h, q.data() + g * dim, dim);
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<float>(scale);
-      }
-      const int64_t* table = tables + b * table_width;
-      const int64_t offset = kvh * dim;
-#ifdef __AVX512F__
-      if (dim == 64 && group >= 1 && group <= 4) {
-        bool scored = false;
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (splitserve_cpu::has_avx512_bf16()) {  // bf16 dot products on the raw rows; scaled after
-            const c10::BFloat16* q_rows[4];
-            for (int64_t g = 0; g < group; ++g)
-              q_rows[g] = q_data + b * q_stride_b + (kvh * group + g) * q_stride_h;
-            switch (group) {
-              case 1: scores_bf16_d64<1>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              case 2: scores_bf16_d64<2>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              case 3: scores_bf16_d64<3>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-              default: scores_bf16_d64<4>(q_rows, k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, static_cast<float>(scale), scores.data()); break;
-            }
-            scored = true;
-          }
-        }
-        switch (group) {
-          case 1: decode_task_d64<scalar_t, 1>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
-          case 2: decode_task_d64<scalar_t, 2>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
-          case 3: decode_task_d64<scalar_t, 3>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
-          default: decode_task_d64<scalar_t, 4>(q.data(), k_data, v_data, table, t0, t1, block_size, block_stride, token_stride, offset, scores.data(), part, scored); break;
-        }
-        continue;
-      }
-#endif
-      decode_task_generic<scalar_t>(q.data(), k_data, v_data, table, t0, t1, group, dim, block_size,
-                                    block_stride, token_stride, offset, scores.data(), row.data(), part);
+      attend_group<scalar_t>(q_data, q_stride_b, q_stride_h, b, kvh, group, dim, scale, k_data,
+                             v_data, tables + b * table_width, t0, t1, block_size, block_stride,
+                             token_stride, q, row, scores, part);
     }
   });
 
-  // Combine each query head's chunks: rescale each to the largest maximum, then normalize.
+  // Combine each query head's chunks (and its prefix's): rescale each to the largest maximum,
+  // then normalize.
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(chunks);
+    std::vector<const float*> maxes, sums, accs;
+    std::vector<float> weights;
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, kvh = pair % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
-        float max = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) max = std::max(max, max_buf[(pair * chunks + c) * group + g]);
-        float sum = 0.0f;
+        maxes.clear(), sums.clear(), accs.clear();
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t i = (pair * chunks + c) * group + g;
-          weights[c] = sum_buf[i] == 0.0f ? 0.0f : std::exp(max_buf[i] - max);
-          sum += weights[c] * sum_buf[i];
+          maxes.push_back(&max_buf[i]), sums.push_back(&sum_buf[i]), accs.push_back(&acc_buf[i * dim]);
+        }
+        if (place[b] >= 0) {
+          const int64_t p = shared.of[b];
+          for (int64_t t = shared_first[p]; t < shared_first[p + 1]; ++t) {
+            if (shared_tasks[t].kv_head != kvh) continue;
+            const int64_t i = shared_tasks[t].at + place[b] * group + g;
+            maxes.push_back(&shared_max[i]), sums.push_back(&shared_sum[i]), accs.push_back(&shared_acc[i * dim]);
+          }
+        }
+        const int64_t parts = static_cast<int64_t>(maxes.size());
+        weights.resize(parts);
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < parts; ++c) max = std::max(max, *maxes[c]);
+        float sum = 0.0f;
+        for (int64_t c = 0; c < parts; ++c) {
+          weights[c] = *sums[c] == 0.0f ? 0.0f : std::exp(*maxes[c] - max);
+          sum += weights[c] * *sums[c];
         }
         const float inv = 1.0f / sum;
         scalar_t* o = out_data + (b * heads + kvh * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) {
           float value = 0.0f;
-          for (int64_t c = 0; c < chunks; ++c)
-            value += weights[c] * acc_buf[((pair * chunks + c) * group + g) * dim + d];
+          for (int64_t c = 0; c < parts; ++c) value += weights[c] * accs[c][d];
           o[d] = static_cast<scalar_t>(value * inv);
         }
       }
@@ -398,9 +449,14 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
   });
 }
 
+// shared_prefix_of / shared_prefix_lens (both or neither): see SharedPrefixes. Each prefix's
+// rows must hold its blocks at the head of their block tables, and be at least as long as it;
+// a sliding-window layer (window > 0) ignores them and reads each row's window on its own.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& shared_prefix_of,
+                                  const std::optional<at::Tensor>& shared_prefix_lens) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "query [B, heads, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -422,12 +478,42 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
     TORCH_CHECK(len_data[b] >= 1, "every sequence needs a token");
     TORCH_CHECK(len_data[b] <= tables.size(1) * k_cache.size(1), "a sequence is longer than its block table");
   }
+  TORCH_CHECK(shared_prefix_of.has_value() == shared_prefix_lens.has_value(),
+              "shared_prefix_of and shared_prefix_lens come together");
+  SharedPrefixes shared;
+  at::Tensor of, prefix_lens;
+  if (shared_prefix_of.has_value() && window == 0) {
+    of = shared_prefix_of->contiguous();
+    prefix_lens = shared_prefix_lens->contiguous();
+    TORCH_CHECK(of.scalar_type() == at::kLong && prefix_lens.scalar_type() == at::kLong &&
+                    of.dim() == 1 && prefix_lens.dim() == 1 && of.size(0) == query.size(0),
+                "shared_prefix_of must be int64 [B] and shared_prefix_lens int64 [prefixes]");
+    shared = {prefix_lens.size(0), of.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>()};
+    const int64_t* table_data = tables.data_ptr<int64_t>();
+    std::vector<int64_t> holder(shared.count, -1);  // each prefix's first row
+    for (int64_t b = 0; b < lens.numel(); ++b) {
+      const int64_t p = shared.of[b];
+      if (p < 0) continue;
+      TORCH_CHECK(p < shared.count, "shared_prefix_of names prefix ", p, " of ", shared.count);
+      const int64_t n = shared.tokens[p];
+      TORCH_CHECK(n >= 1 && n <= len_data[b], "a shared prefix must be 1 token or more and no "
+                  "longer than each of its rows (", n, " tokens, a row of ", len_data[b], ")");
+      if (holder[p] < 0) {
+        holder[p] = b;
+        continue;
+      }
+      const int64_t* mine = table_data + b * tables.size(1);
+      const int64_t* first = table_data + holder[p] * tables.size(1);
+      for (int64_t i = 0; i < (n + k_cache.size(1) - 1) / k_cache.size(1); ++i)
+        TORCH_CHECK(mine[i] == first[i], "rows sharing a prefix must share its blocks");
+    }
+  }
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");
     } else {
-      decode_kernel<scalar_t>(query, k_cache, v_cache, tables, lens, scale, window, out);
+      decode_kernel<scalar_t>(query, k_cache, v_cache, tables, lens, scale, window, shared, out);
     }
   });
   return out;
@@ -437,7 +523,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window=0) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, Tensor? shared_prefix_of=None, "
+        "Tensor? shared_prefix_lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

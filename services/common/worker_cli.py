@@ -89,6 +89,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                              "blocked layout ('packed'); 'plain': none; 'auto': amx where the CPU "
                              "has AMX BF16, else packed if it wins at start on this host, and "
                              "only if the copy takes at most a quarter of the available memory")
+    parser.add_argument("--cpu-shared-prefix-attention", choices=("on", "off"),
+                        default=_env("cpu_shared_prefix_attention", "on"),
+                        help="CPU C++ decode attention: decode rows whose contexts begin with the "
+                             "same cached blocks (a shared system prompt) attend that prefix once "
+                             "for all of them; 'off': every row reads its own")
     parser.add_argument("--cpu-kv-prefault-tokens", type=int,
                         default=int(_env("cpu_kv_prefault_tokens", -1)),
                         help="CPU: while idle, fault in the KV pool's pages this many tokens "
@@ -218,6 +223,7 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         cuda_graph_max_context=args.cuda_graph_max_context,
         cpu_small_m_max_rows=args.cpu_small_m_max_rows,
         cpu_weight_layout=args.cpu_weight_layout,
+        cpu_shared_prefix_attention=args.cpu_shared_prefix_attention == "on",
         cpu_kv_prefault_tokens=args.cpu_kv_prefault_tokens,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,

@@ -88,6 +88,8 @@ class WorkerConfig:
     # CPU bf16: linear weights also packed for AMX or oneDNN (auto | amx | packed | plain;
     # engine/config.py).
     cpu_weight_layout: str = "auto"
+    # CPU C++ decode attention: a prefix several rows share attended once (engine/config.py).
+    cpu_shared_prefix_attention: bool = True
     # CPU: fault in the KV pool's pages this many tokens ahead of use while idle; -1: 4x
     # max_num_batched_tokens; 0: off (engine/kv_prefault.py).
     cpu_kv_prefault_tokens: int = -1
@@ -289,6 +291,7 @@ class WorkerConfig:
             cuda_graph_max_context=self.cuda_graph_max_context,
             cpu_small_m_max_rows=self.cpu_small_m_max_rows,
             cpu_weight_layout=self.cpu_weight_layout,
+            cpu_shared_prefix_attention=self.cpu_shared_prefix_attention,
             cpu_kv_prefault_tokens=self.cpu_kv_prefault_tokens,
             speculative=self.speculative_config(),
         )
