@@ -15,6 +15,7 @@ being told), and each prefix attended once for its rows (shared_prefix_of / _len
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -30,10 +31,14 @@ from kernels import cpu_kernels  # noqa: E402
 def _best_s(fn, repeats: int) -> float:
     fn()
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+    gc.disable()  # a collection inside a timed call would cost more than some kernels
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        gc.enable()
     return best
 
 

@@ -8,6 +8,8 @@
 #include "vector_math.h"
 
 namespace splitserve_cpu {
+// Internal linkage, as if written in the .cpp that includes this: the hot loops inline it.
+namespace {
 
 constexpr int kLanes = 16;  // partial sums per dot product: one AVX-512 register of floats
 
@@ -36,7 +38,7 @@ struct TokenRows {
         token_stride(token_stride), head_offset(head_offset), block(t0 / block_size),
         offset(t0 % block_size) {}
 
-  const scalar_t* next() {
+  __attribute__((always_inline)) const scalar_t* next() {
     const scalar_t* row = data + table[block] * block_stride + offset * token_stride + head_offset;
     if (++offset == block_size) {
       offset = 0;
@@ -74,4 +76,5 @@ inline void exp_scores(float* scores, int64_t group, int64_t len, Partial part) 
   }
 }
 
+}  // namespace
 }  // namespace splitserve_cpu

@@ -20,6 +20,8 @@
 #include "vector_math.h"
 
 namespace splitserve_cpu {
+// Internal linkage, as if written in the .cpp that includes this: the hot loops inline it.
+namespace {
 
 // Context tokens of a shared prefix per task: its scores stay in L2 (128 tokens x 96 rows x 4
 // bytes is 48 KB), and its K/V rows (32 KB) in L1 while every row block reads them.
@@ -192,4 +194,5 @@ SPLITSERVE_SHARED_BF16 inline void shared_prefix_task_bf16_d64(
 }
 #endif
 
+}  // namespace
 }  // namespace splitserve_cpu
