@@ -97,6 +97,14 @@ def peer_settings_note(opts: ServeOptions, peers: tuple[str, ...] | None = None)
             "splitserve aggregated, KV pages faulted in by the steps that write them: "
             "SPLITSERVE_CPU_KV_PREFAULT_TOKENS=0, not the shipped default; the baseline the "
             "idle-time prefault (engine/kv_prefault.py) is measured against"),
+        "splitserve-agg-noshared": (
+            "splitserve aggregated, every decode row reads its whole context: "
+            "SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION=off, not the shipped default; the baseline "
+            "the shared-prefix decode attention (kernels/cpu/shared_prefix_decode.h) is measured "
+            "against"),
+        "splitserve-disagg-noshared": (
+            "splitserve disaggregated, every decode row reads its whole context: "
+            "SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION=off, not the shipped default"),
     }
     return " || ".join(text for name, text in notes.items() if peers is None or name in peers)
 
@@ -167,6 +175,13 @@ SYSTEMS = {
         SystemSpec("splitserve-agg-noprefault", "splitserve aggregated, no KV prefault",
                    "openai", probe="/ready", probe_port_offset=1,
                    extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),)),
+        # Not shipped: no shared-prefix decode attention, measured beside the default.
+        SystemSpec("splitserve-agg-noshared", "splitserve aggregated, no shared-prefix attention",
+                   "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+        SystemSpec("splitserve-disagg-noshared", "splitserve disaggregated, no shared-prefix "
+                   "attention", "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),
