@@ -113,7 +113,7 @@ class ModelRunner:
             fused_decode=self.fused_decode, head_dim=model_config.head_dim,
             query_heads_per_kv_head=attn.num_heads // attn.num_kv_heads,
             small_m_max_rows=self.small_m_max_rows, weight_layout=self.weight_layout,
-            triton=self.triton,
+            triton=self.triton, shared_prefixes=self.shared_prefixes,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
         self.sampler = Sampler()

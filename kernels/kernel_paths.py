@@ -23,7 +23,7 @@ class KernelPaths:
     def of(cls, *, device: torch.device, dtype: torch.dtype, native_decode: bool,
            native_prefill: bool, small_m_linear: bool, fused_decode: bool, head_dim: int,
            query_heads_per_kv_head: int, small_m_max_rows: int, weight_layout: str = "plain",
-           triton: bool = False) -> KernelPaths:
+           triton: bool = False, shared_prefixes: bool = False) -> KernelPaths:
         if triton:  # CUDA, or the tests' interpreter on CPU
             return cls("triton paged decode attention (split-K)",
                        "triton varlen prefill attention over the paged prefix",
@@ -36,7 +36,8 @@ class KernelPaths:
             wide = (torch.backends.cpu.get_cpu_capability() == "AVX512" and head_dim == 64
                     and 1 <= query_heads_per_kv_head <= 4)
             decode = "cpp paged_decode_attention (" + (
-                "AVX-512 head_dim-64" if wide else "portable") + ")"
+                "AVX-512 head_dim-64" if wide else "portable") + (
+                ", shared prefixes once" if shared_prefixes else "") + ")"
         else:
             decode = "torch SDPA reference"
         torch_linear = {"amx": "cpp amx_linear (AMX tiles, packed weights)",

@@ -122,8 +122,8 @@ def test_the_shipped_defaults_log_every_cpp_path(smollm2_dir, caplog):
                else "torch SDPA reference")
     assert line == (
         "kernels on cpu in bfloat16: decode attention cpp paged_decode_attention (AVX-512 "
-        f"head_dim-64); prefill attention {prefill}; linear {linear}; fused decode cpp "
-        "decode_layers"
+        f"head_dim-64, shared prefixes once); prefill attention {prefill}; linear {linear}; "
+        "fused decode cpp decode_layers"
     )
 
 
@@ -138,5 +138,6 @@ def test_splitserve_doctor_prints_the_build_the_model_and_its_paths(tiny_llama_d
     built = cpu_kernels.load()
     assert ("C++ CPU kernels: built" if built else "C++ CPU kernels: NOT built") in out
     assert "LlamaForCausalLM, 2 layers, head_dim 8, rope scaling none, sliding window none" in out
-    decode = "cpp paged_decode_attention (portable)" if built else "torch SDPA reference"
+    decode = ("cpp paged_decode_attention (portable, shared prefixes once)" if built
+              else "torch SDPA reference")
     assert f"kernels on cpu in float32: decode attention {decode};" in out
