@@ -197,6 +197,10 @@ class EngineConfig:
     # all of their query heads, as a small matrix product (kernels/cpu/shared_prefix_decode.h;
     # kernels/attention.py find_shared_prefixes); False: every row reads its own context.
     cpu_shared_prefix_attention: bool = True
+    # A file that workers sharing this host's cores lock in turn while they time kernels at
+    # start (engine/kernel_choice.py measuring_alone); "": no lock. `splitserve up` sets it
+    # for its co-located workers (the core share's file + ".measure").
+    start_measurement_lock: str = ""
     # Attention kernels (kernels/attention.py uses_triton): "triton" runs kernels/triton, reading
     # the paged cache in place; "torch" the reference; "auto": triton on CUDA when it imports.
     attention_backend: str = "auto"

@@ -9,7 +9,11 @@ through a collective (min_over_ranks)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,6 +41,24 @@ from kernels.packed_weights import (
 )
 
 log = logging.getLogger("engine.model_runner")  # the runner's log: its kernel line is there too
+
+
+@contextlib.contextmanager
+def measuring_alone(lock_path: str) -> Iterator[None]:
+    """Holds an exclusive lock on `lock_path` (created if missing; '': none) while this worker
+    times kernels, so that workers sharing a host's cores take turns. Measured side by side
+    on 2 cores, each timed the other's load: a decode worker once kept 0 small-M rows where
+    the kernel wins at 4-32 (kernels/linear.py calibrate_small_m_max_rows), and two identical
+    deployments started with 32 and 64."""
+    if not lock_path:
+        yield
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def _check(name: str, choice: str) -> None:
@@ -68,9 +90,10 @@ def native_prefill(config: EngineConfig, model_config: ModelConfig, dtype: torch
     if not applies or config.cpu_attention == "cpp":
         return applies
     tp = get_tp()
-    calibration = calibrate_prefill_attention(
-        model_config.num_heads // tp.size, max(model_config.num_kv_heads // tp.size, 1),
-        model_config.head_dim, min(config.scheduler.long_prefill_token_threshold, 512))
+    with measuring_alone(config.start_measurement_lock):
+        calibration = calibrate_prefill_attention(
+            model_config.num_heads // tp.size, max(model_config.num_kv_heads // tp.size, 1),
+            model_config.head_dim, min(config.scheduler.long_prefill_token_threshold, 512))
     log.info("%s", calibration.describe())
     return tp.min_over_ranks(int(calibration.native)) == 1
 
@@ -118,7 +141,8 @@ def weight_layout(config: EngineConfig, device: torch.device, dtype: torch.dtype
     if amx:
         layout = "amx"
     elif packing_available():
-        calibration = calibrate_packing(calibration_weights(model))
+        with measuring_alone(config.start_measurement_lock):
+            calibration = calibrate_packing(calibration_weights(model))
         log.info("%s", calibration.describe())
         layout = "packed" if calibration.packed else "plain"
     needed, available = packable_bytes(model), available_memory()
@@ -157,9 +181,10 @@ def small_m_max_rows(config: EngineConfig, model: torch.nn.Module, packed: bool)
     if config.cpu_linear == "cpp":
         return SMALL_M_MAX_ROWS
     layers = calibration_layers(model)
-    calibration = calibrate_small_m_max_rows(
-        [layer.weight.detach() for layer in layers],
-        packed=[layer.packed_weight for layer in layers] if packed else None)
+    with measuring_alone(config.start_measurement_lock):
+        calibration = calibrate_small_m_max_rows(
+            [layer.weight.detach() for layer in layers],
+            packed=[layer.packed_weight for layer in layers] if packed else None)
     log.info("%s", calibration.describe())
     return get_tp().min_over_ranks(calibration.max_rows)
 

@@ -292,6 +292,8 @@ class WorkerConfig:
             cpu_small_m_max_rows=self.cpu_small_m_max_rows,
             cpu_weight_layout=self.cpu_weight_layout,
             cpu_shared_prefix_attention=self.cpu_shared_prefix_attention,
+            # Co-located workers time their kernels at start in turn.
+            start_measurement_lock=self.core_share + ".measure" if self.core_share else "",
             cpu_kv_prefault_tokens=self.cpu_kv_prefault_tokens,
             speculative=self.speculative_config(),
         )

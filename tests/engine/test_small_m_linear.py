@@ -3,6 +3,10 @@ reference, kernels.linear.small_m_linear_reference, and the engine with either l
 
 from __future__ import annotations
 
+import fcntl
+import os
+import threading
+
 import pytest
 import torch
 from engine_harness import drive, make_engine, parse_worker_flags
@@ -21,6 +25,7 @@ from kernels.linear import (
     small_m_linear_available,
     small_m_linear_reference,
 )
+from services.common.worker_config import WorkerConfig
 
 pytestmark = require_cpu_kernels()
 
@@ -193,3 +198,34 @@ def test_the_worker_flag_reaches_the_engine_and_bad_values_are_refused(tiny_llam
     for bad in (-2, 65):
         with pytest.raises(ValueError, match="--cpu-small-m-max-rows must be -1"):
             WorkerConfig(role="decode", model=str(tiny_llama_dir), cpu_small_m_max_rows=bad)
+
+
+@needs_avx512_bf16
+def test_a_worker_times_its_kernels_only_while_it_holds_the_measurement_lock(tiny_llama_dir, tmp_path):
+    """Workers sharing a host's cores take turns timing kernels at start: while a peer holds
+    the lock (a real flock on the file `splitserve up` names), this engine's build waits at its
+    first measurement, and finishes once the lock is released."""
+    lock = tmp_path / "cores.measure"
+    peer = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(peer, fcntl.LOCK_EX)
+    built: list = []
+    thread = threading.Thread(target=lambda: built.append(make_engine(
+        tiny_llama_dir, dtype="bfloat16", start_measurement_lock=str(lock))))
+    thread.start()
+    try:
+        thread.join(3.0)
+        assert thread.is_alive() and not built  # waiting for the peer
+    finally:
+        os.close(peer)
+    thread.join(120)
+    assert built and built[0].runner.small_m_max_rows in (0, *SMALL_M_CANDIDATES)
+    with open(lock, "rb") as held:  # released again: another worker can take it at once
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_co_located_workers_name_one_measurement_lock(tiny_llama_dir):
+    """The core share's workers lock the same file; a worker on its own locks none."""
+    model = str(tiny_llama_dir)
+    shared = WorkerConfig(role="decode", model=model, num_threads=1, core_share="/tmp/x/cores")
+    assert shared.engine_config().start_measurement_lock == "/tmp/x/cores.measure"
+    assert WorkerConfig(role="decode", model=model).engine_config().start_measurement_lock == ""
