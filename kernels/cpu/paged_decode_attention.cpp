@@ -199,8 +199,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
         }
         if (place[b] >= 0) {
           const int64_t p = shared.of[b];
-          for (int64_t t = shared_first[p]; t < shared_first[p + 1]; ++t) {
-            if (shared_tasks[t].kv_head != kvh) continue;
+          // Prefix p's tasks: kv_heads runs of the same number of chunks, KV head by KV head.
+          const int64_t per_head = (shared_first[p + 1] - shared_first[p]) / kv_heads;
+          for (int64_t t = shared_first[p] + kvh * per_head; t < shared_first[p] + (kvh + 1) * per_head; ++t) {
             const int64_t i = shared_tasks[t].at + place[b] * group + g;
             maxes.push_back(&shared_max[i]), sums.push_back(&shared_sum[i]), accs.push_back(&shared_acc[i * dim]);
           }
