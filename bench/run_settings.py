@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, fields
 from services.gateway.config import GatewayConfig, _env_name  # no torch: the gateway loads none
 
 # The gateway fields that decide which requests are admitted, released or refused.
-ADMISSION_FIELDS = ("ttft_target_s", "max_inflight", "max_inflight_per_decode",
+ADMISSION_FIELDS = ("ttft_target_s", "tpot_target_s", "max_inflight", "max_inflight_per_decode",
                     "max_inflight_per_key", "kv_headroom", "max_prefill_queue_tokens", "fairness")
 # What a zero means in the fields where zero is not a number but a rule.
-_ZERO_MEANS = {"ttft_target_s": "off", "max_inflight": "no limit",
+_ZERO_MEANS = {"ttft_target_s": "off", "tpot_target_s": "off", "max_inflight": "no limit",
                "max_inflight_per_decode": "the decode workers' max_running",
                "max_inflight_per_key": "no limit", "max_prefill_queue_tokens": "no limit"}
 

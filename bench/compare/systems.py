@@ -182,6 +182,14 @@ SYSTEMS = {
         SystemSpec("splitserve-disagg-noshared", "splitserve disaggregated, no shared-prefix "
                    "attention", "openai", probe="/ready", probe_port_offset=1,
                    extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+        # Not shipped: the gateway's TPOT target off (no pace limit on decode workers),
+        # measured beside the default.
+        SystemSpec("splitserve-agg-nopace", "splitserve aggregated, no TPOT target",
+                   "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
+        SystemSpec("splitserve-disagg-nopace", "splitserve disaggregated, no TPOT target",
+                   "openai", probe="/ready", probe_port_offset=1,
+                   extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

@@ -100,8 +100,10 @@ def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprobs:
 
 
 def stats_to_pb(stats: dict[str, float]) -> common_pb2.WorkerStats:
-    return common_pb2.WorkerStats(**{k: int(v) for k, v in stats.items()
-                                     if k in common_pb2.WorkerStats.DESCRIPTOR.fields_by_name})
+    fields = common_pb2.WorkerStats.DESCRIPTOR.fields_by_name
+    return common_pb2.WorkerStats(**{
+        k: float(v) if fields[k].type == fields[k].TYPE_DOUBLE else int(v)
+        for k, v in stats.items() if k in fields})
 
 
 def compute_to_pb(compute: ComputeSeconds | None) -> common_pb2.ComputeSeconds:

@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from services.common.core_share import CoreShare
 from services.common.step_watchdog import StepWatchdog
+from services.common.token_pace import TokenPace
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Refreshed by the engine thread after every step; a plain dict swapped atomically.
-        self.stats: dict[str, float] = engine.stats()
+        self.pace = TokenPace()  # the streams' time per token, for the gateway's admission
+        self.stats: dict[str, float] = {**engine.stats(), **self.pace.snapshot(time.monotonic())}
         self.step_seconds = 0.0
         self.healthy = True
         # (monotonic start, "step" | "command") of the engine thread's current work, or None;
@@ -350,6 +352,7 @@ class EngineLoop:
                 if engine.scheduler.waiting or engine.scheduler.running:
                     if self.core_share is not None:
                         self._take_cores()
+                    rows = len(engine.scheduler.running)
                     start = time.perf_counter()
                     steps_before = engine.num_steps
                     self._busy = (time.monotonic(), "step")
@@ -363,11 +366,13 @@ class EngineLoop:
                     scheduled = engine.num_steps > steps_before
                     if scheduled:
                         self.step_seconds = elapsed
+                        self.pace.step_done(time.monotonic(), rows,
+                                            bool(engine.scheduler.running))
                         if self.on_step is not None:
                             self.on_step(self.step_seconds, *engine.last_step_size)
                 if engine.scheduler.waiting_for_kv:
                     self._expire_reservations(time.monotonic())
-                self.stats = engine.stats()
+                self.stats = {**engine.stats(), **self.pace.snapshot(time.monotonic())}
                 if self.on_outputs is not None:  # request metrics see who left without output
                     self.on_outputs([], self._streams)
                 if not scheduled:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from splitserve.v1 import common_pb2
@@ -30,7 +31,8 @@ def health_response(loop: EngineLoop, worker: WorkerState, kv_endpoint: str) -> 
         status=status,
         role=worker.role,
         model=worker.model_name,
-        stats=convert.stats_to_pb(loop.stats),
+        # The pace as of now: an idle worker's last busy seconds age out of it here too.
+        stats=convert.stats_to_pb({**loop.stats, **loop.pace.snapshot(time.monotonic())}),
         kv_endpoint=kv_endpoint,
         block_size=engine.config.block_size,
         max_model_len=engine.max_model_len,

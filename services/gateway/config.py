@@ -84,6 +84,7 @@ class GatewayConfig:
     fairness: str = "vtc"  # vtc | round_robin | fcfs
     output_token_weight: float = 2.0  # an output token's cost in the virtual token counter
     ttft_target_s: float = 1.0  # predicted or waited past it -> 503 (0: off)
+    tpot_target_s: float = 0.1  # a decode worker's streams slower than this take no more (0: off)
     max_inflight_per_decode: int = 0  # released requests per routable decode worker (0: its max_running)
     kv_headroom: float = 0.0  # fraction of decode KV blocks kept free when releasing
     max_prefill_queue_tokens: int = 0  # queued prompt tokens per prefill worker (0: no limit)
@@ -206,6 +207,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                                  "peer has) above that peer (negative: off)",
         "local_prefill_tokens": "prefill on the decode worker when at most this much of the "
                                 "prompt is uncached there (0: off)",
+        "tpot_target_s": "hold new requests back from a decode worker whose running streams "
+                         "get a token slower than this (their time per output token), until "
+                         "its pace is back; they wait in the fair queue, under the TTFT "
+                         "target (0: off)",
         "prefill_backlog_tokens": "prefill on the decode worker when every prefill worker has "
                                   "this many tokens queued, or none is up (0: off)",
         "max_prompts_per_request": "most prompts in one /v1/completions `prompt` list (400 over)",

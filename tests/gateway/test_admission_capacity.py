@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from admission_harness import FakeEndpoint, FakePool
 
-from services.gateway.admission.capacity import CapacityRule, ClusterRoom
+from services.gateway.admission.capacity import (
+    MIN_PACE_ROWS,
+    CapacityRule,
+    ClusterRoom,
+    pace_limit,
+)
 from services.gateway.admission.ttft_estimator import TTFTEstimator
 
 
@@ -32,6 +37,43 @@ def test_by_default_no_more_is_released_than_the_decoders_batch():
     assert room.inflight_limit() == 0 and room.has_room(100, 10, 1)
     explicit = ClusterRoom(CapacityRule(max_inflight_per_decode=2), pool)
     assert explicit.inflight_limit() == 2
+
+
+def test_a_decode_worker_behind_its_tpot_target_takes_only_what_it_can_pace():
+    pool = FakePool(FakeEndpoint(role="decode"), FakeEndpoint(role="decode"))
+    slow, fast = (e.health.stats for e in pool.endpoints)
+    slow.max_running = fast.max_running = 128
+    room = ClusterRoom(CapacityRule(tpot_target_s=0.1), pool)
+    assert room.inflight_limit() == 256  # neither has reported a pace yet
+    slow.token_interval_s, slow.interval_rows = 0.2, 40.0  # twice the target at 40 streams
+    fast.token_interval_s, fast.interval_rows = 0.02, 10.0  # well within: not judged
+    assert room.decoder_limit(slow) == 20 and room.decoder_limit(fast) == 128
+    assert room.inflight_limit() == 148
+    assert room.has_room(147, 10, 1) and not room.has_room(148, 10, 1)
+    slow.token_interval_s = 0.07  # within the target but past half of it: room to grow, bounded
+    assert room.decoder_limit(slow) == 57
+    slow.token_interval_s, slow.interval_rows = 0.5, 3.0  # a handful already miss it: not held
+    assert room.decoder_limit(slow) == 128
+    slow.token_interval_s, slow.interval_rows = 5.0, 40.0  # held, but never below a handful
+    assert room.decoder_limit(slow) == MIN_PACE_ROWS
+    explicit = ClusterRoom(CapacityRule(max_inflight_per_decode=2, tpot_target_s=0.1), pool)
+    assert explicit.inflight_limit() == 2 + 2  # the pace limit only ever lowers a limit
+    off = ClusterRoom(CapacityRule(), pool)
+    assert off.decoder_limit(slow) == 128
+    slow.max_running = fast.max_running = 0  # older workers: the pace alone limits
+    assert room.inflight_limit() == 0  # one of them has no limit at all
+    fast.token_interval_s, fast.interval_rows = 0.3, 100.0
+    assert room.inflight_limit() == MIN_PACE_ROWS + 33
+    with pytest.raises(ValueError, match="tpot"):
+        CapacityRule(tpot_target_s=-1)
+
+
+def test_pace_limit():
+    assert pace_limit(0.0, 1.0, 100) == 0  # off
+    assert pace_limit(0.1, 0.05, 100) == 0  # at half the target: not judged
+    assert pace_limit(0.1, 0.051, 100) == 196
+    assert pace_limit(0.1, 0.1, 100) == 100
+    assert pace_limit(0.1, 0.4, 100) == 25
 
 
 def test_nothing_in_flight_always_has_room():

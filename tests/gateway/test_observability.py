@@ -187,6 +187,8 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
         series("splitserve_gateway_routing_decisions_total", role="prefill",
                worker=traced.prefill.address, reason="disaggregated"): 3}
     assert served["splitserve_gateway_inflight_requests"] == 0
+    # Idle, the decode worker's own batch limit (max_num_seqs), not lowered by its pace.
+    assert served["splitserve_gateway_inflight_limit"] == 128
 
     # A rejected request and a client that leaves mid-stream.
     wrong = httpx.post(f"{gateway_url}/v1/completions", timeout=30,
@@ -219,6 +221,7 @@ def test_metrics_follow_served_rejected_and_cancelled_requests(traced):
                            and m['splitserve_kv_blocks_used{role="decode"}'] == 0,
                            "the decode worker to be idle")
     assert decode_metrics['splitserve_kv_usage_ratio{role="decode"}'] == 0
+    assert 'splitserve_worker_token_interval_seconds{role="decode"}' in decode_metrics
     assert decode_metrics['splitserve_kv_transfers_total{role="decode"}'] >= 3
     prefill_metrics = scrape(f"http://{traced.prefill.metrics_address}")
     assert prefill_metrics['splitserve_kv_transfer_bytes_total{role="prefill"}'] > 0

@@ -38,6 +38,8 @@ class AdmissionSettings(Protocol):
     @property
     def ttft_target_s(self) -> float: ...
     @property
+    def tpot_target_s(self) -> float: ...
+    @property
     def max_inflight(self) -> int: ...
     @property
     def max_inflight_per_key(self) -> int: ...
@@ -58,6 +60,8 @@ def validate_admission(config: AdmissionSettings) -> None:
         raise ValueError(f"--quota-fail-mode must be one of {', '.join(FAIL_MODES)}")
     if config.ttft_target_s < 0:
         raise ValueError("--ttft-target-s must be >= 0 (0 turns early rejection off)")
+    if config.tpot_target_s < 0:
+        raise ValueError("--tpot-target-s must be >= 0 (0 turns the pace limit off)")
     if config.output_token_weight <= 0:
         raise ValueError("--output-token-weight must be > 0")
     for name in ("max_inflight", "max_inflight_per_key", "max_inflight_per_decode",
@@ -83,11 +87,12 @@ def _directory(config: AdmissionSettings):
 def make_admission(config: AdmissionSettings, pool: WorkerPool,
                    cached_tokens: CachedTokens | None = None) -> Admission:
     directory = _directory(config)
-    log.info("admission: %s; fairness %s; ttft target %gs; quotas %s (fail %s)",
-             directory.describe(), config.fairness, config.ttft_target_s,
+    log.info("admission: %s; fairness %s; ttft target %gs; tpot target %gs; quotas %s "
+             "(fail %s)", directory.describe(), config.fairness, config.ttft_target_s,
+             config.tpot_target_s,
              "shared in redis" if config.redis_url else "in process", config.quota_fail_mode)
     rule = CapacityRule(config.max_inflight, config.max_inflight_per_decode, config.kv_headroom,
-                        config.max_prefill_queue_tokens)
+                        config.max_prefill_queue_tokens, config.tpot_target_s)
     return Admission(directory, Quotas(config.redis_url, config.quota_fail_mode),
                      FairQueue(config.fairness, config.output_token_weight),
                      ClusterRoom(rule, pool), TTFTEstimator(), config.ttft_target_s,

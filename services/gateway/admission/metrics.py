@@ -61,6 +61,10 @@ class _StateCollector:
         yield GaugeMetricFamily("splitserve_gateway_inflight_requests",
                                 "Requests released to workers and not finished.",
                                 value=admission.inflight)
+        yield GaugeMetricFamily("splitserve_gateway_inflight_limit",
+                                "Most requests released at once now, the decode workers' pace "
+                                "under --tpot-target-s included (0: no limit).",
+                                value=admission.room.inflight_limit())
         status = admission.quotas.status
         yield GaugeMetricFamily("splitserve_gateway_quota_shared",
                                 "1: quotas are shared through Redis; 0: local to this gateway.",
