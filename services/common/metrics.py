@@ -7,8 +7,6 @@ engine thread and once per KV transfer on kv_transfer threads.
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -140,10 +138,9 @@ class _StatsCollector:
             }
             for name, (key, doc) in gauges.items():
                 yield _gauge(name, doc, labels, stats[key])
-            pace = loop.pace.snapshot(time.monotonic())
             yield _gauge("splitserve_worker_token_interval_seconds", "Mean gap between steps "
                          "over the last 3 s while requests ran: the streams' time per token.",
-                         labels, pace["token_interval_s"])
+                         labels, stats.get("token_interval_s", 0.0))
             used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
             yield _gauge("splitserve_kv_blocks_used", "KV cache blocks in use.", labels, used)
             yield _gauge("splitserve_kv_usage_ratio", "Fraction of KV blocks in use.", labels,
