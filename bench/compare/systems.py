@@ -152,44 +152,39 @@ class SystemSpec:
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
 
 
+def _splitserve(name: str, label: str, **kwargs) -> SystemSpec:
+    """A `splitserve up` deployment: OpenAI API, ready once the admin port's /ready says so."""
+    return SystemSpec(name, label, "openai", probe="/ready", probe_port_offset=1, **kwargs)
+
+
 SYSTEMS = {
     s.name: s for s in (
-        SystemSpec("splitserve-disagg", "splitserve disaggregated", "openai", probe="/ready",
-                   probe_port_offset=1),
-        SystemSpec("splitserve-agg", "splitserve aggregated", "openai", probe="/ready",
-                   probe_port_offset=1),
+        _splitserve("splitserve-disagg", "splitserve disaggregated"),
+        _splitserve("splitserve-agg", "splitserve aggregated"),
         # Not shipped: disaggregated with each worker held to its half of the cores, the
         # baseline of the core share (services/common/core_share.py), measured beside it.
-        SystemSpec("splitserve-disagg-fixed", "splitserve disaggregated, fixed halves "
-                   "(--no-core-share)", "openai", probe="/ready", probe_port_offset=1,
-                   up_flags=("--no-core-share",)),
+        _splitserve("splitserve-disagg-fixed", "splitserve disaggregated, fixed halves "
+                    "(--no-core-share)", up_flags=("--no-core-share",)),
         # Not shipped: the core share without prompts first (decode never pauses for the
         # prefill worker's steps), measured beside the default.
-        SystemSpec("splitserve-disagg-noyield", "splitserve disaggregated, decode never pauses "
-                   "(yield 0)", "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),)),
-        SystemSpec("splitserve-disagg-burst1", "splitserve disaggregated, pauses up to 1 s "
-                   "(yield burst 1 s)", "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),)),
+        _splitserve("splitserve-disagg-noyield", "splitserve disaggregated, decode never pauses "
+                    "(yield 0)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),)),
+        _splitserve("splitserve-disagg-burst1", "splitserve disaggregated, pauses up to 1 s "
+                    "(yield burst 1 s)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),)),
         # Not shipped: no idle-time prefault of the KV pool's pages, measured beside the default.
-        SystemSpec("splitserve-agg-noprefault", "splitserve aggregated, no KV prefault",
-                   "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),)),
+        _splitserve("splitserve-agg-noprefault", "splitserve aggregated, no KV prefault",
+                    extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),)),
         # Not shipped: no shared-prefix decode attention, measured beside the default.
-        SystemSpec("splitserve-agg-noshared", "splitserve aggregated, no shared-prefix attention",
-                   "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
-        SystemSpec("splitserve-disagg-noshared", "splitserve disaggregated, no shared-prefix "
-                   "attention", "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+        _splitserve("splitserve-agg-noshared", "splitserve aggregated, no shared-prefix attention",
+                    extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+        _splitserve("splitserve-disagg-noshared", "splitserve disaggregated, no shared-prefix "
+                    "attention", extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
         # Not shipped: the gateway's TPOT target off (no pace limit on decode workers),
         # measured beside the default.
-        SystemSpec("splitserve-agg-nopace", "splitserve aggregated, no TPOT target",
-                   "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
-        SystemSpec("splitserve-disagg-nopace", "splitserve disaggregated, no TPOT target",
-                   "openai", probe="/ready", probe_port_offset=1,
-                   extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
+        _splitserve("splitserve-agg-nopace", "splitserve aggregated, no TPOT target",
+                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
+        _splitserve("splitserve-disagg-nopace", "splitserve disaggregated, no TPOT target",
+                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

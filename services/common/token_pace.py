@@ -21,6 +21,8 @@ class TokenPace:
         self.window_s = window_s
         self._lock = threading.Lock()
         self._gaps: deque[tuple[float, float, int]] = deque()  # (end, gap seconds, rows)
+        self._gap_sum = 0.0  # of the gaps in the window, kept as they come and go: a
+        self._row_sum = 0  # snapshot each step costs O(1), not a pass over the window
         self._last_end: float | None = None  # the previous step's end, if it left any running
 
     def step_done(self, now: float, rows: int, still_running: bool) -> None:
@@ -29,7 +31,10 @@ class TokenPace:
         the time after an idle spell is not a stream's."""
         with self._lock:
             if self._last_end is not None and rows:
-                self._gaps.append((now, now - self._last_end, rows))
+                gap = now - self._last_end
+                self._gaps.append((now, gap, rows))
+                self._gap_sum += gap
+                self._row_sum += rows
             self._last_end = now if still_running else None
             self._trim(now)
 
@@ -39,9 +44,12 @@ class TokenPace:
             n = len(self._gaps)
             if not n:
                 return {"token_interval_s": 0.0, "interval_rows": 0.0}
-            return {"token_interval_s": sum(g for _, g, _ in self._gaps) / n,
-                    "interval_rows": sum(r for _, _, r in self._gaps) / n}
+            return {"token_interval_s": self._gap_sum / n, "interval_rows": self._row_sum / n}
 
     def _trim(self, now: float) -> None:
         while self._gaps and self._gaps[0][0] < now - self.window_s:
-            self._gaps.popleft()
+            _, gap, rows = self._gaps.popleft()
+            self._gap_sum -= gap
+            self._row_sum -= rows
+        if not self._gaps:
+            self._gap_sum = 0.0  # no rounding left over from the sums
