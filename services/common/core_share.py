@@ -29,7 +29,11 @@ threads against 980 ms on one, `bench/prefill.py`). The pause is bounded by a cr
 positive, and every second it spends paused (and waiting for the step it gave its core to)
 is charged, so a stream of prompts slows tokens down (by default to no less than half their
 rate, over time) but never stops them. A decoder without credit says so, and the prefill
-worker then steps on its own threads without waiting.
+worker then steps on its own threads without waiting. A paused decoder still takes new
+requests (its engine loop runs queued commands at each poll of the wait): the gateway sends a
+prompt to the prefill worker only once the decode worker has reserved its KV blocks, so a
+reservation held until the pause ended kept the next prompts from the prefill worker that
+the pause was for.
 
 Best effort: the slots are plain shared memory without locks, so two workers that change
 state in the same microsecond may overlap for one step. Only for workers that share cores: in
@@ -43,6 +47,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 
 # pid, own threads, active (1) or idle (0), borrowed, flags (below)
 _SLOT = struct.Struct("<qiiii")
@@ -120,6 +125,7 @@ class CoreShare:
         self.yields = 0  # steps that paused for a prefilling peer (priority=False only)
         self.yield_seconds = 0.0
         self._asking = False
+        self._meanwhile: Callable[[], object] | None = None  # step_threads' hook, while it waits
         self._yield_credit = yield_burst_s
         self._credit_at = time.monotonic()
         self._dead: set[int] = set()
@@ -173,11 +179,24 @@ class CoreShare:
         return [(peer[0], peer[1], 0, 0, 0) if peer[0] in self._dead or not peer[0] else peer
                 for peer in peers]
 
-    def step_threads(self) -> int:
+    def step_threads(self, meanwhile: Callable[[], object] | None = None) -> int:
         """Marks this worker active and returns the threads its next step runs with: its own,
         plus (borrow=True) those of every idle peer, waiting first (up to wait_limit_s) for
         peers that borrowed to hand them back. A prefill worker first asks willing peers to
-        pause; a willing peer pauses while it is asked (see the module docstring)."""
+        pause; a willing peer pauses while it is asked (see the module docstring).
+
+        `meanwhile()` is called at every poll of those waits (every 0.5-4 ms): the engine
+        loop runs its queued commands there (a new request's KV reservation, received KV),
+        so a decoder paused for the prefill worker's steps still answers a new request
+        within milliseconds instead of after the pause, and the prefill worker gets the
+        prompt while it is still stepping."""
+        self._meanwhile = meanwhile
+        try:
+            return self._step_threads()
+        finally:
+            self._meanwhile = None
+
+    def _step_threads(self) -> int:
         paused_at = self._pause_for_prompts() if not self.priority else None
         if not self.active or self.priority:
             self.active = True
@@ -212,7 +231,13 @@ class CoreShare:
         start = time.monotonic()
         while time.monotonic() - start < ASK_LIMIT_S and any(
                 active and flags & _WILLING for _, _, active, _, flags in self._peers()):
-            _poll_sleep(time.monotonic() - start)
+            self._poll(time.monotonic() - start)
+
+    def _poll(self, waited_s: float) -> None:
+        """One poll of a wait: the step_threads caller's work first, then the sleep."""
+        if self._meanwhile is not None:
+            self._meanwhile()
+        _poll_sleep(waited_s)
 
     def _asked_to_pause(self) -> bool:
         """A prefill peer is asking for the cores, or stepping on some it borrowed."""
@@ -239,7 +264,7 @@ class CoreShare:
         self.idle()
         deadline = start + self._yield_credit
         while time.monotonic() < deadline and self._asked_to_pause():
-            _poll_sleep(time.monotonic() - start)
+            self._poll(time.monotonic() - start)
         return start
 
     def _charge_pause(self, seconds: float) -> None:
@@ -254,7 +279,7 @@ class CoreShare:
         start = time.monotonic()
         deadline = start + self.wait_limit_s
         while time.monotonic() < deadline:
-            _poll_sleep(time.monotonic() - start)
+            self._poll(time.monotonic() - start)
             in_use = sum(own + borrowed for _, own, active, borrowed, _ in self._peers()
                          if active)
             if in_use + want <= self.cores:

@@ -319,8 +319,20 @@ class EngineLoop:
 
     def _take_cores(self) -> None:
         """Before a step: this worker's threads and those its idle peers lend."""
-        self.step_threads = self.core_share.step_threads()
+        self.step_threads = self.core_share.step_threads(meanwhile=self._commands_while_waiting)
         self.engine.set_num_threads(self.step_threads)  # every step (LLMEngine.set_num_threads)
+
+    def _commands_while_waiting(self) -> None:
+        """While the core share holds the next step back (paused for a prefilling peer, or
+        waiting for cores a peer borrowed): the queued commands, on one thread (the peer's
+        team has the cores). A new request is then reserved, and received KV written, now
+        rather than after the wait: a decoder paused through the prefill worker's steps held
+        every new request's reservation (and so its prefill) for up to the whole pause,
+        0.39 s at p99 of the chat mix at 3 req/s."""
+        if self._commands.empty():
+            return
+        self.engine.set_num_threads(1)
+        self._run_commands()
 
     def _prefault(self) -> bool:
         """While nothing is runnable: fault in the next slice of the KV pool's pages

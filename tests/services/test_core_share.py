@@ -402,3 +402,50 @@ def test_an_idle_loop_prefaults_its_kv_pool_only_while_no_peer_steps(tiny_llama_
     finally:
         loop.stop()
         peer.stop()
+
+
+def test_a_paused_loop_still_takes_new_requests(tiny_llama_dir, share_path):
+    """A decoder paused for a prefilling peer (its own process, stepping on both cores) runs
+    its queued commands while it waits: a new request is added within milliseconds, not after
+    the pause (which here would last its whole 10 s credit), and no step runs until the peer
+    idles. In a disaggregated deployment that command is the new request's KV reservation,
+    which the gateway needs before it sends the prompt to the prefill worker."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                    num_kv_blocks=64, num_threads=1))
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    loop.core_share = CoreShare(share_path, 1, borrow=True, cores=2, yield_burst_s=10.0)
+    peer = Peer(share_path, prefill=True)
+    loop.start()
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        running, _ = await loop.open("running", lambda e: e.add_request(
+            "running", list(range(5, 37)), params))
+        await running.get()  # it steps
+        steps = engine.num_steps
+        assert peer.ask("step")[0] == 2  # the decoder paused at its next boundary
+        await asyncio.sleep(0.2)
+        paused_at = engine.num_steps
+        assert paused_at <= steps + 2
+        start = time.monotonic()
+        added, _ = await asyncio.wait_for(loop.open("new", lambda e: e.add_request(
+            "new", list(range(7, 20)), SamplingParams(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True))), 2.0)
+        assert time.monotonic() - start < 1.0
+        await asyncio.sleep(0.2)
+        assert engine.num_steps == paused_at, "the decoder stepped while the peer did"
+        assert loop.core_share.yields == 0  # still in its first pause
+        peer.ask("idle")
+        tokens: list[int] = []
+        while True:
+            out = await asyncio.wait_for(added.get(), 10.0)
+            tokens += out.new_token_ids
+            if out.finished:
+                break
+        assert len(tokens) == 4
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+        peer.stop()
