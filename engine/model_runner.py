@@ -116,7 +116,7 @@ class ModelRunner:
             triton=self.triton, shared_prefixes=self.shared_prefixes,
         )
         logging.getLogger(__name__).info("%s", self.kernel_paths)  # the paths a user gets
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, CachedRequestState] = {}
         self.grammar_masks: GrammarMasks | None = None  # built for the first constrained request

@@ -73,6 +73,56 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
     logits[at] = sub
 
 
+class LogitProcessing:
+    """The logit processing of SamplingParams (allowed_token_ids, then logit_bias, then the
+    min_tokens ban of EOS and stop_token_ids), row by row in place: few requests ask for it,
+    and those that do are not batched with each other. A row that it would leave without a
+    single token (an allowed set of stop tokens only, under min_tokens; an allowed set the
+    grammar rules out) keeps its logits as they were: the grammar (or the model) picks."""
+
+    _CACHE_LIMIT = 256
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        # id(params) -> (params, allowed ids, bias ids, bias values): one conversion a request.
+        self._tensors: dict[int, tuple] = {}
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+              index: Sequence[int]) -> None:
+        for i in index:
+            self._apply_row(logits[i], rows[i])
+
+    def _apply_row(self, x: torch.Tensor, row: SamplingRow) -> None:
+        params = row.params
+        allowed, bias_ids, bias = self._of(params, x.device, x.dtype)
+        before = x.clone()
+        if allowed is not None:
+            kept = x[allowed]
+            x.fill_(float("-inf"))
+            x[allowed] = kept
+        if bias_ids is not None:
+            x[bias_ids] += bias
+        if params.min_tokens and row.position - row.num_prompt_tokens < params.min_tokens:
+            banned = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
+            if banned:
+                x[torch.tensor(banned, device=x.device)] = float("-inf")
+        if not torch.isfinite(x.max()):
+            x.copy_(before)
+
+    def _of(self, params: SamplingParams, device: torch.device, dtype: torch.dtype):
+        cached = self._tensors.get(id(params))
+        if cached is None or cached[0] is not params or cached[3].dtype != dtype:
+            if len(self._tensors) >= self._CACHE_LIMIT:
+                self._tensors.clear()
+            allowed = (torch.tensor(params.allowed_token_ids, device=device)
+                       if params.allowed_token_ids else None)
+            ids = (torch.tensor([t for t, _ in params.logit_bias], device=device)
+                   if params.logit_bias else None)
+            values = torch.tensor([b for _, b in params.logit_bias], dtype=dtype, device=device)
+            cached = self._tensors[id(params)] = (params, allowed, ids, values)
+        return cached[1], cached[2], cached[3]
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Top-k then top-p then min-p on temperature-scaled logits; returns probabilities that
     sum to 1 over the kept tokens (the rejection sampler uses them as p and q, not only as
@@ -132,16 +182,18 @@ class Sampler:
     results with one wait (sampling_batched; None: on CUDA, where each host round trip is a
     sync), else the host-guided draw (sampling_draw), cheaper on a CPU."""
 
-    def __init__(self, batched: bool | None = None) -> None:
+    def __init__(self, batched: bool | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.batched = batched
         self._settings: StepInputs | None = None  # per-row settings for the batched draw
+        self.processing = LogitProcessing(eos_token_ids)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[Logprobs | None]]:
         batched = logits.is_cuda if self.batched is None else self.batched
         if not batched and all(r.params.greedy and r.params.logprobs is None
-                               and not r.params.needs_penalties for r in rows):
+                               and not r.params.needs_penalties
+                               and not r.params.needs_logit_processing for r in rows):
             # Argmaxes only: of the logits as computed (bf16 on such a CPU; the float32 copy
             # would change no pick), with no other pass over them.
             return greedy_tokens(logits).tolist(), [None] * len(rows)
@@ -153,9 +205,13 @@ class Sampler:
             whole = batched or len(asked) == len(rows)  # a gather's index would cost a copy
             raw_logprobs = (logits if whole else logits[asked]).log_softmax(-1)
         penalised = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-        if penalised:
+        processed = [i for i, r in enumerate(rows) if r.params.needs_logit_processing]
+        if penalised or processed:
             logits = logits.clone()
+        if penalised:
             _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
+        if processed:
+            self.processing.apply(logits, rows, processed)
         if batched:
             return self._sample_batched(logits, rows, asked, raw_logprobs)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

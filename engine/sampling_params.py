@@ -61,6 +61,12 @@ class SamplingParams:
     `disable_speculation` opts this request out of speculative decoding on an engine that
     speculates (speculation changes the pace of generation, never its distribution).
     `structured_output` constrains every sampled token to a grammar (engine/structured).
+
+    Logit processing (the OpenAI API's `logit_bias`, vLLM's `allowed_token_ids` and
+    `min_tokens`), after penalties and before temperature: `allowed_token_ids` (empty: all)
+    leaves only those tokens, `logit_bias` adds (token id, bias) to the logits, and while
+    fewer than `min_tokens` tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` are
+    banned. Logprobs stay those of the model's distribution, as with penalties.
     """
 
     max_tokens: int = 16
@@ -78,8 +84,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     disable_speculation: bool = False
     structured_output: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: [-100, 100]
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +102,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def needs_logit_processing(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or min_tokens change this request's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.min_tokens)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError with a message a user can act on; never mutates anything."""
@@ -133,10 +148,41 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {self.MAX_LOGPROBS}], got {value!r}"
                 )
+        self._validate_logit_processing(vocab_size)
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise ValueError("structured_output must be a StructuredOutput")
             self.structured_output.validate()
+
+
+    def _validate_logit_processing(self, vocab_size: int) -> None:
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError("logit_bias must be (token id, bias) pairs")
+            token_id, bias = pair
+            _check_token_id("logit_bias", token_id, vocab_size)
+            if token_id in seen:
+                raise ValueError(f"logit_bias names token id {token_id} twice")
+            seen.add(token_id)
+            _check_finite(f"logit_bias of token {token_id}", bias)
+            if not -self.MAX_LOGIT_BIAS <= bias <= self.MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for "
+                                 f"token {token_id}")
+        for token_id in self.allowed_token_ids:
+            _check_token_id("allowed_token_ids", token_id, vocab_size)
+        # Not held to max_tokens here: a prefill worker samples one token of a longer request
+        # (the gateway checks min_tokens <= max_tokens).
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or self.min_tokens < 0):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+
+
+def _check_token_id(name: str, token_id, vocab_size: int) -> None:
+    if (not isinstance(token_id, int) or isinstance(token_id, bool)
+            or not 0 <= token_id < vocab_size):
+        raise ValueError(f"{name} token id {token_id!r} is not in the vocabulary "
+                         f"[0, {vocab_size})")
 
 
 def _check_finite(name: str, value: float) -> None:

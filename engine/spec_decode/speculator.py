@@ -94,8 +94,8 @@ class Speculator:
 
     def _budget(self, request: Request) -> int:
         params = request.sampling_params
-        if params.disable_speculation:
-            return 0
+        if params.disable_speculation or params.needs_logit_processing:
+            return 0  # verification applies no logit processing: such requests never speculate
         # Never propose past max_tokens (the step adds one token of its own) or the context.
         left = params.max_tokens - request.num_output_tokens - 1
         if request.max_model_len is not None:

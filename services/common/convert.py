@@ -37,6 +37,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         disable_speculation=pb.disable_speculation,
         structured_output=(structured_from_pb(pb.structured_output)
                            if pb.HasField("structured_output") else None),
+        logit_bias=tuple((b.token_id, b.bias) for b in pb.logit_bias),
+        allowed_token_ids=tuple(pb.allowed_token_ids),
+        min_tokens=pb.min_tokens,
     )
 
 
@@ -72,6 +75,9 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         disable_speculation=params.disable_speculation,
+        logit_bias=[common_pb2.TokenBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        allowed_token_ids=list(params.allowed_token_ids),
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         pb.seed = params.seed

@@ -335,3 +335,97 @@ def test_penalties_and_logprobs_in_a_batch_equal_each_row_alone():
         alone_tokens, alone_logprobs = Sampler()(logits[i:i + 1], [r])
         assert tokens[i] == alone_tokens[0] and logprobs[i] == alone_logprobs[0], i
     assert logprobs[1] is None and logprobs[2].top == {} and len(logprobs[3].top) == 5
+
+
+# -- logit processing (logit_bias, allowed_token_ids, min_tokens) ---------------------------
+
+
+def test_logit_bias_moves_the_greedy_choice_and_leaves_the_logprobs_and_other_rows():
+    logits = torch.tensor([PROBS, PROBS]).log()
+    biased = row(temperature=0.0, logprobs=1, logit_bias=((3, 5.0),))
+    plain = row(temperature=0.0, logprobs=1)
+    tokens, logprobs = Sampler()(logits, [biased, plain])
+    assert tokens == [3, 0]
+    # Logprobs are the model's distribution's, as with penalties.
+    assert math.isclose(logprobs[0].logprob, math.log(0.1), rel_tol=1e-5)
+    assert logprobs[0].rank == 4
+    assert torch.equal(logits, torch.tensor([PROBS, PROBS]).log()), "the caller's logits changed"
+
+
+def test_a_bias_of_minus_100_bans_a_token_from_sampling():
+    logits = torch.tensor([PROBS] * 64).log()
+    rows = [row(seed=s, temperature=1.0, logit_bias=((0, -100.0), (1, -100.0))) for s in range(64)]
+    tokens, _ = Sampler()(logits, rows)
+    assert set(tokens) <= {2, 3} and set(tokens) == {2, 3}
+
+
+def test_allowed_token_ids_keep_only_those_tokens_with_their_ratios():
+    logits = torch.tensor([PROBS] * 200).log()
+    rows = [row(seed=s, temperature=1.0, allowed_token_ids=(1, 3)) for s in range(200)]
+    tokens, _ = Sampler()(logits, rows)
+    assert set(tokens) == {1, 3}
+    # 0.25 : 0.1 renormalised: token 1 about 71% of the time.
+    assert 0.6 < tokens.count(1) / len(tokens) < 0.82
+    greedy, _ = Sampler()(logits[:1], [row(temperature=0.0, allowed_token_ids=(2, 3))])
+    assert greedy == [2]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_that_many_are_out():
+    logits = torch.tensor([PROBS]).log()  # token 0 (EOS here) is the argmax
+    sampler = Sampler(eos_token_ids=(0,))
+    params = dict(temperature=0.0, min_tokens=3, stop_token_ids=(1,))
+    # position - num_prompt_tokens = tokens out so far: 0, 1, 2 ban EOS and the stop token.
+    for out in range(3):
+        assert sampler(logits, [row(position=10 + out, num_prompt_tokens=10, **params)])[0] == [2]
+    assert sampler(logits, [row(position=13, num_prompt_tokens=10, **params)])[0] == [0]
+    # ignore_eos: EOS does not end the output, so it is not banned; the stop token still is.
+    assert sampler(logits, [row(position=10, num_prompt_tokens=10, ignore_eos=True,
+                                **params)])[0] == [0]
+
+
+def test_processing_that_would_leave_no_token_leaves_the_row_as_it_was():
+    logits = torch.tensor([PROBS]).log()
+    sampler = Sampler(eos_token_ids=(0,))
+    # Only EOS allowed, and EOS banned by min_tokens: nothing left, so the row is unprocessed.
+    stuck = row(temperature=0.0, allowed_token_ids=(0,), min_tokens=2, position=5,
+                num_prompt_tokens=5)
+    assert sampler(logits, [stuck])[0] == [0]
+
+
+def test_logit_processing_in_a_batch_equals_each_row_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    rows = [row(seed=1, temperature=0.7, logit_bias=((7, 3.0), (9, -2.0))),
+            row(seed=2, temperature=0.0),
+            row(seed=3, temperature=1.0, allowed_token_ids=tuple(range(10, 20)), top_p=0.9),
+            row(seed=4, temperature=0.0, min_tokens=1, stop_token_ids=(int(logits[3].argmax()),),
+                position=3, num_prompt_tokens=3),
+            row(seed=5, temperature=1.2, repetition_penalty=1.3, token_ids=[1, 2, 3],
+                logit_bias=((4, 1.0),))]
+    together, _ = Sampler()(logits.clone(), rows)
+    alone = [Sampler()(logits[i:i + 1].clone(), [r])[0][0] for i, r in enumerate(rows)]
+    assert together == alone
+    assert 10 <= together[2] < 20 and together[3] != int(logits[3].argmax())
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"logit_bias": ((99, 1.0),)}, "logit_bias token id 99"),
+    ({"logit_bias": ((1, 101.0),)}, r"\[-100, 100\]"),
+    ({"logit_bias": ((1, float("nan")),)}, "finite"),
+    ({"logit_bias": ((1, 1.0), (1, 2.0))}, "twice"),
+    ({"allowed_token_ids": (3, -1)}, "allowed_token_ids token id -1"),
+    ({"min_tokens": -1}, "min_tokens"),
+])
+def test_logit_processing_fields_are_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(max_tokens=16, **fields).validate(vocab_size=50)
+
+
+def test_the_batched_draw_applies_logit_processing_too():
+    logits = torch.tensor([PROBS] * 3).log()
+    rows = [row(seed=1, temperature=1.0, allowed_token_ids=(2, 3)),
+            row(temperature=0.0, logit_bias=((3, 5.0),)),
+            row(temperature=0.0, min_tokens=1, stop_token_ids=(0,), position=4,
+                num_prompt_tokens=4)]
+    tokens, _ = Sampler(batched=True)(logits, rows)
+    assert tokens[0] in (2, 3) and tokens[1:] == [3, 1]

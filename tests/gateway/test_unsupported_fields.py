@@ -16,15 +16,11 @@ COMPLETIONS = "/v1/completions"
 REFUSED = [
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "function_call", {"name": "f"}),
-    (CHAT, "logit_bias", {"50": 100}),
-    (COMPLETIONS, "logit_bias", {"50": -100}),
     (COMPLETIONS, "best_of", 3),
     (COMPLETIONS, "suffix", " and the end."),
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "modalities", ["text", "audio"]),
-    (CHAT, "min_tokens", 5),
     (COMPLETIONS, "bad_words", ["the"]),
-    (COMPLETIONS, "allowed_token_ids", [1, 2, 3]),
     (COMPLETIONS, "use_beam_search", True),
     (COMPLETIONS, "include_stop_str_in_output", True),
     (CHAT, "skip_special_tokens", False),
@@ -38,6 +34,7 @@ ACCEPTED = [
     (CHAT, {"logit_bias": {}, "user": "u-1", "metadata": {"k": "v"}, "store": False,
             "service_tier": "auto"}),
     (CHAT, {"logit_bias": {"50": 0}, "min_tokens": 0, "skip_special_tokens": True}),
+    (COMPLETIONS, {"logit_bias": {"50": 3}, "min_tokens": 1, "allowed_token_ids": [5, 6, 7]}),
     (COMPLETIONS, {"best_of": 1, "suffix": "", "user": "u-2", "use_beam_search": False}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
 ]

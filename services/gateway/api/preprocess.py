@@ -200,6 +200,7 @@ class Preprocessor:
             disable_speculation=req.disable_speculation,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            **_logit_processing(req),
         )
         _validate(params, limits)
         constraint = structured_output_field(req)
@@ -224,6 +225,40 @@ class Preprocessor:
             )
             for i in range(req.n)
         ]
+
+
+def _logit_processing(req: _SamplingFields) -> dict:
+    """logit_bias, allowed_token_ids and min_tokens as SamplingParams fields; a 400 naming the
+    field for a value of the wrong shape (ranges: SamplingParams.validate)."""
+    out: dict = {}
+    bias = req.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise APIError.invalid("logit_bias must be an object mapping token ids (as strings) "
+                                   "to biases in [-100, 100]", param="logit_bias")
+        pairs = []
+        for key, value in bias.items():
+            if not key.strip().isdigit():
+                raise APIError.invalid(f"logit_bias keys must be token ids, got {key!r}",
+                                       param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise APIError.invalid(f"logit_bias of token {key} must be a number, got "
+                                       f"{value!r}", param="logit_bias")
+            pairs.append((int(key), float(value)))
+        out["logit_bias"] = tuple(pairs)
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+            raise APIError.invalid("allowed_token_ids must be a non-empty list of token ids",
+                                   param="allowed_token_ids")
+        out["allowed_token_ids"] = tuple(dict.fromkeys(allowed))
+    if req.min_tokens is not None:
+        if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int):
+            raise APIError.invalid(f"min_tokens must be an integer, got {req.min_tokens!r}",
+                                   param="min_tokens")
+        out["min_tokens"] = req.min_tokens
+    return out
 
 
 def _num_prompts(prompt) -> int:
@@ -255,3 +290,6 @@ def _validate(params: SamplingParams, limits: ModelLimits) -> None:
     except ValueError as exc:
         message = str(exc)
         raise APIError.invalid(message, param=message.split(" ", 1)[0]) from None
+    if params.min_tokens > params.max_tokens:
+        raise APIError.invalid(f"min_tokens must be at most max_tokens={params.max_tokens}, got "
+                               f"{params.min_tokens}", param="min_tokens")

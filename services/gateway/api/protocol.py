@@ -65,11 +65,19 @@ class _SamplingFields(_Body):
     guided_choice: JsonValue = None
     guided_grammar: JsonValue = None
     structured_outputs: JsonValue = None
+    # Logit processing (engine/sampler.py LogitProcessing), read by preprocess.
+    logit_bias: JsonValue = Field(default=None, json_schema_extra={
+        "type": "object", "description": "token id (as a string) -> bias added to its logit",
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    allowed_token_ids: JsonValue = Field(default=None, json_schema_extra={
+        "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+        "description": "only these tokens may be generated"})
+    min_tokens: JsonValue = Field(default=None, json_schema_extra={
+        "type": "integer", "minimum": 0,
+        "description": "EOS, stop_token_ids and stop strings do not end the output before "
+                       "this many tokens"})
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
-    logit_bias: JsonValue = None
-    min_tokens: JsonValue = None
     bad_words: JsonValue = None
-    allowed_token_ids: JsonValue = None
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
     include_stop_str_in_output: JsonValue = None

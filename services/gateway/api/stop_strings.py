@@ -31,6 +31,14 @@ class StopStringMatcher:
         self._held = buffer[len(buffer) - hold:] if hold else ""
         return buffer[:len(buffer) - hold]
 
+    def pass_through(self, text: str) -> str:
+        """Text that no stop string may end (the first `min_tokens` tokens' text): released
+        whole, with anything held before it."""
+        if self.stopped:
+            return ""
+        held, self._held = self._held, ""
+        return held + text
+
     def flush(self) -> str:
         """The output ended without a match: release what was held back."""
         held, self._held = self._held, ""

@@ -42,6 +42,7 @@ async def stream_text(
     events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb(),
                                  cache_salt=spec.cache_salt)
     num_output = 0
+    min_tokens = spec.params.min_tokens  # stop strings end nothing before this many tokens
     num_cached = 0
     compute = ComputeSeconds()
     try:
@@ -53,7 +54,9 @@ async def stream_text(
             taken = 0
             for token_id in event.token_ids:
                 taken += 1
-                text.append(matcher.push(detokenizer.push(token_id)))
+                piece = detokenizer.push(token_id)
+                text.append(matcher.pass_through(piece) if num_output + taken <= min_tokens
+                            else matcher.push(piece))
                 if matcher.stopped:
                     break
             num_output += taken

@@ -1,8 +1,9 @@
 """Request fields of the OpenAI API (and vLLM's extensions to it) that would change what is
 generated and that splitserve does not implement: refused by name with a 400, so a client never
 gets a 200 with unconstrained output it did not ask for. A value that changes nothing
-(`functions: []`, `logit_bias: {}`, `best_of` equal to `n`, ...) is accepted, and is what the
-OpenAPI document offers. (`tools` and `tool_choice` are implemented: api/tools.py.)"""
+(`functions: []`, `best_of` equal to `n`, ...) is accepted, and is what the
+OpenAPI document offers. (`tools` and `tool_choice` are implemented: api/tools.py;
+`logit_bias`, `allowed_token_ids` and `min_tokens`: engine/sampler.py's LogitProcessing.)"""
 
 from __future__ import annotations
 
@@ -37,17 +38,11 @@ def _one_of(*no_ops: Any) -> NoOp:
     return NoOp(check, {"enum": unique})
 
 
-def _zero_biases(value: Any, body: Any) -> bool:
-    return value is None or (isinstance(value, dict) and all(
-        isinstance(v, int | float) and not isinstance(v, bool) and v == 0 for v in value.values()))
-
-
 def _best_of_n(value: Any, body: Any) -> bool:
     # best_of == n samples n and returns n: exactly what the request does without it.
     return value is None or (type(value) is int and value == body.n)
 
 
-_ZERO_BIASES = NoOp(_zero_biases, {"type": "object", "additionalProperties": {"enum": [0]}})
 _BEST_OF_N = NoOp(_best_of_n, {"type": "integer", "description": "must equal n"})
 _TEXT_MODALITY = NoOp(lambda value, body: value is None or value == ["text"],
                       {"type": "array", "items": {"enum": ["text"]}, "minItems": 1,
@@ -59,7 +54,6 @@ _TEXT_MODALITY = NoOp(lambda value, body: value is None or value == ["text"],
 REFUSED: dict[str, tuple[str, NoOp]] = {
     "functions": ("function calling", _EMPTY),
     "function_call": ("function calling", _one_of("none", "auto")),
-    "logit_bias": ("logit biases", _ZERO_BIASES),
     "best_of": ("best-of-n sampling", _BEST_OF_N),
     "suffix": ("insertion (a suffix after the completion)", _one_of("")),
     "reasoning_effort": ("reasoning effort", _ABSENT),
@@ -67,9 +61,7 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "audio": ("audio output", _ABSENT),
     "modalities": ("output modalities other than text", _TEXT_MODALITY),
     # vLLM's extensions (its structured_outputs and guided_* are implemented: api/structured.py)
-    "min_tokens": ("a minimum output length", _one_of(0)),
     "bad_words": ("banned words", _EMPTY),
-    "allowed_token_ids": ("a restricted vocabulary", _ABSENT),
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
     "include_stop_str_in_output": ("stop strings kept in the output", _one_of(False)),

@@ -1,0 +1,112 @@
+"""logit_bias, allowed_token_ids and min_tokens through a real gateway and real workers (both
+deployments, the tiny model): the OpenAI SDK's `logit_bias` and vLLM's extensions change the
+output as the engine says they do (the prefill worker's first token included), the gRPC front
+door carries them too, and a malformed value is a 400 naming the field that reaches no
+worker."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+from gateway_processes import openai_client, worker_stats
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+PROMPT = "The engineer reads a long letter"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
+                                  num_threads=1))
+
+
+def _grpc_tokens(address: str, **sampling) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.GenerateTextRequest(
+            text=PROMPT, sampling=common_pb2.SamplingParams(has_temperature=True, **sampling))
+        return [t for response in stub.Generate(request, timeout=60) for t in response.token_ids]
+
+
+def test_logit_bias_forces_a_token_as_the_engine_does(stack, engine, tiny_llama_dir):
+    from engine.sampling_params import SamplingParams
+
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True))
+    forced = next(t for t in range(40, 400) if t not in plain.token_ids)
+    [expected] = engine.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=((forced, 100.0),)))
+    assert expected.token_ids == [forced] * 6
+    response = openai_client(stack.url).completions.create(
+        model=tiny_llama_dir.name, prompt=PROMPT, max_tokens=6, temperature=0,
+        logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == 6
+    # -100 bans: the greedy first token never comes.
+    tokens = _grpc_tokens(stack.grpc_address, max_tokens=6, temperature=0.0, ignore_eos=True,
+                          logit_bias=[common_pb2.TokenBias(token_id=plain.token_ids[0],
+                                                           bias=-100)])
+    assert len(tokens) == 6 and plain.token_ids[0] not in tokens
+
+
+def test_allowed_token_ids_hold_every_sampled_token(stack):
+    allowed = [101, 202, 303]
+    for seed in range(3):
+        tokens = _grpc_tokens(stack.grpc_address, max_tokens=8, temperature=1.0, seed=seed,
+                              ignore_eos=True, allowed_token_ids=allowed)
+        assert len(tokens) == 8 and set(tokens) <= set(allowed), tokens
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(stack, engine, tiny_llama_dir):
+    from engine.sampling_params import SamplingParams
+
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    first = plain.token_ids[0]
+    # The greedy first token as a stop token: alone it ends the output at once.
+    assert _grpc_tokens(stack.grpc_address, max_tokens=8, temperature=0.0,
+                        stop_token_ids=[first]) == [first]
+    tokens = _grpc_tokens(stack.grpc_address, max_tokens=8, temperature=0.0,
+                          stop_token_ids=[first], min_tokens=4)
+    assert len(tokens) >= 4 and first not in tokens[:4]
+    # A stop string in the first token's text ends nothing before min_tokens are out.
+    stop = plain.text.strip()[:1]
+    client = openai_client(stack.url)
+    cut = client.completions.create(model=tiny_llama_dir.name, prompt=PROMPT, max_tokens=8,
+                                    temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.usage.completion_tokens <= 1 and cut.choices[0].finish_reason == "stop"
+    held = client.completions.create(model=tiny_llama_dir.name, prompt=PROMPT, max_tokens=8,
+                                     temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    assert held.choices[0].text.startswith(engine.tokenizer.decode(plain.token_ids[:3])
+                                           if hasattr(engine, "tokenizer") else "")
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("logit_bias", {"abc": 1}, "token ids"),
+    ("logit_bias", {"5": 200}, "[-100, 100]"),
+    ("logit_bias", {"5": "high"}, "number"),
+    ("logit_bias", {"99999999": 1}, "vocabulary"),
+    ("logit_bias", [5, 1], "object"),
+    ("allowed_token_ids", [], "non-empty"),
+    ("allowed_token_ids", [1, -4], "vocabulary"),
+    ("min_tokens", 9, "max_tokens=4"),
+    ("min_tokens", "3", "integer"),
+])
+def test_a_malformed_value_is_a_400_naming_the_field(disagg_stack, tiny_llama_dir, field, value,
+                                                     says):
+    before = worker_stats(disagg_stack.decode.address).steps
+    for endpoint, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]})):
+        response = httpx.post(disagg_stack.url + endpoint, timeout=30, json={
+            "model": tiny_llama_dir.name, "max_tokens": 4, field: value, **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and says in error["message"], error
+    assert worker_stats(disagg_stack.decode.address).steps == before, "it reached a worker"
