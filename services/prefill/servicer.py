@@ -127,6 +127,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_bytes=kv_bytes,
             compute_seconds=convert.compute_to_pb(out.compute),
+            first_token_stops=out.finish_reason == "stop",
         )
         if out.prompt_logprobs is not None:
             response.prompt_logprobs.extend(

@@ -110,3 +110,35 @@ def test_a_malformed_value_is_a_400_naming_the_field(disagg_stack, tiny_llama_di
         error = response.json()["error"]
         assert error["param"] == field and says in error["message"], error
     assert worker_stats(disagg_stack.decode.address).steps == before, "it reached a worker"
+
+
+def test_stop_text_and_special_tokens_as_vllm_options_say(stack, engine, tiny_llama_dir):
+    """include_stop_str_in_output keeps a matched stop string (or the stop token's text) at the
+    end of the text; without it the token that stopped the output adds no text.
+    skip_special_tokens=false keeps special tokens' text (token 0 of the tiny tokenizer is
+    <|endoftext|>, not its EOS)."""
+    from engine.sampling_params import SamplingParams
+
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    client = openai_client(stack.url)
+
+    def complete(**extra):
+        return client.completions.create(model=tiny_llama_dir.name, prompt=PROMPT, max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True, **extra})
+
+    stop = plain.text[len(plain.text) // 2:][:3]
+    cut, kept = complete(stop=[stop]), complete(stop=[stop], include_stop_str_in_output=True)
+    assert kept.choices[0].text == cut.choices[0].text + stop
+    assert plain.text.startswith(kept.choices[0].text)
+    second = plain.token_ids[1]
+    by_token = complete(stop_token_ids=[second])
+    assert by_token.choices[0].text == engine.tokenizer.decode(plain.token_ids[:1])
+    assert by_token.choices[0].finish_reason == "stop" and by_token.usage.completion_tokens == 2
+    # Stopped at the first token (the prefill worker's, disaggregated): no text at all.
+    assert complete(stop_token_ids=[plain.token_ids[0]]).choices[0].text == ""
+    with_token = complete(stop_token_ids=[second], include_stop_str_in_output=True)
+    assert with_token.choices[0].text == engine.tokenizer.decode(plain.token_ids[:2])
+    forced = {"logit_bias": {"0": 100}, "max_tokens": 3}
+    assert complete(**forced).choices[0].text == ""
+    assert complete(**forced, skip_special_tokens=False).choices[0].text == "<|endoftext|>" * 3

@@ -22,8 +22,7 @@ REFUSED = [
     (CHAT, "modalities", ["text", "audio"]),
     (COMPLETIONS, "bad_words", ["the"]),
     (COMPLETIONS, "use_beam_search", True),
-    (COMPLETIONS, "include_stop_str_in_output", True),
-    (CHAT, "skip_special_tokens", False),
+    (CHAT, "spaces_between_special_tokens", False),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "continue_final_message", True),
 ]
@@ -34,7 +33,8 @@ ACCEPTED = [
     (CHAT, {"logit_bias": {}, "user": "u-1", "metadata": {"k": "v"}, "store": False,
             "service_tier": "auto"}),
     (CHAT, {"logit_bias": {"50": 0}, "min_tokens": 0, "skip_special_tokens": True}),
-    (COMPLETIONS, {"logit_bias": {"50": 3}, "min_tokens": 1, "allowed_token_ids": [5, 6, 7]}),
+    (COMPLETIONS, {"logit_bias": {"50": 3}, "min_tokens": 1, "allowed_token_ids": [5, 6, 7],
+                   "include_stop_str_in_output": True, "skip_special_tokens": False}),
     (COMPLETIONS, {"best_of": 1, "suffix": "", "user": "u-2", "use_beam_search": False}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
 ]

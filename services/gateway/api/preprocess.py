@@ -222,6 +222,8 @@ class Preprocessor:
                 params=dataclasses.replace(params, seed=(base_seed + i) % SEED_MODULUS),
                 stop=tuple(stop),
                 echo_text=echo,
+                include_stop_str=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
             )
             for i in range(req.n)
         ]

@@ -76,12 +76,13 @@ class _SamplingFields(_Body):
         "type": "integer", "minimum": 0,
         "description": "EOS, stop_token_ids and stop strings do not end the output before "
                        "this many tokens"})
+    # vLLM's: a matched stop string stays at the end of the text; special tokens' text kept.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
     bad_words: JsonValue = None
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
-    include_stop_str_in_output: JsonValue = None
-    skip_special_tokens: JsonValue = None
     spaces_between_special_tokens: JsonValue = None
     truncate_prompt_tokens: JsonValue = None
 

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 class StopStringMatcher:
     """Owned by the task streaming one request's output."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
+        """`include_stop`: the matched stop string is released too, ending the output."""
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
         self._held = ""  # text not yet released; never contains a whole stop string
         self.stopped = False
 
@@ -26,7 +28,7 @@ class StopStringMatcher:
         if match is not None:
             self.stopped = True
             self._held = ""
-            return buffer[:match]
+            return buffer[:match[1] if self.include_stop else match[0]]
         hold = self._longest_partial_suffix(buffer)
         self._held = buffer[len(buffer) - hold:] if hold else ""
         return buffer[:len(buffer) - hold]
@@ -44,13 +46,17 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _earliest_match(self, buffer: str) -> int | None:
-        """Where the output ends: before the stop string that is complete first, as if the text
-        came one character at a time (of two complete at once, the longer), so the result does
-        not depend on where token boundaries fall. Released text never ends in a stop string's
-        prefix, so a match starts inside buffer."""
+    def _earliest_match(self, buffer: str) -> tuple[int, int] | None:
+        """(start, end) of the stop string that is complete first, as if the text came one
+        character at a time (of two complete at once, the longer), so the result does not
+        depend on where token boundaries fall. The output ends before it (or after it, with
+        include_stop). Released text never ends in a stop string's prefix, so a match starts
+        inside buffer."""
         found = [(i + len(s), i) for s in self.stop if (i := buffer.find(s)) >= 0]
-        return min(found)[1] if found else None
+        if not found:
+            return None
+        end, start = min(found)
+        return start, end
 
     def _longest_partial_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of buffer that is a proper prefix of a stop string."""

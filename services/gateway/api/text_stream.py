@@ -37,8 +37,9 @@ async def stream_text(
     spec: GenerationSpec, dispatcher: Dispatcher, tokenizer: ModelTokenizer,
 ) -> AsyncIterator[TextDelta]:
     """Raises APIError if the request fails before its first token (nothing was sent)."""
-    detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids)
-    matcher = StopStringMatcher(spec.stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids,
+                                         skip_special_tokens=spec.skip_special_tokens)
+    matcher = StopStringMatcher(spec.stop, include_stop=spec.include_stop_str)
     events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb(),
                                  cache_salt=spec.cache_salt)
     num_output = 0
@@ -52,8 +53,13 @@ async def stream_text(
                 compute = compute + event.compute
             text: list[str] = []
             taken = 0
-            for token_id in event.token_ids:
+            # The token that stopped the output (EOS, a stop_token_id) keeps its text out of
+            # it, as vLLM does, unless the request asks for its stop in the output.
+            last_stops = event.finish_reason == "stop" and not spec.include_stop_str
+            for k, token_id in enumerate(event.token_ids):
                 taken += 1
+                if last_stops and k == len(event.token_ids) - 1:
+                    break
                 piece = detokenizer.push(token_id)
                 text.append(matcher.pass_through(piece) if num_output + taken <= min_tokens
                             else matcher.push(piece))

@@ -64,8 +64,6 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "bad_words": ("banned words", _EMPTY),
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
-    "include_stop_str_in_output": ("stop strings kept in the output", _one_of(False)),
-    "skip_special_tokens": ("special tokens in the output text", _one_of(True)),
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
     "truncate_prompt_tokens": ("prompt truncation", _ABSENT),
     "add_generation_prompt": ("a chat template without the generation prompt", _one_of(True)),

@@ -288,7 +288,12 @@ class Dispatcher:
                 prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
                 num_cached_tokens=response.num_cached_tokens,
                 compute=convert.compute_from_pb(response.compute_seconds),
+                # Said with the token, so its text can be left out (api/text_stream.py); the
+                # decode worker's reservation is cancelled below.
+                finish_reason="stop" if response.first_token_stops else None,
             )
+            if response.first_token_stops:
+                return
             async with aclosing(_decode_events(call, decode, 1, decode_next)) as events:
                 async for event in events:
                     yield event
