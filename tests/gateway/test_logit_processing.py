@@ -142,3 +142,32 @@ def test_stop_text_and_special_tokens_as_vllm_options_say(stack, engine, tiny_ll
     forced = {"logit_bias": {"0": 100}, "max_tokens": 3}
     assert complete(**forced).choices[0].text == ""
     assert complete(**forced, skip_special_tokens=False).choices[0].text == "<|endoftext|>" * 3
+
+
+def test_chat_template_options_match_transformers(stack, engine, tiny_llama_dir):
+    """add_generation_prompt=false and continue_final_message (an answer begun by the caller)
+    give the prompt transformers' apply_chat_template gives, and the engine's greedy output."""
+    from transformers import AutoTokenizer
+
+    from engine.sampling_params import SamplingParams
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    begun = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital is"}]
+    client = openai_client(stack.url)
+    for options, hf_options in (
+            ({"add_generation_prompt": False, "continue_final_message": True},
+             {"continue_final_message": True}),
+            ({"add_generation_prompt": False}, {"add_generation_prompt": False})):
+        prompt_ids = hf.apply_chat_template(begun, tokenize=True, return_dict=False, **hf_options)
+        [expected] = engine.generate([list(prompt_ids)], SamplingParams(temperature=0.0,
+                                                                        max_tokens=6))
+        response = client.chat.completions.create(
+            model=tiny_llama_dir.name, messages=begun, max_tokens=6, temperature=0,
+            extra_body=options)
+        assert response.usage.prompt_tokens == len(prompt_ids), options
+        assert response.choices[0].message.content == hf.decode(expected.token_ids,
+                                                                skip_special_tokens=True)
+    bad = httpx.post(stack.url + "/v1/chat/completions", timeout=30, json={
+        "model": tiny_llama_dir.name, "messages": begun, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"

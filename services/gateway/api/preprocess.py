@@ -81,9 +81,18 @@ class Preprocessor:
         plan = tool_plan(req.tools, req.tool_choice, self.tool_format)
         native = self.tokenizer.template_renders_tools
         messages = template_messages(req.messages, self.tool_format, plan, native)
+        if req.continue_final_message and req.add_generation_prompt is not False:
+            raise APIError.invalid("continue_final_message needs add_generation_prompt set to "
+                                   "false (the prompt ends inside the last message, not after "
+                                   "a new turn's header)", param="continue_final_message")
+        if req.continue_final_message and not req.messages[-1].text().strip():
+            raise APIError.invalid("continue_final_message needs a last message with text to "
+                                   "continue", param="continue_final_message")
         try:
             prompt_ids = self.tokenizer.encode_chat(
-                messages, tools=plan.openai_tools() if plan is not None and native else None)
+                messages, tools=plan.openai_tools() if plan is not None and native else None,
+                add_generation_prompt=req.add_generation_prompt is not False,
+                continue_final_message=req.continue_final_message)
         except ChatTemplateError as exc:
             raise APIError.invalid(str(exc), param="messages") from None
         self._check_prompt(prompt_ids, limits, param="messages")

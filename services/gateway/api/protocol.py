@@ -133,6 +133,10 @@ class ChatCompletionRequest(_SamplingFields):
     # Checked by api/tools.py (a 400 names what is wrong).
     tools: JsonValue = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
     tool_choice: JsonValue = Field(default=None, json_schema_extra=TOOL_CHOICE_SCHEMA)
+    # vLLM's chat template options: no new assistant turn's header; or the prompt ends inside
+    # the last message (an answer begun by the caller; needs add_generation_prompt false).
+    add_generation_prompt: bool | None = None  # None: true
+    continue_final_message: bool = False
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
     functions: JsonValue = None
     function_call: JsonValue = None
@@ -140,8 +144,6 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: JsonValue = None
     audio: JsonValue = None
     modalities: JsonValue = None
-    add_generation_prompt: JsonValue = None
-    continue_final_message: JsonValue = None
     chat_template: JsonValue = None
     chat_template_kwargs: JsonValue = None
     documents: JsonValue = None

@@ -69,9 +69,24 @@ class ModelTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """`continue_final_message`: the prompt ends inside the last message, right after its
+        text (the template's end-of-turn and anything after it cut off), so the model goes
+        on with that message (an assistant's answer begun by the caller)."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools)
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ChatTemplateError("continue_final_message: the chat template does not "
+                                        "write the last message's text as it is; cannot end the "
+                                        "prompt inside it")
+            text = text[:at + len(final)]
         # The template writes the special tokens itself; adding them again would double BOS.
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI logprobs' `bytes`)."""

@@ -66,15 +66,12 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
     "truncate_prompt_tokens": ("prompt truncation", _ABSENT),
-    "add_generation_prompt": ("a chat template without the generation prompt", _one_of(True)),
-    "continue_final_message": ("continuing the final message", _one_of(False)),
     "chat_template": ("a caller-supplied chat template", _ABSENT),
     "chat_template_kwargs": ("chat template arguments", _EMPTY),
     "documents": ("documents in the chat template", _EMPTY),
 }
 CHAT_ONLY = frozenset({"functions", "function_call", "reasoning_effort",
-                       "web_search_options", "audio", "modalities", "add_generation_prompt",
-                       "continue_final_message", "chat_template", "chat_template_kwargs",
+                       "web_search_options", "audio", "modalities", "chat_template", "chat_template_kwargs",
                        "documents"})
 COMPLETIONS_ONLY = frozenset({"best_of", "suffix"})
 # In a chat message: what it would put into the prompt that the chat template here drops.
