@@ -24,7 +24,7 @@ REFUSED = [
     (COMPLETIONS, "use_beam_search", True),
     (CHAT, "spaces_between_special_tokens", False),
     (CHAT, "chat_template", "{{ messages }}"),
-    (CHAT, "chat_template_kwargs", {"enable_thinking": True}),
+    (CHAT, "documents", [{"title": "a", "text": "b"}]),
 ]
 # Values that change nothing, and fields that never change what is generated.
 ACCEPTED = [

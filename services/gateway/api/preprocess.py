@@ -60,6 +60,7 @@ class Preprocessor:
                 param="logprobs")
         specs = []
         for p, prompt_ids in enumerate(prompts):
+            prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
             self._check_prompt(prompt_ids, limits)
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             params = self._params(req, max_tokens, len(prompt_ids), limits, logprobs=req.logprobs,
@@ -92,9 +93,13 @@ class Preprocessor:
             prompt_ids = self.tokenizer.encode_chat(
                 messages, tools=plan.openai_tools() if plan is not None and native else None,
                 add_generation_prompt=req.add_generation_prompt is not False,
-                continue_final_message=req.continue_final_message)
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs)
         except ChatTemplateError as exc:
-            raise APIError.invalid(str(exc), param="messages") from None
+            param = ("chat_template_kwargs" if "chat_template_kwargs" in str(exc)
+                     else "messages")
+            raise APIError.invalid(str(exc), param=param) from None
+        prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
         self._check_prompt(prompt_ids, limits, param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError.invalid("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -270,6 +275,19 @@ def _logit_processing(req: _SamplingFields) -> dict:
                                    param="min_tokens")
         out["min_tokens"] = req.min_tokens
     return out
+
+
+def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens of the prompt (-1: as many as the
+    context holds with one token generated)."""
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = limits.max_model_len - 1
+    if keep < 1:
+        raise APIError.invalid(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
+                               param="truncate_prompt_tokens")
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
 def _num_prompts(prompt) -> int:

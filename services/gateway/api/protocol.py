@@ -79,12 +79,13 @@ class _SamplingFields(_Body):
     # vLLM's: a matched stop string stays at the end of the text; special tokens' text kept.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = _doc(minimum=-1)
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
     bad_words: JsonValue = None
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
     spaces_between_special_tokens: JsonValue = None
-    truncate_prompt_tokens: JsonValue = None
 
     @property
     def include_usage(self) -> bool:
@@ -137,6 +138,8 @@ class ChatCompletionRequest(_SamplingFields):
     # the last message (an answer begun by the caller; needs add_generation_prompt false).
     add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, JsonValue] | None = None
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
     functions: JsonValue = None
     function_call: JsonValue = None
@@ -145,7 +148,6 @@ class ChatCompletionRequest(_SamplingFields):
     audio: JsonValue = None
     modalities: JsonValue = None
     chat_template: JsonValue = None
-    chat_template_kwargs: JsonValue = None
     documents: JsonValue = None
 
 

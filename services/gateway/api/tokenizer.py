@@ -57,26 +57,31 @@ class ModelTokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """`template_kwargs`: more variables for the template (vLLM's chat_template_kwargs,
+        e.g. enable_thinking); they cannot replace the ones set here."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        extra = {"tools": tools} if tools else {}
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                     **self._special_token_strings(), **({"tools": tools} if tools else {})}
+        taken = sorted(set(template_kwargs or ()) & {*variables, "tools"})
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(taken)}: "
+                                    "the request's own fields set them")
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                **self._special_token_strings(), **extra,
-            )
+            return self._template.render(**variables, **(template_kwargs or {}))
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
         """`continue_final_message`: the prompt ends inside the last message, right after its
         text (the template's end-of-turn and anything after it cut off), so the model goes
         on with that message (an assistant's answer begun by the caller)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                tools=tools)
+                                tools=tools, template_kwargs=template_kwargs)
         if continue_final_message:
             final = str(messages[-1].get("content") or "").strip()
             at = text.rfind(final) if final else -1

@@ -65,13 +65,11 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
-    "truncate_prompt_tokens": ("prompt truncation", _ABSENT),
     "chat_template": ("a caller-supplied chat template", _ABSENT),
-    "chat_template_kwargs": ("chat template arguments", _EMPTY),
     "documents": ("documents in the chat template", _EMPTY),
 }
 CHAT_ONLY = frozenset({"functions", "function_call", "reasoning_effort",
-                       "web_search_options", "audio", "modalities", "chat_template", "chat_template_kwargs",
+                       "web_search_options", "audio", "modalities", "chat_template",
                        "documents"})
 COMPLETIONS_ONLY = frozenset({"best_of", "suffix"})
 # In a chat message: what it would put into the prompt that the chat template here drops.

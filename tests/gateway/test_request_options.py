@@ -1,8 +1,10 @@
-"""logit_bias, allowed_token_ids and min_tokens through a real gateway and real workers (both
-deployments, the tiny model): the OpenAI SDK's `logit_bias` and vLLM's extensions change the
-output as the engine says they do (the prefill worker's first token included), the gRPC front
-door carries them too, and a malformed value is a 400 naming the field that reaches no
-worker."""
+"""Request options users of the OpenAI API and vLLM send, through a real gateway and real
+workers (both deployments, the tiny model): logit_bias, allowed_token_ids and min_tokens change
+the output as the engine says they do (the prefill worker's first token included, the gRPC front
+door too); include_stop_str_in_output, skip_special_tokens, add_generation_prompt,
+continue_final_message, truncate_prompt_tokens and chat_template_kwargs shape the text and the
+prompt as vLLM (and transformers' chat templates) do; a malformed value is a 400 naming the
+field that reaches no worker."""
 
 from __future__ import annotations
 
@@ -171,3 +173,67 @@ def test_chat_template_options_match_transformers(stack, engine, tiny_llama_dir)
     bad = httpx.post(stack.url + "/v1/chat/completions", timeout=30, json={
         "model": tiny_llama_dir.name, "messages": begun, "continue_final_message": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, engine, tiny_llama_dir):
+    from engine.sampling_params import SamplingParams
+
+    long_ids = list(range(10, 110))
+    [expected] = engine.generate([long_ids[-16:]], SamplingParams(temperature=0.0, max_tokens=5))
+    client = openai_client(stack.url)
+    response = client.completions.create(model=tiny_llama_dir.name, prompt=long_ids, max_tokens=5,
+                                         temperature=0, extra_body={"truncate_prompt_tokens": 16})
+    assert response.usage.prompt_tokens == 16
+    assert response.choices[0].text == expected.text
+    # Shorter than k: unchanged. Chat: the templated prompt's end.
+    short = client.completions.create(model=tiny_llama_dir.name, prompt=long_ids[:8], max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": 16})
+    assert short.usage.prompt_tokens == 8
+    chat = client.chat.completions.create(
+        model=tiny_llama_dir.name, max_tokens=1, extra_body={"truncate_prompt_tokens": 5},
+        messages=[{"role": "user", "content": "a long question " * 20}])
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2):
+        answer = httpx.post(stack.url + "/v1/completions", timeout=30, json={
+            "model": tiny_llama_dir.name, "prompt": "hi", "truncate_prompt_tokens": bad})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_chat_template_kwargs_reach_the_template(disagg_stack, tiny_llama_dir):
+    """The tiny model's template ignores variables it does not know (so the prompt is the
+    same); one that would replace the request's own (messages) is a 400."""
+    client = openai_client(disagg_stack.url)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=tiny_llama_dir.name, messages=messages,
+                                           max_tokens=1)
+    kw = client.chat.completions.create(model=tiny_llama_dir.name, messages=messages, max_tokens=1,
+                                        extra_body={"chat_template_kwargs":
+                                                    {"enable_thinking": False}})
+    assert kw.usage.prompt_tokens == plain.usage.prompt_tokens
+    bad = httpx.post(disagg_stack.url + "/v1/chat/completions", timeout=30, json={
+        "model": tiny_llama_dir.name, "messages": messages,
+        "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_template_kwargs_are_template_variables(tiny_llama_dir, tmp_path):
+    """A template that reads a variable (as Qwen3's reads enable_thinking) sees the value."""
+    import json
+    import shutil
+
+    from services.gateway.api.tokenizer import ModelTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if enable_thinking is defined and not enable_thinking %}"
+                               "[no thinking]{% endif %}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = ModelTokenizer(model)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenizer.render_chat(messages) == "hi"
+    assert tokenizer.render_chat(messages, template_kwargs={"enable_thinking": False}) == (
+        "[no thinking]hi")
