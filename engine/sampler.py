@@ -75,7 +75,7 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
 
 class LogitProcessing:
     """The logit processing of SamplingParams (allowed_token_ids, then logit_bias, then the
-    min_tokens ban of EOS and stop_token_ids), row by row in place: few requests ask for it,
+    min_tokens ban of EOS and stop_token_ids, then bad words), row by row in place: few requests ask for it,
     and those that do are not batched with each other. A row that it would leave without a
     single token (an allowed set of stop tokens only, under min_tokens; an allowed set the
     grammar rules out) keeps its logits as they were: the grammar (or the model) picks."""
@@ -106,6 +106,10 @@ class LogitProcessing:
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
             if banned:
                 x[torch.tensor(banned, device=x.device)] = float("-inf")
+        if params.bad_words_token_ids:
+            banned = _bad_word_ends(params.bad_words_token_ids, row)
+            if banned:
+                x[torch.tensor(banned, device=x.device)] = float("-inf")
         if not torch.isfinite(x.max()):
             x.copy_(before)
 
@@ -121,6 +125,19 @@ class LogitProcessing:
             values = torch.tensor([b for _, b in params.logit_bias], dtype=dtype, device=device)
             cached = self._tensors[id(params)] = (params, allowed, ids, values)
         return cached[1], cached[2], cached[3]
+
+
+def _bad_word_ends(sequences: Sequence[tuple[int, ...]], row: SamplingRow) -> list[int]:
+    """The last token of every sequence whose other tokens end the row's output so far."""
+    out = row.token_ids[row.num_prompt_tokens:]
+    if row.pending_token_ids:
+        out = [*out, *row.pending_token_ids]
+    banned = []
+    for sequence in sequences:
+        before = len(sequence) - 1
+        if before == 0 or (before <= len(out) and tuple(out[len(out) - before:]) == sequence[:-1]):
+            banned.append(sequence[-1])
+    return banned
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -66,7 +66,9 @@ class SamplingParams:
     `min_tokens`), after penalties and before temperature: `allowed_token_ids` (empty: all)
     leaves only those tokens, `logit_bias` adds (token id, bias) to the logits, and while
     fewer than `min_tokens` tokens are out, EOS (unless `ignore_eos`) and `stop_token_ids` are
-    banned. Logprobs stay those of the model's distribution, as with penalties.
+    banned; of each `bad_words_token_ids` sequence, the last token is banned where the output so
+    far ends with the ones before it (a one-token sequence: always). Logprobs stay those of the
+    model's distribution, as with penalties.
     """
 
     max_tokens: int = 16
@@ -87,8 +89,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     MAX_LOGPROBS = 20
+    MAX_BAD_WORDS = 256  # token sequences: each is a check per step
     MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: [-100, 100]
 
     @property
@@ -106,7 +110,8 @@ class SamplingParams:
     @property
     def needs_logit_processing(self) -> bool:
         """Whether logit_bias, allowed_token_ids or min_tokens change this request's logits."""
-        return bool(self.logit_bias or self.allowed_token_ids or self.min_tokens)
+        return bool(self.logit_bias or self.allowed_token_ids or self.min_tokens
+                    or self.bad_words_token_ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError with a message a user can act on; never mutates anything."""
@@ -171,6 +176,14 @@ class SamplingParams:
                                  f"token {token_id}")
         for token_id in self.allowed_token_ids:
             _check_token_id("allowed_token_ids", token_id, vocab_size)
+        if len(self.bad_words_token_ids) > self.MAX_BAD_WORDS:
+            raise ValueError(f"bad_words come to {len(self.bad_words_token_ids)} token "
+                             f"sequences; at most {self.MAX_BAD_WORDS}")
+        for sequence in self.bad_words_token_ids:
+            if not isinstance(sequence, tuple) or not sequence:
+                raise ValueError("bad_words token sequences must be non-empty tuples")
+            for token_id in sequence:
+                _check_token_id("bad_words", token_id, vocab_size)
         # Not held to max_tokens here: a prefill worker samples one token of a longer request
         # (the gateway checks min_tokens <= max_tokens).
         if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)

@@ -40,6 +40,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple((b.token_id, b.bias) for b in pb.logit_bias),
         allowed_token_ids=tuple(pb.allowed_token_ids),
         min_tokens=pb.min_tokens,
+        bad_words_token_ids=tuple(tuple(s.token_ids) for s in pb.bad_words),
     )
 
 
@@ -78,6 +79,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=[common_pb2.TokenBias(token_id=t, bias=b) for t, b in params.logit_bias],
         allowed_token_ids=list(params.allowed_token_ids),
         min_tokens=params.min_tokens,
+        bad_words=[common_pb2.TokenSequence(token_ids=list(s)) for s in params.bad_words_token_ids],
     )
     if params.seed is not None:
         pb.seed = params.seed

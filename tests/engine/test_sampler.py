@@ -429,3 +429,23 @@ def test_the_batched_draw_applies_logit_processing_too():
                 num_prompt_tokens=4)]
     tokens, _ = Sampler(batched=True)(logits, rows)
     assert tokens[0] in (2, 3) and tokens[1:] == [3, 1]
+
+
+def test_bad_words_ban_a_sequences_last_token_where_the_output_ends_with_the_rest():
+    logits = torch.tensor([PROBS]).log()
+    sampler = Sampler()
+
+    def pick(output, **params):
+        return sampler(logits, [row(temperature=0.0, token_ids=[9, 9, *output],
+                                    num_prompt_tokens=2, position=2 + len(output),
+                                    **params)])[0][0]
+
+    assert pick([], bad_words_token_ids=((0,),)) == 1  # one token: always banned
+    words = ((3, 0), (2, 3, 1))
+    assert pick([1], bad_words_token_ids=words) == 0  # the output does not end with 3
+    assert pick([1, 3], bad_words_token_ids=words) == 1  # ...now it does: 0 banned
+    assert pick([2, 3, 3], bad_words_token_ids=words) == 1
+    assert pick([2, 3], bad_words_token_ids=words) == 2  # 0 and 1 both banned
+    # Only the output counts: the prompt ending with 3 does not ban 0.
+    assert sampler(logits, [row(temperature=0.0, token_ids=[3], num_prompt_tokens=1, position=1,
+                                bad_words_token_ids=words)])[0] == [0]

@@ -237,3 +237,27 @@ def test_chat_template_kwargs_are_template_variables(tiny_llama_dir, tmp_path):
     assert tokenizer.render_chat(messages) == "hi"
     assert tokenizer.render_chat(messages, template_kwargs={"enable_thinking": False}) == (
         "[no thinking]hi")
+
+
+def test_bad_words_keep_their_tokens_out(stack, engine, tiny_llama_dir):
+    from engine.sampling_params import SamplingParams
+
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True))
+    g = plain.token_ids
+    one = _grpc_tokens(stack.grpc_address, max_tokens=6, temperature=0.0, ignore_eos=True,
+                       bad_words=[common_pb2.TokenSequence(token_ids=[g[0]])])
+    assert g[0] not in one
+    pair = _grpc_tokens(stack.grpc_address, max_tokens=6, temperature=0.0, ignore_eos=True,
+                        bad_words=[common_pb2.TokenSequence(token_ids=[g[1], g[2]])])
+    assert pair[:2] == g[:2] and pair[2] != g[2]
+    client = openai_client(stack.url)
+    word = engine.tokenizer.decode(g[:1]).strip()  # " h": the word "h" after a space
+    response = client.completions.create(model=tiny_llama_dir.name, prompt=PROMPT, max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True,
+                                                                    "bad_words": [word]})
+    assert response.choices[0].text != plain.text
+    for bad in ([""], "word", [3]):
+        answer = httpx.post(stack.url + "/v1/completions", timeout=30, json={
+            "model": tiny_llama_dir.name, "prompt": "hi", "bad_words": bad})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "bad_words"

@@ -20,7 +20,6 @@ REFUSED = [
     (COMPLETIONS, "suffix", " and the end."),
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "modalities", ["text", "audio"]),
-    (COMPLETIONS, "bad_words", ["the"]),
     (COMPLETIONS, "use_beam_search", True),
     (CHAT, "spaces_between_special_tokens", False),
     (CHAT, "chat_template", "{{ messages }}"),

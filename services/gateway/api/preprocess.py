@@ -215,6 +215,7 @@ class Preprocessor:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             **_logit_processing(req),
+            bad_words_token_ids=self._bad_words(req.bad_words),
         )
         _validate(params, limits)
         constraint = structured_output_field(req)
@@ -223,6 +224,26 @@ class Preprocessor:
             self.structured.check(so, limits.vocab_size, param=param)
             params = dataclasses.replace(params, structured_output=so)
         return params
+
+    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as it reads at the start of the
+        output and after a space (two spellings, most tokenizers; one where they agree)."""
+        if words is None:
+            return ()
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
+                                                  for w in words):
+            raise APIError.invalid("bad_words must be a list of non-empty strings",
+                                   param="bad_words")
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        if len(sequences) > SamplingParams.MAX_BAD_WORDS:
+            raise APIError.invalid(f"bad_words come to {len(sequences)} token sequences; at most "
+                                   f"{SamplingParams.MAX_BAD_WORDS}", param="bad_words")
+        return tuple(sequences)
 
     def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:
         stop = _stop_list(req.stop)

@@ -81,8 +81,11 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = _doc(minimum=-1)
+    bad_words: JsonValue = Field(default=None, json_schema_extra={
+        "type": "array", "items": {"type": "string", "minLength": 1},
+        "description": "words the output must not contain (each word's last token is banned "
+                       "where the output so far ends with its other tokens)"})
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
-    bad_words: JsonValue = None
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
     spaces_between_special_tokens: JsonValue = None

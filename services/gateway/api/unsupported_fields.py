@@ -61,7 +61,6 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "audio": ("audio output", _ABSENT),
     "modalities": ("output modalities other than text", _TEXT_MODALITY),
     # vLLM's extensions (its structured_outputs and guided_* are implemented: api/structured.py)
-    "bad_words": ("banned words", _EMPTY),
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
