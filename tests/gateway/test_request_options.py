@@ -261,3 +261,34 @@ def test_bad_words_keep_their_tokens_out(stack, engine, tiny_llama_dir):
         answer = httpx.post(stack.url + "/v1/completions", timeout=30, json={
             "model": tiny_llama_dir.name, "prompt": "hi", "bad_words": bad})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "bad_words"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(disagg_stack, engine, tiny_llama_dir):
+    """vLLM's /tokenize (a prompt, or a conversation through the chat template: the prompt
+    chat completions sends) and /detokenize; no worker steps for them."""
+    url, model = disagg_stack.url, tiny_llama_dir.name
+    before = worker_stats(disagg_stack.decode.address).steps
+    ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+    out = httpx.post(url + "/tokenize", json={"model": model, "prompt": PROMPT,
+                                              "return_token_strs": True}, timeout=30).json()
+    assert out["tokens"] == ids and out["count"] == len(ids) and out["max_model_len"] > 0
+    assert "".join(out["token_strs"]) == engine.tokenizer.decode(ids)
+    cut = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "truncate_prompt_tokens": 2},
+                     timeout=30).json()
+    assert cut["tokens"] == ids[-2:] and cut["token_strs"] is None
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = httpx.post(url + "/tokenize", json={"model": model, "messages": messages},
+                      timeout=30).json()
+    assert worker_stats(disagg_stack.decode.address).steps == before
+    served = openai_client(url).chat.completions.create(model=model, messages=messages,
+                                                        max_tokens=1)
+    assert chat["count"] == served.usage.prompt_tokens
+    text = httpx.post(url + "/detokenize", json={"model": model, "tokens": ids},
+                      timeout=30).json()
+    assert text == {"prompt": engine.tokenizer.decode(ids)}
+    for path, body, param in (("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
+        answer = httpx.post(url + path, json=body, timeout=30)
+        assert answer.status_code in (400, 404), answer.text
+        assert answer.json()["error"]["param"] == param

@@ -20,7 +20,14 @@ from services.common import tracing
 from services.gateway.admission.admission import Ticket
 from services.gateway.admission.tenants import Tenant
 from services.gateway.api.deadline import TIMEOUT_CODES, RequestDeadline
-from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    parse_body,
+)
 from services.gateway.api.request_ids import gateway_request_id, worker_request_id
 from services.gateway.api.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
 from services.gateway.api.streaming import (
@@ -73,7 +80,37 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         return await _generate(gateway, request, ChatCompletionRequest, chat, ChatFormat)
 
+    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: a prompt's (or a conversation's templated) token ids, nothing generated."""
+        def run(body: bytes, limits):
+            chat = b'"messages"' in body
+            req = parse_body(TokenizeChatRequest if chat else TokenizeRequest, body)
+            if req.model is not None:
+                gateway.check_model(req.model)
+            return gateway.preprocessor.tokenize(req, limits)
+
+        return await _tokenizer_call(gateway, request, run)
+
+    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        def run(body: bytes, limits):
+            req = parse_body(DetokenizeRequest, body)
+            if req.model is not None:
+                gateway.check_model(req.model)
+            return gateway.preprocessor.detokenize(req, limits)
+
+        return await _tokenizer_call(gateway, request, run)
+
     return app
+
+
+async def _tokenizer_call(gateway: Gateway, request: Request, run) -> dict:
+    """/tokenize and /detokenize: authenticated like the API, the body size-limited and the
+    work done off the event loop; no worker is involved."""
+    gateway.admission.authenticate(request.headers.get("authorization"))
+    body = await _read_body(request, gateway.config.max_body_bytes)
+    return await gateway.off_loop(len(body), run, body, gateway.limits())
 
 
 def _body_doc(body_type) -> dict:
@@ -105,7 +142,8 @@ def openapi_document(app: FastAPI) -> dict:
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
-        for body_type in (CompletionRequest, ChatCompletionRequest):
+        for body_type in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          TokenizeChatRequest, DetokenizeRequest):
             schema = body_type.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[body_type.__name__] = schema

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams, StructuredOutput
-from services.gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.gateway.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    _SamplingFields,
+)
 from services.gateway.api.request_limits import RequestLimits
 from services.gateway.api.structured import StructuredOutputChecker, structured_output_field
 from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
@@ -50,6 +55,28 @@ class Preprocessor:
             lambda so, vocab_size: self.structured.check(so, vocab_size, param="tools"))
         self.structured = StructuredOutputChecker(tokenizer)
 
+    def tokenize(self, req, limits: ModelLimits) -> dict:
+        """vLLM's /tokenize: a prompt's tokens (the chat template's for messages), as the
+        generation endpoints would send them (truncation included)."""
+        if isinstance(req, TokenizeChatRequest):
+            ids, _ = self.chat_prompt(req, limits)
+            if req.add_special_tokens:  # off by default: the template writes its own
+                ids = [*self.tokenizer.encode("", add_special_tokens=True), *ids]
+        else:
+            ids = _truncated(self.tokenizer.encode(req.prompt,
+                                                   add_special_tokens=req.add_special_tokens),
+                             req.truncate_prompt_tokens, limits)
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
+                "token_strs": ([self.tokenizer.token_text(t) for t in ids]
+                               if req.return_token_strs else None)}
+
+    def detokenize(self, req, limits: ModelLimits) -> dict:
+        bad = next((t for t in req.tokens if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError.invalid(f"token id {bad} is outside the vocabulary "
+                                   f"[0, {limits.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
         self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
         self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
@@ -69,16 +96,12 @@ class Preprocessor:
             specs += self._choices(request_id, p, prompt_ids, params, req, echo)
         return specs
 
-    def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
-        return self.chat_with_tools(request_id, req, limits)[0]
-
-    def chat_with_tools(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits,
-                        ) -> tuple[list[GenerationSpec], ToolPlan | None]:
-        """chat(), and the request's tools for parsing the output (None: no tool calling)."""
+    def chat_prompt(self, req, limits: ModelLimits) -> tuple[list[int], ToolPlan | None]:
+        """The chat request's prompt (the template over its messages and tools, with its
+        template options and truncation) and its tool plan. `req`: a ChatCompletionRequest or
+        a TokenizeChatRequest (the same fields)."""
         if not req.messages:
             raise APIError.invalid("messages must contain at least one message", param="messages")
-        self.request_limits.check_batch(1, req.n)
-        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
         plan = tool_plan(req.tools, req.tool_choice, self.tool_format)
         native = self.tokenizer.template_renders_tools
         messages = template_messages(req.messages, self.tool_format, plan, native)
@@ -100,6 +123,17 @@ class Preprocessor:
                      else "messages")
             raise APIError.invalid(str(exc), param=param) from None
         prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
+        return prompt_ids, plan
+
+    def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
+        return self.chat_with_tools(request_id, req, limits)[0]
+
+    def chat_with_tools(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits,
+                        ) -> tuple[list[GenerationSpec], ToolPlan | None]:
+        """chat(), and the request's tools for parsing the output (None: no tool calling)."""
+        self.request_limits.check_batch(1, req.n)
+        self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
+        prompt_ids, plan = self.chat_prompt(req, limits)
         self._check_prompt(prompt_ids, limits, param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError.invalid("top_logprobs needs logprobs set to true", param="top_logprobs")

@@ -154,6 +154,37 @@ class ChatCompletionRequest(_SamplingFields):
     documents: JsonValue = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize for a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    truncate_prompt_tokens: int | None = _doc(minimum=-1)
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize for a conversation: the chat template's prompt, as chat completions
+    builds it (the same template options)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    tools: JsonValue = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
+    tool_choice: JsonValue = Field(default=None, json_schema_extra=TOOL_CHOICE_SCHEMA)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    truncate_prompt_tokens: int | None = _doc(minimum=-1)
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 Body = TypeVar("Body", bound=BaseModel)
 
 
