@@ -292,3 +292,40 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(disagg_stack, engine, tiny_
         answer = httpx.post(url + path, json=body, timeout=30)
         assert answer.status_code in (400, 404), answer.text
         assert answer.json()["error"]["param"] == param
+
+
+def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, tiny_llama_dir):
+    """The OpenAI SDK's client.responses (plain and streamed) gets the text chat completions
+    gives for the same instructions and input, with usage in the Responses API's names; a
+    field it does not implement (previous_response_id: nothing is stored) is a 400."""
+    client = openai_client(stack.url)
+    model = tiny_llama_dir.name
+    chat = client.chat.completions.create(
+        model=model, max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    expected = chat.choices[0].message.content
+    response = client.responses.create(model=model, instructions="Be brief.", temperature=0,
+                                       input="What is the capital of France?",
+                                       max_output_tokens=8)
+    assert response.output_text == expected
+    assert response.status == "incomplete" and response.incomplete_details.reason == (
+        "max_output_tokens")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(
+        model=model, instructions="Be brief.", temperature=0, max_output_tokens=8, stream=True,
+        input=[{"role": "user", "content": [{"type": "input_text",
+                                             "text": "What is the capital of France?"}]}]))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == expected == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == chat.usage.completion_tokens
+    refused = httpx.post(stack.url + "/v1/responses", timeout=30, json={
+        "model": model, "input": "hi", "previous_response_id": "resp_1"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "previous_response_id"

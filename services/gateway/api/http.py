@@ -24,12 +24,19 @@ from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeRequest,
     parse_body,
 )
 from services.gateway.api.request_ids import gateway_request_id, worker_request_id
-from services.gateway.api.responses import ChatFormat, ChoiceResult, CompletionFormat, usage
+from services.gateway.api.responses import (
+    ChatFormat,
+    ChoiceResult,
+    CompletionFormat,
+    ResponsesFormat,
+    usage,
+)
 from services.gateway.api.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -79,6 +86,15 @@ def create_app(gateway: Gateway) -> FastAPI:
             return specs, {"tools": tools}
 
         return await _generate(gateway, request, ChatCompletionRequest, chat, ChatFormat)
+
+    @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, text only: served as the chat completion it amounts to."""
+        def respond(request_id, req: ResponsesRequest, limits):
+            specs, _ = gateway.preprocessor.chat_with_tools(request_id, req.as_chat(), limits)
+            return specs, {"echo": req.echo()}
+
+        return await _generate(gateway, request, ResponsesRequest, respond, ResponsesFormat)
 
     @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
@@ -142,8 +158,8 @@ def openapi_document(app: FastAPI) -> dict:
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
-        for body_type in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          TokenizeChatRequest, DetokenizeRequest):
+        for body_type in (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
+                          TokenizeRequest, TokenizeChatRequest, DetokenizeRequest):
             schema = body_type.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[body_type.__name__] = schema

@@ -154,6 +154,101 @@ class ChatCompletionRequest(_SamplingFields):
     documents: JsonValue = None
 
 
+class ResponsesText(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponsesMessage(_Body):
+    """An input item of the Responses API: a message (earlier outputs echoed back included)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponsesText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+# Responses API fields whose absence (or these values) change nothing; any other value is
+# refused by name (previous_response_id: nothing is stored here to continue from).
+_RESPONSES_NO_OPS: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+    "prompt": (None,), "background": (None, False), "conversation": (None,),
+    "truncation": (None, "disabled"), "top_logprobs": (None, 0),
+    "text": (None, {"format": {"type": "text"}}),
+}
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses: text in, one assistant message out, served as a chat completion
+    of `instructions` (a system message) and `input`."""
+
+    model: str
+    input: str | list[ResponsesMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = _doc(minimum=1)
+    temperature: float | None = _doc(minimum=0)
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
+    stream: bool = False
+    # Accepted and ignored: they change nothing generated.
+    user: str | None = None
+    metadata: JsonValue = None
+    store: JsonValue = None
+    service_tier: JsonValue = None
+    parallel_tool_calls: JsonValue = None
+    tools: JsonValue = None
+    tool_choice: JsonValue = None
+    previous_response_id: JsonValue = None
+    reasoning: JsonValue = None
+    include: JsonValue = None
+    prompt: JsonValue = None
+    background: JsonValue = None
+    conversation: JsonValue = None
+    truncation: JsonValue = None
+    top_logprobs: JsonValue = None
+    text: JsonValue = None
+
+    @property
+    def include_usage(self) -> bool:
+        return False  # the usage is in the response object
+
+    @property
+    def n(self) -> int:
+        return 1
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion that serves it; a 400 names a field it cannot honour."""
+        for name, no_ops in _RESPONSES_NO_OPS.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in no_ops):
+                raise APIError.invalid(
+                    f"Unsupported parameter: '{name}' is not implemented by this server's "
+                    "Responses API (text in, one message out); remove it, or use "
+                    "/v1/chat/completions.", param=name, code="unsupported_parameter")
+        items = ([ResponsesMessage(role="user", content=self.input)]
+                 if isinstance(self.input, str) else self.input)
+        if not items:
+            raise APIError.invalid("input must not be empty", param="input")
+        messages = ([{"role": "system", "content": self.instructions}]
+                    if self.instructions else [])
+        messages += [{"role": item.role, "content": item.text()} for item in items]
+        return ChatCompletionRequest.model_validate({
+            "model": self.model, "messages": messages, "stream": self.stream,
+            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+            "top_p": self.top_p})
+
+    def echo(self) -> dict:
+        return {"instructions": self.instructions, "metadata": self.metadata,
+                "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
+                "top_p": self.top_p}
+
+
 class TokenizeRequest(_Body):
     """vLLM's /tokenize for a prompt."""
 

@@ -80,7 +80,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     }
 
 
-class _Format:
+class BodyFormat:
     """Shared header fields; one instance per HTTP request (it keeps per-choice state)."""
 
     object_name = ""
@@ -107,6 +107,24 @@ class _Format:
         chunk = self.chunk(delta)
         return [] if chunk is None else [chunk]
 
+    # -- the SSE stream around the chunks (api/streaming.py) ------------------------------
+
+    def opening(self, indexes: list[int]) -> list[bytes]:
+        """Events before the first chunk."""
+        return []
+
+    def encode(self, chunk: dict) -> bytes:
+        return encode_sse(chunk)
+
+    def error_event(self, error) -> bytes:
+        """A choice failed after tokens were sent (an APIError)."""
+        return encode_sse(error.body())
+
+    def closing(self, usage_body: dict) -> list[bytes]:
+        """Events after the last chunk: the usage chunk when asked for, then [DONE]."""
+        return [*([encode_sse(self.usage_chunk(usage_body))] if self.include_usage else []),
+                encode_sse("[DONE]")]
+
     def usage_chunk(self, usage_body: dict) -> dict:
         body = self._envelope([], chunk=True)
         body["usage"] = usage_body
@@ -116,7 +134,7 @@ class _Format:
         return max(value, MIN_LOGPROB)
 
 
-class ChatFormat(_Format):
+class ChatFormat(BodyFormat):
     """With a ToolPlan, tool calls are parsed out of each choice's text (api/tool_output)."""
 
     object_name = "chat.completion"
@@ -148,6 +166,9 @@ class ChatFormat(_Format):
     def role_chunk(self, index: int) -> dict:
         return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}], chunk=True)
+
+    def opening(self, indexes: list[int]) -> list[bytes]:
+        return [encode_sse(self.role_chunk(index)) for index in indexes]
 
     def chunk(self, delta: TextDelta) -> dict | None:
         if not delta.text and not delta.logprobs and delta.finish_reason is None:
@@ -190,7 +211,7 @@ class ChatFormat(_Format):
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
-class CompletionFormat(_Format):
+class CompletionFormat(BodyFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
     id_prefix = "cmpl"
@@ -254,3 +275,104 @@ class CompletionFormat(_Format):
         self._text_offset[spec.index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+class ResponsesFormat(BodyFormat):
+    """OpenAI's Responses API (`POST /v1/responses`): one assistant message as the output, and
+    streamed as its typed events (response.created ... response.output_text.delta ...
+    response.completed), each `event: <type>` with a JSON `data` line and a sequence number;
+    no [DONE]. `echo`: the request's settings the response object repeats."""
+
+    object_name = "response"
+    id_prefix = "resp"
+
+    def __init__(self, *args, echo: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.echo = echo or {}
+        self._sequence = 0
+        self._text: list[str] = []
+        self._finish: str | None = None
+
+    def _object(self, status: str, output: list[dict], usage_body: dict | None) -> dict:
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": None,
+            "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
+                                   else None),
+            "instructions": self.echo.get("instructions"), "metadata": self.echo.get("metadata"),
+            "max_output_tokens": self.echo.get("max_output_tokens"),
+            "temperature": self.echo.get("temperature"), "top_p": self.echo.get("top_p"),
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": None if usage_body is None else _responses_usage(usage_body),
+        }
+
+    def _message(self, text: str, status: str) -> dict:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status else []
+        return {"id": self.message_id, "type": "message", "role": "assistant",
+                "status": status or "in_progress", "content": content}
+
+    def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
+        [choice] = choices
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        return self._object(status, [self._message("".join(choice.text), "completed")],
+                            usage_body)
+
+    # -- streaming ------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields) -> dict:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+    def encode(self, event: dict) -> bytes:
+        data = encode_sse(event).decode()
+        return f"event: {event['type']}\n{data}".encode()
+
+    def opening(self, indexes: list[int]) -> list[bytes]:
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [self.encode(e) for e in (
+            self._event("response.created", response=self._object("in_progress", [], None)),
+            self._event("response.in_progress", response=self._object("in_progress", [], None)),
+            self._event("response.output_item.added", output_index=0,
+                        item=self._message("", "")),
+            self._event("response.content_part.added", item_id=self.message_id,
+                        output_index=0, content_index=0, part=part))]
+
+    def chunks(self, delta: TextDelta) -> list[dict]:
+        self._finish = delta.finish_reason or self._finish
+        if not delta.text:
+            return []
+        self._text.append(delta.text)
+        return [self._event("response.output_text.delta", item_id=self.message_id,
+                            output_index=0, content_index=0, delta=delta.text, logprobs=[])]
+
+    def error_event(self, error) -> bytes:
+        body = error.body()["error"]
+        return self.encode(self._event("error", code=body.get("code"),
+                                       message=body.get("message"), param=body.get("param")))
+
+    def closing(self, usage_body: dict) -> list[bytes]:
+        text = "".join(self._text)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = self._message(text, "completed")
+        status = "incomplete" if self._finish == "length" else "completed"
+        done = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [self.encode(e) for e in (
+            self._event("response.output_text.done", item_id=self.message_id, output_index=0,
+                        content_index=0, text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=self.message_id,
+                        output_index=0, content_index=0, part=part),
+            self._event("response.output_item.done", output_index=0, item=item),
+            self._event(done, response=self._object(status, [item], usage_body)))]
+
+
+def _responses_usage(usage_body: dict) -> dict:
+    """The chat usage object in the Responses API's names (our `splitserve` extension kept)."""
+    return {"input_tokens": usage_body["prompt_tokens"],
+            "input_tokens_details": usage_body["prompt_tokens_details"],
+            "output_tokens": usage_body["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage_body["total_tokens"],
+            "splitserve": usage_body["splitserve"]}

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.responses import Response
 
 from engine.outputs import ComputeSeconds
-from services.gateway.api.responses import ChatFormat, CompletionFormat, encode_sse, usage
+from services.gateway.api.responses import BodyFormat, usage
 from services.gateway.api.text_stream import TextDelta
 from services.gateway.errors import APIError
 
@@ -69,7 +69,7 @@ async def open_streams(streams: list[ChoiceStream]) -> list[TextDelta]:
 
 
 async def sse_events(
-    streams: list[ChoiceStream], firsts: list[TextDelta], fmt: ChatFormat | CompletionFormat,
+    streams: list[ChoiceStream], firsts: list[TextDelta], fmt: BodyFormat,
     prompt_tokens: int, buffer_size: int,
 ) -> AsyncIterator[bytes]:
     """The SSE byte chunks of a whole response; closing it aborts every open choice."""
@@ -92,9 +92,8 @@ async def sse_events(
     completion_tokens = cached_tokens = 0
     compute = ComputeSeconds()
     try:
-        if isinstance(fmt, ChatFormat):
-            for first in firsts:
-                yield encode_sse(fmt.role_chunk(first.index))
+        for event in fmt.opening([first.index for first in firsts]):
+            yield event
         remaining = len(pumps)
         while remaining:
             item = await buffer.get()
@@ -102,7 +101,7 @@ async def sse_events(
                 remaining -= 1
                 continue
             for chunk in fmt.chunks(item):
-                yield encode_sse(chunk)
+                yield fmt.encode(chunk)
             if item.finish_reason is not None:
                 completion_tokens += item.num_output_tokens
                 cached_tokens = max(cached_tokens, item.num_cached_tokens)
@@ -111,12 +110,10 @@ async def sse_events(
                 # Tokens were already sent: no silent retry, an explicit error event instead.
                 error = APIError(500, item.error or "a worker failed mid-stream", "server_error",
                                  code=item.error_code or "worker_failed")
-                yield encode_sse(error.body())
+                yield fmt.error_event(error)
                 break
-        if fmt.include_usage:
-            yield encode_sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens, cached_tokens,
-                                                   compute)))
-        yield encode_sse("[DONE]")
+        for event in fmt.closing(usage(prompt_tokens, completion_tokens, cached_tokens, compute)):
+            yield event
     finally:
         for task in pumps:
             task.cancel()
