@@ -325,7 +325,9 @@ def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, t
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == expected == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == chat.usage.completion_tokens
-    refused = httpx.post(stack.url + "/v1/responses", timeout=30, json={
-        "model": model, "input": "hi", "previous_response_id": "resp_1"})
-    assert refused.status_code == 400
-    assert refused.json()["error"]["param"] == "previous_response_id"
+    for field, value, param in (("previous_response_id", "resp_1", "previous_response_id"),
+                                ("tools", [{"type": "web_search"}], "tools.0")):
+        refused = httpx.post(stack.url + "/v1/responses", timeout=30, json={
+            "model": model, "input": "hi", field: value})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == param

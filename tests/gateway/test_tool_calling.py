@@ -155,3 +155,37 @@ def test_auto_answers_in_text_the_same_streamed_and_not(client, smollm2_dir):
     whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
     assert _streamed(client, smollm2_dir.name, **request) == {
         0: (whole.message.content, _calls(whole.message), whole.finish_reason)}
+
+
+def _responses_tools() -> list[dict]:
+    """TOOLS in the Responses API's shape (no "function" wrapper)."""
+    return [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_the_responses_api_calls_functions_as_chat_does(client, smollm2_dir):
+    """client.responses with function tools: a required call comes back as a function_call
+    item (the chat completion's call, arguments valid), streamed as whole items at the end
+    with the same call; the call and its output go back as input items."""
+    model = smollm2_dir.name
+    chat = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS,
+                                          tool_choice="required", temperature=0,
+                                          max_tokens=MAX_TOKENS)
+    [expected] = _calls(chat.choices[0].message)
+    kwargs = dict(model=model, input=QUESTION[0]["content"], tools=_responses_tools(),
+                  tool_choice="required", temperature=0, max_output_tokens=MAX_TOKENS)
+    response = client.responses.create(**kwargs)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(expected["name"], expected["arguments"])]
+    assert _valid_arguments(calls[0].name, calls[0].arguments) and calls[0].call_id
+    events = list(client.responses.create(stream=True, **kwargs))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.name, i.arguments) for i in done if i.type == "function_call"] == [
+        (expected["name"], expected["arguments"])]
+    assert events[-1].type == "response.completed"
+    follow_up = client.responses.create(model=model, tools=_responses_tools(), max_output_tokens=8,
+                                        temperature=0, input=[
+        {"role": "user", "content": QUESTION[0]["content"]},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C, sunny"}])
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output

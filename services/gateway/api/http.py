@@ -91,8 +91,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, text only: served as the chat completion it amounts to."""
         def respond(request_id, req: ResponsesRequest, limits):
-            specs, _ = gateway.preprocessor.chat_with_tools(request_id, req.as_chat(), limits)
-            return specs, {"echo": req.echo()}
+            specs, tools = gateway.preprocessor.chat_with_tools(request_id, req.as_chat(),
+                                                                limits)
+            return specs, {"echo": req.echo(), "tools": tools}
 
         return await _generate(gateway, request, ResponsesRequest, respond, ResponsesFormat)
 

@@ -174,10 +174,32 @@ class ResponsesMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class ResponsesFunctionCall(_Body):
+    """An earlier output echoed back: the model called a function."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionOutput(_Body):
+    """The result of a call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+ResponsesItem = ResponsesMessage | ResponsesFunctionCall | ResponsesFunctionOutput
+
 # Responses API fields whose absence (or these values) change nothing; any other value is
 # refused by name (previous_response_id: nothing is stored here to continue from).
 _RESPONSES_NO_OPS: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
     "prompt": (None,), "background": (None, False), "conversation": (None,),
     "truncation": (None, "disabled"), "top_logprobs": (None, 0),
@@ -190,7 +212,7 @@ class ResponsesRequest(_Body):
     of `instructions` (a system message) and `input`."""
 
     model: str
-    input: str | list[ResponsesMessage]
+    input: str | list[ResponsesItem]
     instructions: str | None = None
     max_output_tokens: int | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0)
@@ -235,18 +257,55 @@ class ResponsesRequest(_Body):
                  if isinstance(self.input, str) else self.input)
         if not items:
             raise APIError.invalid("input must not be empty", param="input")
-        messages = ([{"role": "system", "content": self.instructions}]
-                    if self.instructions else [])
-        messages += [{"role": item.role, "content": item.text()} for item in items]
+        messages: list[dict] = ([{"role": "system", "content": self.instructions}]
+                                if self.instructions else [])
+        for item in items:
+            if isinstance(item, ResponsesMessage):
+                messages.append({"role": item.role, "content": item.text()})
+                continue
+            if isinstance(item, ResponsesFunctionOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": item.output})
+                continue
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p})
+            "top_p": self.top_p, **_chat_tools(self.tools, self.tool_choice)})
 
     def echo(self) -> dict:
         return {"instructions": self.instructions, "metadata": self.metadata,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
-                "top_p": self.top_p}
+                "top_p": self.top_p, "tools": self.tools, "tool_choice": self.tool_choice}
+
+
+def _chat_tools(tools: JsonValue, tool_choice: JsonValue) -> dict:
+    """The Responses API's function tools ({"type": "function", "name", ...}) and tool_choice
+    in chat completions' shape (checked there, with the same messages)."""
+    out: dict = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise APIError.invalid("tools must be a list of function tools", param="tools")
+        out["tools"] = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise APIError.invalid(
+                    f"Unsupported parameter: tools of type {kind!r} are not implemented by this "
+                    "server; function tools are", param=f"tools.{i}", code="unsupported_parameter")
+            out["tools"].append({"type": "function", "function": {
+                k: v for k, v in tool.items() if k in ("name", "description", "parameters",
+                                                       "strict")}})
+    if tool_choice is not None:
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+            tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+        out["tool_choice"] = tool_choice
+    return out
 
 
 class TokenizeRequest(_Body):
