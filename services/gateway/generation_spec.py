@@ -23,6 +23,7 @@ class GenerationSpec:
     echo_text: str | None = None  # completions' echo: the prompt text to prepend
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: keep the matched stop
     skip_special_tokens: bool = True  # special tokens' text left out of the output
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (RL and eval clients)
     # Prefix-cache salt of the tenant (admission sets it): the workers and the router hash the
     # prompt's blocks from it, so tenants never share cached KV unless their group says so.
     cache_salt: str = ""

@@ -8,6 +8,8 @@ field that reaches no worker."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import pytest
@@ -331,3 +333,37 @@ def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, t
             "model": model, "input": "hi", field: value})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == param
+
+
+def test_return_token_ids_gives_the_tokens_beside_the_text(stack, engine, tiny_llama_dir):
+    """vLLM's return_token_ids: completions' choices and chat's response carry the prompt's
+    ids once and each choice's output ids, streamed as deltas that add up to the same."""
+    from engine.sampling_params import SamplingParams
+
+    url, model = stack.url, tiny_llama_dir.name
+    [expected] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6,
+                                                          ignore_eos=True))
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    plain = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert plain["token_ids"] == expected.token_ids
+    assert plain["prompt_token_ids"] == expected.prompt_token_ids
+    streamed, prompt_ids = [], []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += choice["token_ids"]
+                prompt_ids += choice.get("prompt_token_ids", [])
+    assert streamed == expected.token_ids and prompt_ids == expected.prompt_token_ids
+    chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "ignore_eos": True, "return_token_ids": True}).json()
+    tokenized = httpx.post(url + "/tokenize", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["prompt_token_ids"] == tokenized["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 4
+    without = httpx.post(url + "/v1/completions", timeout=30, json={**body,
+                                                                  "return_token_ids": False})
+    assert "token_ids" not in without.json()["choices"][0]

@@ -293,6 +293,7 @@ class Preprocessor:
                 echo_text=echo,
                 include_stop_str=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                return_token_ids=req.return_token_ids,
             )
             for i in range(req.n)
         ]

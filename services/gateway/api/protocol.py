@@ -79,6 +79,8 @@ class _SamplingFields(_Body):
     # vLLM's: a matched stop string stays at the end of the text; special tokens' text kept.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: token ids beside the text (the prompt's once, each choice's output).
+    return_token_ids: bool = False
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = _doc(minimum=-1)
     bad_words: JsonValue = Field(default=None, json_schema_extra={

@@ -133,6 +133,18 @@ class BodyFormat:
     def _lp(self, value: float) -> float:
         return max(value, MIN_LOGPROB)
 
+    def _ids(self, index: int, token_ids) -> dict:
+        """vLLM's return_token_ids: the choice's output token ids (a chunk's: its delta)."""
+        return {"token_ids": list(token_ids)} if self.specs[index].return_token_ids else {}
+
+    def _wants_ids(self, delta: TextDelta) -> bool:
+        """A chunk carrying no text still goes out when it carries asked-for token ids."""
+        return bool(delta.token_ids) and self.specs[delta.index].return_token_ids
+
+    def _prompt_ids(self, index: int) -> dict:
+        spec = self.specs[index]
+        return {"prompt_token_ids": list(spec.prompt_token_ids)} if spec.return_token_ids else {}
+
 
 class ChatFormat(BodyFormat):
     """With a ToolPlan, tool calls are parsed out of each choice's text (api/tool_output)."""
@@ -152,35 +164,40 @@ class ChatFormat(BodyFormat):
         stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self.tools))
         deltas = stream.deltas(delta.text, final=delta.finish_reason is not None)
         finish = finish_reason(delta.finish_reason, stream.num_calls)
-        if not deltas and not delta.logprobs and finish is None:
+        if not deltas and not delta.logprobs and finish is None and not self._wants_ids(delta):
             return []
         if not deltas:
             deltas = [{} if finish is not None else {"content": ""}]
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.index)
+        ids = self._ids(delta.index, delta.token_ids)
         return [self._envelope([{"index": delta.index, "delta": d,
                                  "logprobs": logprobs if k == 0 else None,
-                                 "finish_reason": finish if k == len(deltas) - 1 else None}],
+                                 "finish_reason": finish if k == len(deltas) - 1 else None,
+                                 **(ids if k == 0 else {})}],
                                chunk=True)
                 for k, d in enumerate(deltas)]
 
     def role_chunk(self, index: int) -> dict:
-        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}], chunk=True)
+        return {**self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}], chunk=True),
+                **self._prompt_ids(index)}
 
     def opening(self, indexes: list[int]) -> list[bytes]:
         return [encode_sse(self.role_chunk(index)) for index in indexes]
 
     def chunk(self, delta: TextDelta) -> dict | None:
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        if (not delta.text and not delta.logprobs and delta.finish_reason is None
+                and not self._wants_ids(delta)):
             return None
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         choice = {"index": delta.index, "delta": content,
                   "logprobs": self._logprobs(delta.token_ids, delta.logprobs, delta.index),
-                  "finish_reason": delta.finish_reason}
+                  "finish_reason": delta.finish_reason, **self._ids(delta.index, delta.token_ids)}
         return self._envelope([choice], chunk=True)
 
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
         body = self._envelope([self._choice(c) for c in choices], chunk=False)
+        body.update(self._prompt_ids(choices[0].index))  # one prompt for every choice
         body["usage"] = usage_body
         return body
 
@@ -193,7 +210,7 @@ class ChatFormat(BodyFormat):
             finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())))
         return {"index": c.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
-                "finish_reason": finish}
+                "finish_reason": finish, **self._ids(c.index, c.token_ids)}
 
     def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
         if self.specs[index].logprobs is None:
@@ -224,16 +241,19 @@ class CompletionFormat(BodyFormat):
     def chunk(self, delta: TextDelta) -> dict | None:
         spec = self.specs[delta.index]
         text, token_ids, logprobs, prompt_part = delta.text, delta.token_ids, delta.logprobs, None
-        if delta.index not in self._started:
+        first = delta.index not in self._started
+        if first:
             self._started.add(delta.index)
             if spec.echo_text is not None:
                 text = spec.echo_text + text
                 prompt_part = (spec.prompt_token_ids, delta.prompt_logprobs)
-        if not text and not logprobs and delta.finish_reason is None:
+        if (not text and not logprobs and delta.finish_reason is None
+                and not self._wants_ids(delta)):
             return None
         choice = {"index": delta.index, "text": text,
                   "logprobs": self._logprobs(spec, token_ids, logprobs, prompt_part),
-                  "finish_reason": delta.finish_reason}
+                  "finish_reason": delta.finish_reason, **self._ids(delta.index, token_ids),
+                  **(self._prompt_ids(delta.index) if first else {})}
         return self._envelope([choice], chunk=True)
 
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
@@ -247,7 +267,8 @@ class CompletionFormat(BodyFormat):
                 prompt_part = (spec.prompt_token_ids, c.prompt_logprobs)
             out.append({"index": c.index, "text": text,
                         "logprobs": self._logprobs(spec, c.token_ids, c.logprobs, prompt_part),
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": c.finish_reason, **self._ids(c.index, c.token_ids),
+                        **self._prompt_ids(c.index)})
         body = self._envelope(out, chunk=False)
         body["usage"] = usage_body
         return body
