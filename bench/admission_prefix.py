@@ -7,7 +7,9 @@ scenario, with random text prompts and 8 output tokens each:
   1. warm-up: uncached prompts of ~1,000 tokens, 4 at a time, 4 times (the gateway's TTFT
      estimate learns what a prefill costs per token);
   2. one prompt of ~1,000 tokens (the shared prefix), alone: now cached;
-  3. twice, 2 s apart: a burst of 16 prompts, each the prefix plus ~10 new words.
+  3. twice, 2 s apart: a burst of 16 prompts, each the prefix plus ~10 new words;
+  4. a burst of 16 prompts behind a new prefix of ~500 tokens that no worker holds yet (a
+     system prompt seen for the first time, by 16 users at once).
 Each burst prints how many were refused (503) and the admitted ones' times to first token.
 A burst of 16 cached-prefix prompts is a few hundred new tokens of prefill in all.
 
@@ -70,6 +72,9 @@ async def scenario(url: str, seed: int) -> list[dict]:
             results.append(await _burst(client, url, model, f"burst {i + 1}: cached prefix",
                                         [f"{prefix} {_text(10, rng)}" for _ in range(16)]))
             await asyncio.sleep(2)
+        fresh = _text(165, rng)
+        results.append(await _burst(client, url, model, "burst 3: a new shared prefix",
+                                    [f"{fresh} {_text(10, rng)}" for _ in range(16)]))
         return results
 
 
