@@ -22,7 +22,7 @@ def test_quick_compare_runs_against_a_real_disaggregated_deployment(tiny_llama_d
          "--systems", "splitserve-disagg", "--workloads", "chat", "--rates", "4",
          "--duration", "3", "--out", str(out), "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, out)
     results = json.loads((out / "results.json").read_text())
     assert "error" not in results["systems"]["splitserve-disagg"]
     [point] = results["points"]
@@ -48,6 +48,22 @@ def test_quick_compare_runs_against_a_real_disaggregated_deployment(tiny_llama_d
     assert "all processes stopped" in log
 
 
+def _failure(proc: subprocess.CompletedProcess, out: Path) -> str:
+    """What a failed run said, with each failed system's recorded error and its log's tail (a
+    system that did not start leaves no line of its own in the output)."""
+    text = proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        systems = json.loads((out / "results.json").read_text())["systems"]
+    except (OSError, ValueError, KeyError):
+        return text
+    for name, info in systems.items():
+        if "error" in info:
+            log = out / "logs" / f"{name}.log"
+            text += f"\n{name}: {info['error']}\n" + (log.read_text()[-3000:] if log.is_file()
+                                                      else "(no log)")
+    return text
+
+
 @pytest.mark.slow
 def test_interleaved_rounds_take_turns_against_real_deployments(tiny_llama_dir, tmp_path):
     """--rounds 2: both deployments up at once, each point run twice with the order rotated,
@@ -58,7 +74,7 @@ def test_interleaved_rounds_take_turns_against_real_deployments(tiny_llama_dir, 
          "--systems", "splitserve-agg,splitserve-disagg", "--workloads", "chat", "--rates", "4",
          "--duration", "2", "--rounds", "2", "--out", str(out), "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, out)
     results = json.loads((out / "results.json").read_text())
     assert results["plan"]["rounds"] == 2
     turns = [(p["round"], p["system"]) for p in results["points"]]
