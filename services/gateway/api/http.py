@@ -34,9 +34,9 @@ from services.gateway.api.responses import (
     ChatFormat,
     ChoiceResult,
     CompletionFormat,
-    ResponsesFormat,
     usage,
 )
+from services.gateway.api.responses_api import ResponsesFormat
 from services.gateway.api.streaming import (
     ClientDisconnected,
     SSEResponse,
