@@ -184,3 +184,51 @@ def test_predictions_join_the_margin_only_once_the_line_is_trusted():
             ticket.release()
 
     asyncio.run(scenario())
+
+
+def _warm_up(estimator: TTFTEstimator) -> None:
+    """What two bursts of 32 short completions taught a real gateway (the `make run` user
+    check): loads of 7 to 224 tokens, every first token ~0.15 s (one batched step): no slope."""
+    for _ in range(2):
+        for i in range(32):
+            estimator.first_token(0.15, prefill_tokens=7 * (i + 1))
+
+
+def test_an_estimate_beyond_the_loads_the_line_was_fitted_on_is_not_judged():
+    """The cold system prompt of the user check: after the warm-up, 12 chats behind a new
+    1,135-token system prompt were predicted 0.16 s (a flat line extrapolated) and came in
+    ~1 s; those errors pinned the margin at 0.5 s and refused 11 of the next 12 chats, which
+    the line, taught its slope by the first burst, predicted at 0.53 s (served in 0.7 s)."""
+
+    async def scenario():
+        admission = make_admission(A, rule=CapacityRule(), ttft_target_s=1.0)
+        estimator = admission.estimator
+        _warm_up(estimator)
+        assert estimator.trusted and estimator.trusted_at(224) and estimator.trusted_at(280)
+        assert not estimator.trusted_at(1135)
+        short = await admission.admit(A, [spec(64, 8)], 64)
+        cold = await admission.admit(A, [spec(1135, 8)], 1135)
+        assert short.predicted_ttft_s is not None and cold.predicted_ttft_s is None
+        for ticket in (short, cold):
+            ticket.release()
+
+    asyncio.run(scenario())
+
+
+def test_the_loads_a_line_was_fitted_on_fade_with_its_samples():
+    """Long prompts seen long ago (many samples, or a quiet spell, back) no longer vouch for
+    the line at their length: it has been refitted on others since."""
+    clock = Clock()
+    estimator = TTFTEstimator(clock=clock)
+    _warm_up(estimator)
+    for tokens in range(1000, 3700, 300):  # a burst behind a long prefix teaches the slope
+        estimator.first_token(0.3 + 0.0002 * tokens, prefill_tokens=tokens)
+    assert estimator.trusted_at(3600)
+    for _ in range(40):  # many short requests later
+        estimator.first_token(0.15, prefill_tokens=100)
+    assert not estimator.trusted_at(3600) and estimator.trusted_at(100)
+    estimator.first_token(0.9, prefill_tokens=3000)
+    assert estimator.trusted_at(3600)
+    clock.now = 60.0  # a quiet minute: the next sample outweighs everything before it
+    estimator.first_token(0.15, prefill_tokens=100)
+    assert not estimator.trusted_at(3000)

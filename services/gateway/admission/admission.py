@@ -233,11 +233,18 @@ class Admission:
                                         self.inflight, self.prefilling_tokens, slot_in)
         if plain is None:
             return
-        # Judged only once the estimator is trusted: an untrusted guess's miss is no evidence
-        # of how wrong the fitted line is (see TTFTEstimator.trusted).
-        ticket.predicted_ttft_s = plain if self.estimator.trusted else None
+        # Judged only where the estimator is trusted: an untrusted guess's miss, or that of a
+        # line extrapolated beyond the loads it was fitted on, is no evidence of how wrong the
+        # fitted line is (see TTFTEstimator.trusted, .trusted_at).
+        judged = self.estimator.trusted_at(self.prefilling_tokens + ticket.prefill_tokens)
+        ticket.predicted_ttft_s = plain if judged else None
         predicted = plain + self.estimator.margin(self.ttft_target_s)
         budget = ticket.deadline - ticket.arrival
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("judged: %d prompt tokens (%d to prefill), %d ahead, %d prefilling, "
+                      "estimate %.3fs + margin %.3fs, budget %.3fs", ticket.prompt_tokens,
+                      ticket.prefill_tokens, requests, self.prefilling_tokens, plain,
+                      predicted - plain, budget)
         if predicted > budget:
             retry = max(1, math.ceil(predicted - budget))
             uncached = ("" if ticket.prefill_tokens == ticket.prompt_tokens
@@ -354,6 +361,12 @@ class Admission:
         self.prefilling_tokens -= ticket.prefill_tokens
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
             ticket.first_token_at - ticket.arrival)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("first token: %.3fs after release with %d tokens to prefill (line says "
+                      "%.3fs), TTFT %.3fs, predicted %s", ticket.first_token_at - ticket.released_at,
+                      ticket.prefill_at_release, self.estimator.service_at(
+                          ticket.prefill_at_release), ticket.first_token_at - ticket.arrival,
+                      ticket.predicted_ttft_s)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
                                    ticket.first_token_at - ticket.arrival,

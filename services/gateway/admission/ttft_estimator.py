@@ -76,6 +76,9 @@ class TTFTEstimator:
         # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
         self._moments = [_Aged() for _ in range(4)]
         self._fit_samples = 0  # first tokens the line was fitted on
+        # [x, weight] of the fit's samples that still weigh at least _SEEN_WEIGHT in it: the
+        # prompt loads the line was fitted on, as far as it still remembers them.
+        self._seen: list[list[float]] = []
         self.duration_s: float | None = None  # release -> end
         self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
         self._busy_since: float | None = None
@@ -113,6 +116,7 @@ class TTFTEstimator:
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
         if prefill_tokens is not None:
             self._fit_samples += 1
+            self._remember(prefill_tokens, now)
             for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
                                                       prefill_tokens * seconds), strict=True):
                 moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
@@ -183,6 +187,24 @@ class TTFTEstimator:
         the margin at its cap for the next error_window_s and refuse work served on time)."""
         return self._fit_samples >= _MIN_FIT_SAMPLES
 
+    def trusted_at(self, prefill_tokens: int) -> bool:
+        """Whether an estimate for `prefill_tokens` prompt tokens to prefill is the fit's to be
+        judged by: trusted, and within _SEEN_REACH of the largest load it was fitted on. Beyond
+        it the line extrapolates: a burst behind a new 1,100-token system prompt, judged by a
+        line fitted on short completions, came 0.8 s later than predicted; the line learned
+        the slope from those very first tokens, yet their errors pinned the margin at its cap
+        for 20 s and refused 11 of the next 12 chats (served in 0.7 s once admitted)."""
+        if not self.trusted or not self._seen:
+            return False
+        return prefill_tokens <= _SEEN_REACH * max(x for x, _ in self._seen)
+
+    def _remember(self, prefill_tokens: int, now: float) -> None:
+        """Weigh the loads seen as the fit's moments weigh their samples (see _Aged.add)."""
+        first = self._moments[0]
+        keep = 0.0 if first.value is None else _keep(_FIT_ALPHA, now - first.at, self.half_life_s)
+        self._seen = [[x, w * keep] for x, w in self._seen if w * keep >= _SEEN_WEIGHT]
+        self._seen.append([float(prefill_tokens), 1.0 - keep])
+
     def seconds_per_prompt_token(self) -> float:
         """The fit's slope: what one more prompt token to prefill adds to a first token."""
         line = self._line()
@@ -234,6 +256,11 @@ _MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is beli
 # per token: 4 warm-up prompts of 32 tokens gave 2.2 ms per token where a batched prefill
 # costs under 1, and refused 26 of a burst of 32 that would have been served within 1 s.
 _MIN_FIT_SAMPLES = 16
+# A load the fit's samples no longer weigh this much in is forgotten (about 15 samples on, or
+# a few half-lives of quiet); estimates up to _SEEN_REACH times the largest load remembered
+# are judged.
+_SEEN_WEIGHT = 0.02
+_SEEN_REACH = 1.25
 
 
 def _keep(alpha: float, age_s: float, half_life_s: float) -> float:
