@@ -10,7 +10,9 @@ prompts prefilled in one step, their attention in one C++ call per layer
 (prefill_attention_into) against one call per prompt as before, on one layer and through
 the shipped engine, alternating; then prompts that add a few tokens to one cached prefix (a
 system prompt, a chat's earlier turns) in one step of the shipped engine, whose attention
-reads the whole cached context for each of them.
+reads the whole cached context for each of them; then prompts sent together behind a new
+shared prefix, which the shipped scheduler has computed once (the others wait a step for its
+blocks) against every prompt computing it, alternating.
 
     python bench/prefill.py                     # SmolLM2, 1 thread, 512/1024/2048 tokens
     python bench/prefill.py --threads 2 --lengths 128,512
@@ -18,11 +20,13 @@ reads the whole cached context for each of them.
     python bench/prefill.py --threads 2 --lengths 2048 --only profile
     python bench/prefill.py --threads 2 --only prompts --prompts 64x32,16x128
     python bench/prefill.py --threads 2 --only cached --cached 1x44+1280,16x44+1280
+    python bench/prefill.py --threads 2 --only together --together 16x20+680
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -238,6 +242,54 @@ def cached_prefix(model: str, shapes: list[tuple[int, int, int]], repeats: int, 
         llama.paged_attention = attend
 
 
+def prompts_together(model: str, shapes: list[tuple[int, int, int]], repeats: int,
+                     threads: int) -> None:
+    """`count` prompts added at once, each a new shared prefix (no block of it cached) plus
+    its own tokens, through the shipped engine (the later prompts wait a step for the first's
+    prefix blocks: wait_for_shared_blocks) against the same engine where every prompt the
+    token budget takes computes the prefix itself, as before; alternating, a new prefix
+    every repetition (a cold cache). Milliseconds from adding them to each first token."""
+    from dataclasses import replace
+
+    base = EngineConfig(model=model, num_threads=threads, num_kv_blocks=4096)
+    engines = {"shipped": LLMEngine(base),
+               "each computes it": LLMEngine(replace(base, scheduler=replace(
+                   base.scheduler, wait_for_shared_blocks=False)))}
+    vocab = engines["shipped"].runner.model_config.vocab_size
+    salt = iter(range(10**6))
+
+    def firsts(engine: LLMEngine, count: int, new: int, prefix_len: int) -> list[float]:
+        s = next(salt)
+        prefix = [100 + (j * 13 + 7919 * s) % (vocab - 100) for j in range(prefix_len)]
+        start, seen = time.perf_counter(), {}
+        for i in range(count):
+            engine.add_request(f"t{s}-{i}", prefix + [100 + (j * 7 + 977 * i + s) % (vocab - 100)
+                                                      for j in range(new)],
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            for out in engine.step():
+                seen.setdefault(out.request_id, (time.perf_counter() - start) * 1e3)
+        return sorted(seen.values())
+
+    print(f"prompts sent together behind a new shared prefix, through the engine ({threads} "
+          f"thread(s), median of {repeats}, alternating): first tokens, first / median / last "
+          "ms")
+    for count, new, prefix_len in shapes:
+        runs: dict[str, list[list[float]]] = {name: [] for name in engines}
+        for _ in range(repeats + 1):  # the first round warms both
+            for name, engine in engines.items():
+                runs[name].append(firsts(engine, count, new, prefix_len))
+        cells = []
+        for name, got in runs.items():
+            first, mid, last = (statistics.median(run[k] for run in got[1:])
+                                for k in (0, count // 2, count - 1))
+            cells.append(f"{name} {first:5.0f} / {mid:5.0f} / {last:5.0f}")
+        ratio = (statistics.median(r[-1] for r in runs["each computes it"][1:])
+                 / statistics.median(r[-1] for r in runs["shipped"][1:]))
+        print(f"  {count} x ({prefix_len} shared + {new} own): " + "   ".join(cells)
+              + f"   (last: {ratio:.2f}x sooner shipped)")
+
+
 def profile_prompt(model: str, n: int, threads: int) -> None:
     """One n-token prompt alone through the shipped engine under torch.profiler (after three
     unprofiled ones, each a new prompt): where a prefill step's time goes, by operator."""
@@ -263,13 +315,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="COUNTxLENGTH,...: the many-prompts part's steps")
     parser.add_argument("--cached", default="1x44+1280,16x44+1280",
                         help="COUNTxNEW+PREFIX,...: the cached-prefix part's steps")
+    parser.add_argument("--together", default="16x20+680,4x20+680,2x8+64",
+                        help="COUNTxOWN+PREFIX,...: prompts sent together behind a new prefix")
     parser.add_argument("--only", choices=("attention", "engine", "chunking", "profile", "prompts",
-                                           "cached"),
+                                           "cached", "together"),
                         default=None,
                         help="run one part: the attention layer, the engine's attention "
                              "choices, whole against chunked prompts, a profile of the "
                              "longest length's prefill by operator, many prompts in a step, or "
-                             "prompts after a cached prefix")
+                             "prompts after a cached prefix, or prompts sent together behind "
+                             "a new one")
     args = parser.parse_args(argv)
     if not (cpu_kernels.load() and small_m_linear_available()):
         raise SystemExit("needs the C++ CPU kernels and a CPU with avx512_bf16")
@@ -278,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print("settings: the attention and engine parts force dtype bfloat16 (the C++ prefill "
           "attention is bfloat16 only; the shipped --dtype auto is "
           f"{'bfloat16' if cpu_has_fast_bf16() else 'float32'} on this CPU) and set "
-          "cpu_attention torch against cpp; the chunking, prompts and cached parts run every shipped default "
+          "cpu_attention torch against cpp; the chunking, prompts, cached and together parts run every shipped default "
           "(prompts: its per-prompt runs take the attention path before prefill_attention_into); "
           f"{args.threads} torch thread(s)")
     torch.set_num_threads(args.threads)
@@ -301,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             count, new = count_new.split("x")
             steps.append((int(count), int(new), int(prefix_len)))
         cached_prefix(args.model, steps, args.repeats, args.threads)
+    if args.only in (None, "together"):
+        shapes = []
+        for shape in args.together.split(","):
+            count_own, prefix_len = shape.split("+")
+            count, own = count_own.split("x")
+            shapes.append((int(count), int(own), int(prefix_len)))
+        prompts_together(args.model, shapes, args.repeats, args.threads)
     return 0
 
 

@@ -67,6 +67,29 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def blocks_completed(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Hashes of the full blocks that the request's next `num_new_tokens` tokens (after
+        its computed ones) complete: what cache_blocks registers once they are computed. None
+        where nothing is registered (prefix caching off, an uncacheable request)."""
+        if not self.enable_prefix_caching or request.request_id in self._uncacheable:
+            return []
+        self._update_block_hashes(request)
+        first = request.num_computed_tokens // self.block_size
+        return request.block_hashes[first:(request.num_computed_tokens + num_new_tokens)
+                                    // self.block_size]
+
+    def shared_run(self, request: Request, num_hit_tokens: int, computing: set[int]) -> int:
+        """Tokens of the full blocks a fresh request would compute first after a prefix hit of
+        `num_hit_tokens` (block-aligned) whose hashes are in `computing`, one after another
+        (the hashes are those get_computed_blocks made)."""
+        if not self.enable_prefix_caching:
+            return 0
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        index = first = num_hit_tokens // self.block_size
+        while index < last and request.block_hashes[index] in computing:
+            index += 1
+        return (index - first) * self.block_size
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's lookup in the prefix-cache statistics."""
         if self.enable_prefix_caching:

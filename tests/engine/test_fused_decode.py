@@ -138,7 +138,9 @@ def test_a_decode_step_matches_the_module_path(request, model, batch, linear, la
         return out
 
     model_.forward = compare
-    prompts = [list(range(3, 3 + 2 * i + 1)) for i in range(batch)]
+    # Distinct first tokens: prompts that share a block would be prefilled a step apart
+    # (the later ones wait to read it from the cache), and the decode steps would be smaller.
+    prompts = [[200 + i] + list(range(3, 3 + 2 * i)) for i in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert steps and all(len(out) == batch for out, *_ in steps)
     for out, expected, caches, expected_caches in steps:

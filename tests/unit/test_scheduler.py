@@ -13,7 +13,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import MIN_SHARED_TOKENS_TO_WAIT, Scheduler, SchedulerConfig
 
 BLOCK = 4
 _arrival = itertools.count()
@@ -339,6 +339,52 @@ def test_prefix_hit_reads_the_right_kv_end_to_end():
     assert trace.outputs["b"] == expected_output(shared + [3, 4, 5], 4)
     assert scheduler.kv.prefix_hits >= 12
     assert_no_blocks_held(scheduler)
+
+
+def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
+    """Prompts that arrive together behind a prefix no block holds yet: the first computes
+    it, the others wait one step and read it from the cache (before, the token budget took
+    several of them whole, each computing the prefix); a prompt queued behind them that
+    shares nothing is not held up; every output is unchanged."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
+    shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT)
+    prompts = {f"p{i}": shared + [i + 1, i + 2] for i in range(3)}
+    prompts["other"] = prompt_of(6, start=50)
+    for rid, prompt in prompts.items():
+        scheduler.add_request(make_request(rid, prompt, max_tokens=3))
+    trace = run_to_completion(scheduler)
+    first, second = trace.steps[0].num_scheduled_tokens, trace.steps[1].num_scheduled_tokens
+    assert first == {"p0": len(shared) + 2, "other": 6}
+    assert second["p1"] == second["p2"] == 2  # the shared tokens come from the cache
+    for rid, prompt in prompts.items():
+        assert trace.outputs[rid] == expected_output(prompt, 3)
+    assert_no_blocks_held(scheduler)
+
+
+def test_a_short_shared_prefix_is_computed_again_rather_than_waited_for():
+    """Waiting costs a step (~30 ms on SmolLM2 here): below MIN_SHARED_TOKENS_TO_WAIT shared
+    tokens both prompts go in the same step."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
+    shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT - BLOCK)
+    scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
+    scheduler.add_request(make_request("b", shared + [2], max_tokens=2))
+    assert set(scheduler.schedule().num_scheduled_tokens) == {"a", "b"}
+
+
+def test_a_prompt_waits_for_a_shared_prefix_chunked_over_several_steps():
+    """The first prompt's prefill is cut into chunks: the one sharing its prefix waits while
+    the chunk being computed holds its next blocks, and computes only what is its own."""
+    chunk = MIN_SHARED_TOKENS_TO_WAIT
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=4 * chunk,
+                               long_prefill_token_threshold=chunk)
+    shared = prompt_of(3 * chunk)
+    scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
+    scheduler.add_request(make_request("b", shared + [2, 3], max_tokens=2))
+    trace = run_to_completion(scheduler)
+    b_tokens = [step.num_scheduled_tokens.get("b") for step in trace.steps]
+    assert [n for n in b_tokens if n] == [2, 1]  # its own two tokens, then its decode
+    assert trace.outputs["b"] == expected_output(shared + [2, 3], 2)
+    assert scheduler.kv.prefix_hits >= len(shared)
 
 
 def test_prompt_logprobs_requests_do_not_use_the_prefix_cache():
