@@ -32,7 +32,7 @@ from services.gateway.routing.config import make_router
 from services.gateway.routing.dispatcher import Dispatcher
 from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.registry_follower import RegistryFollower
-from services.gateway.routing.router import Router, cached_prompt_tokens
+from services.gateway.routing.router import Router, cached_prompt_tokens, note_admitted_prompt
 from services.gateway.routing.worker_pool import WorkerPool
 
 T = TypeVar("T")
@@ -75,8 +75,10 @@ class Gateway:
                                      migration_limit=config.migration_limit)
         # The TTFT estimate counts what a prefill computes: the prompt less what the prefix
         # index says a worker already holds.
-        self.admission = make_admission(config, self.pool, functools.partial(
-            cached_prompt_tokens, self.prefix_index, self.pool))
+        self.admission = make_admission(
+            config, self.pool,
+            functools.partial(cached_prompt_tokens, self.prefix_index, self.pool),
+            functools.partial(note_admitted_prompt, self.prefix_index, self.pool))
         metrics = self.admission.metrics
         metrics.model = config.model_name
         # Request metrics join admission's registry: one /metrics for the whole gateway.

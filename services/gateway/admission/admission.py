@@ -113,13 +113,17 @@ class _MeteredDispatcher:
 # cached_tokens(prompt token ids, cache salt): how many of the prompt's tokens a worker that
 # may prefill it holds in its prefix cache (the gateway's prefix index: an estimate).
 CachedTokens = Callable[[Sequence[int], str], int]
+# on_admitted(prompt token ids, cache salt): a prompt was admitted, so its prefix will be
+# computed (or is being computed) before the prompts admitted after it share it.
+OnAdmitted = Callable[[Sequence[int], str], None]
 
 
 class Admission:
     def __init__(self, directory: TenantDirectory, quotas: Quotas, queue: FairQueue,
                  room: ClusterRoom, estimator: TTFTEstimator | None = None,
                  ttft_target_s: float = 1.0, metrics: AdmissionMetrics | None = None,
-                 cached_tokens: CachedTokens | None = None) -> None:
+                 cached_tokens: CachedTokens | None = None,
+                 on_admitted: OnAdmitted | None = None) -> None:
         self.directory = directory
         self.quotas = quotas
         self.queue = queue
@@ -132,6 +136,10 @@ class Admission:
         # whose prefix is cached (a system prompt, the turns before in a chat) costs a few
         # milliseconds where the whole prompt would cost seconds. None: whole prompts.
         self.cached_tokens = cached_tokens
+        # Prompts admitted a moment ago count as cached for the ones after them: twelve chats
+        # behind one new system prompt, sent at once, share one prefill of it (the prefill
+        # worker steps on the first alone, the rest hit its cache), not twelve.
+        self.on_admitted = on_admitted
         self.inflight = 0  # choices released to the workers and not finished
         self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
         self.running = InFlight()  # the released requests, and when they will end
@@ -174,6 +182,11 @@ class Admission:
                 f"Tenant {tenant.name} already has {tenant.max_queued} requests waiting; retry "
                 "when some finish."))
         self._check_on_time(ticket)
+        if self.on_admitted is not None:
+            # Before the first await: requests that arrive together are judged one after
+            # another, each seeing the prompts judged before it.
+            for prompt in {id(s.prompt_token_ids): s for s in specs}.values():
+                self.on_admitted(prompt.prompt_token_ids, prompt.cache_salt or "")
         try:
             ticket.lease = await self.quotas.acquire(tenant, ticket.reserved_tokens)
         except QuotaRefused as exc:

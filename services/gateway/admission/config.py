@@ -8,7 +8,7 @@ import os
 from typing import Protocol
 
 from services.common.security import read_cluster_secret
-from services.gateway.admission.admission import Admission, CachedTokens
+from services.gateway.admission.admission import Admission, CachedTokens, OnAdmitted
 from services.gateway.admission.capacity import CapacityRule, ClusterRoom
 from services.gateway.admission.fair_queue import POLICIES, FairQueue
 from services.gateway.admission.quota import FAIL_MODES, Quotas
@@ -85,7 +85,8 @@ def _directory(config: AdmissionSettings):
 
 
 def make_admission(config: AdmissionSettings, pool: WorkerPool,
-                   cached_tokens: CachedTokens | None = None) -> Admission:
+                   cached_tokens: CachedTokens | None = None,
+                   on_admitted: OnAdmitted | None = None) -> Admission:
     directory = _directory(config)
     log.info("admission: %s; fairness %s; ttft target %gs; tpot target %gs; quotas %s "
              "(fail %s)", directory.describe(), config.fairness, config.ttft_target_s,
@@ -96,4 +97,4 @@ def make_admission(config: AdmissionSettings, pool: WorkerPool,
     return Admission(directory, Quotas(config.redis_url, config.quota_fail_mode),
                      FairQueue(config.fairness, config.output_token_weight),
                      ClusterRoom(rule, pool), TTFTEstimator(), config.ttft_target_s,
-                     cached_tokens=cached_tokens)
+                     cached_tokens=cached_tokens, on_admitted=on_admitted)

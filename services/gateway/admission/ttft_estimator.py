@@ -189,14 +189,18 @@ class TTFTEstimator:
 
     def trusted_at(self, prefill_tokens: int) -> bool:
         """Whether an estimate for `prefill_tokens` prompt tokens to prefill is the fit's to be
-        judged by: trusted, and within _SEEN_REACH of the largest load it was fitted on. Beyond
-        it the line extrapolates: a burst behind a new 1,100-token system prompt, judged by a
-        line fitted on short completions, came 0.8 s later than predicted; the line learned
-        the slope from those very first tokens, yet their errors pinned the margin at its cap
-        for 20 s and refused 11 of the next 12 chats (served in 0.7 s once admitted)."""
+        judged by: trusted, and within the loads it was fitted on (and still weighs), give or
+        take a factor of _SEEN_REACH. Beyond them the line extrapolates, and its misses there
+        teach the line, not the margin. A burst behind a new 1,100-token system prompt, judged
+        by a line fitted on short completions, came 0.8 s later than predicted; the line
+        learned the slope from those very first tokens, yet their errors pinned the margin at
+        its cap for 20 s and refused 11 of the next 12 chats (served in 0.7 s once admitted).
+        Below: prompts adding 44 tokens to a cached prefix, judged by a line fitted on
+        1,300-5,100-token loads, came 0.3-0.4 s late and refused the next burst."""
         if not self.trusted or not self._seen:
             return False
-        return prefill_tokens <= _SEEN_REACH * max(x for x, _ in self._seen)
+        loads = [x for x, _ in self._seen]
+        return min(loads) / _SEEN_REACH <= prefill_tokens <= _SEEN_REACH * max(loads)
 
     def _remember(self, prefill_tokens: int, now: float) -> None:
         """Weigh the loads seen as the fit's moments weigh their samples (see _Aged.add)."""
@@ -257,8 +261,8 @@ _MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is beli
 # costs under 1, and refused 26 of a burst of 32 that would have been served within 1 s.
 _MIN_FIT_SAMPLES = 16
 # A load the fit's samples no longer weigh this much in is forgotten (about 15 samples on, or
-# a few half-lives of quiet); estimates up to _SEEN_REACH times the largest load remembered
-# are judged.
+# a few half-lives of quiet); estimates within _SEEN_REACH times the loads remembered are
+# judged.
 _SEEN_WEIGHT = 0.02
 _SEEN_REACH = 1.25
 

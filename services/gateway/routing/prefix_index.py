@@ -22,7 +22,8 @@ class PrefixIndex:
     hold the same entries."""
 
     def __init__(self, history_blocks: int = 200_000, history_grace_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 admitted_ttl_s: float = 5.0) -> None:
         self.history_blocks = history_blocks
         self.history_grace_s = history_grace_s
         self.clock = clock
@@ -31,6 +32,10 @@ class PrefixIndex:
         self._followed: set[str] = set()  # worker ids whose events have been seen
         self._history: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._routed: dict[str, OrderedDict[int, float]] = {}
+        # Blocks of prompts admission let in during the last admitted_ttl_s, on no worker yet
+        # (admission decides before routing): see matched_admitted.
+        self.admitted_ttl_s = admitted_ttl_s
+        self._admitted: OrderedDict[int, float] = OrderedDict()
         self.events_applied = 0
 
     # -- events (exact) -------------------------------------------------------------------
@@ -76,6 +81,28 @@ class PrefixIndex:
         while len(self._history) > self.history_blocks:
             (old_address, h), _ = self._history.popitem(last=False)
             del self._routed[old_address][h]
+
+    def record_admitted(self, hashes: Sequence[int]) -> None:
+        """Admission let in a prompt with these block hashes: the worker it goes to computes
+        them (or finds them cached) before a prompt admitted after it that shares them."""
+        now = self.clock()
+        for h in hashes:
+            self._admitted[h] = now
+            self._admitted.move_to_end(h)
+        while self._admitted and (len(self._admitted) > self.history_blocks or
+                                  now - next(iter(self._admitted.values())) > self.admitted_ttl_s):
+            self._admitted.popitem(last=False)
+
+    def matched_admitted(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt were in a prompt admitted within the TTL."""
+        cutoff = self.clock() - self.admitted_ttl_s
+        matched = 0
+        for h in hashes:
+            at = self._admitted.get(h)
+            if at is None or at < cutoff:
+                break
+            matched += 1
+        return matched
 
     # -- queries ----------------------------------------------------------------------------
 

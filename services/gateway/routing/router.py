@@ -232,4 +232,14 @@ def cached_prompt_tokens(index: PrefixIndex, pool: WorkerPool, prompt_token_ids:
         return 0
     block_size = pool.block_size()
     hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-    return max(index.matched_blocks(w.worker_id, w.address, hashes) for w in workers) * block_size
+    held = max(index.matched_blocks(w.worker_id, w.address, hashes) for w in workers)
+    # A prefix a prompt admitted a moment ago brings is computed before this one's turn.
+    return max(held, index.matched_admitted(hashes)) * block_size
+
+
+def note_admitted_prompt(index: PrefixIndex, pool: WorkerPool, prompt_token_ids: Sequence[int],
+                         cache_salt: str = "") -> None:
+    """Admission let this prompt in (cached_prompt_tokens counts its blocks for a while)."""
+    if prompt_token_ids:
+        index.record_admitted(hash_prompt_blocks(prompt_token_ids, pool.block_size(),
+                                                 cache_salt))
