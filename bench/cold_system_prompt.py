@@ -4,8 +4,14 @@ of admission with a shared prefix; each run draws a new system prompt (a cold pr
 `--warm-up` first sends what the user check sends before it, two bursts of 32 short
 completions, so the gateway's TTFT estimate has been fitted (an untrained one admits anything).
 
-    python -m bench.cold_system_prompt --warm-up       # 12 chats, ~480-token system prompt
+    python -m bench.cold_system_prompt --warm-up       # 12 chats, ~1,100-token system prompt
     python -m bench.cold_system_prompt --chats 16 --url http://127.0.0.1:8000
+    python -m bench.cold_system_prompt --against vllm --rounds 3
+
+`--against vllm` starts `splitserve up` (every shipped default) and vLLM's CPU server (`make
+peers`; its best configuration here, as bench.compare runs it), warms both up, then takes
+turns: each round sends the same burst (a new system prompt, the same for both) to one system
+and then the other, alternating which goes first.
 """
 
 from __future__ import annotations
@@ -43,33 +49,102 @@ async def warm_up(client: httpx.AsyncClient, url: str, model: str) -> None:
         await asyncio.sleep(3)
 
 
-async def run(url: str, chats: int, words: int, seed: int | None, warm: bool) -> None:
-    rng = random.Random(seed)
-    system = "You are a helpful assistant. " + " ".join(
+def _system_prompt(rng: random.Random, words: int) -> str:
+    return "You are a helpful assistant. " + " ".join(
         f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(words))
+
+
+async def burst(client: httpx.AsyncClient, url: str, model: str, system: str,
+                chats: int) -> tuple[list[int], list[int]]:
+    """(status codes, first-token milliseconds of those served, sorted)."""
+    results = await asyncio.gather(*(_chat(client, url, model, system, i)
+                                     for i in range(chats)))
+    return ([status for status, _ in results],
+            sorted(round(t * 1e3) for _, t in results if t is not None))
+
+
+def _summary(codes: list[int], ttft: list[int]) -> str:
+    return (f"served {codes.count(200)}, refused {codes.count(503)} (503), other "
+            f"{len(codes) - codes.count(200) - codes.count(503)}; TTFT ms {ttft}")
+
+
+async def run(url: str, chats: int, words: int, seed: int | None, warm: bool) -> None:
+    system = _system_prompt(random.Random(seed), words)
     async with httpx.AsyncClient(timeout=120) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         if warm:
             await warm_up(client, url, model)
-        results = await asyncio.gather(*(_chat(client, url, model, system, i)
-                                         for i in range(chats)))
-    ttft = sorted(round(t * 1e3) for status, t in results if t is not None)
-    codes = [status for status, _ in results]
-    print(f"{chats} chats behind a new system prompt: served {codes.count(200)}, refused "
-          f"{codes.count(503)} (503), other {len(codes) - codes.count(200) - codes.count(503)}; "
-          f"TTFT ms {ttft}")
+        codes, ttft = await burst(client, url, model, system, chats)
+    print(f"{chats} chats behind a new system prompt: {_summary(codes, ttft)}")
+
+
+async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: int,
+                      rounds: int, seed: int | None) -> dict[str, list[tuple[list[int], list[int]]]]:
+    rng = random.Random(seed)
+    out: dict[str, list[tuple[list[int], list[int]]]] = {name: [] for name in systems}
+    async with httpx.AsyncClient(timeout=120) as client:
+        for name, (url, model) in systems.items():
+            print(f"warming up {name}...", flush=True)
+            await warm_up(client, url, model)
+        for r in range(rounds):
+            system = _system_prompt(rng, words)
+            order = list(systems) if r % 2 == 0 else list(reversed(systems))
+            for name in order:
+                url, model = systems[name]
+                codes, ttft = await burst(client, url, model, system, chats)
+                out[name].append((codes, ttft))
+                print(f"round {r + 1}, {name}: {_summary(codes, ttft)}", flush=True)
+                await asyncio.sleep(3)
+    return out
+
+
+def against(peer: str, chats: int, words: int, rounds: int, seed: int | None) -> None:
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from bench.compare.systems import SYSTEMS, ServeOptions, start_system
+
+    root = Path(__file__).resolve().parents[1]
+    model_dir = str(root / "models" / "smollm2-135m-instruct")
+    logs = Path(tempfile.mkdtemp(prefix="cold-system-prompt-"))
+    opts = ServeOptions(peer_dtype="bfloat16")
+    running = []
+    try:
+        for name in ("splitserve-disagg", peer):
+            print(f"starting {name} (logs in {logs})...", flush=True)
+            running.append(start_system(SYSTEMS[name], model_dir, logs, opts))
+        systems = {r.spec.name: (r.url, r.model_name) for r in running}
+        results = asyncio.run(_take_turns(systems, chats, words, rounds, seed))
+    finally:
+        for r in running:
+            r.stop()
+    print(f"\n{chats} chats at once behind a new system prompt, {rounds} rounds (medians over "
+          "rounds of each burst's first / median / last first token, ms; refused in all):")
+    for name, bursts in results.items():
+        served = [ttft for _, ttft in bursts if ttft]
+        cells = " / ".join(f"{statistics.median(pick(t) for t in served):.0f}" for pick in (
+            lambda t: t[0], lambda t: t[len(t) // 2], lambda t: t[-1])) if served else "-"
+        refused = sum(codes.count(503) for codes, _ in bursts)
+        print(f"  {name:<20} {cells}   refused {refused} of {chats * len(bursts)}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--chats", type=int, default=12)
-    parser.add_argument("--words", type=int, default=160, help="system prompt words (~3 tokens each)")
+    parser.add_argument("--words", type=int, default=160, help="system prompt words (~7 tokens each: a word and a number)")
     parser.add_argument("--seed", type=int, default=None, help="default: a new prompt each run")
     parser.add_argument("--warm-up", action="store_true",
                         help="two bursts of 32 short completions first")
+    parser.add_argument("--against", choices=("vllm",),
+                        help="start splitserve up and this peer, and take turns (not --url)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against")
     args = parser.parse_args()
-    asyncio.run(run(args.url, args.chats, args.words, args.seed, args.warm_up))
+    if args.against:
+        against(args.against, args.chats, args.words, args.rounds, args.seed)
+    else:
+        asyncio.run(run(args.url, args.chats, args.words, args.seed, args.warm_up))
     return 0
 
 
