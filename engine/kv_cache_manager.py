@@ -69,7 +69,7 @@ class KVCacheManager:
 
     def blocks_completed(self, request: Request, num_new_tokens: int) -> list[int]:
         """Hashes of the full blocks that the request's next `num_new_tokens` tokens (after
-        its computed ones) complete: what cache_blocks registers once they are computed. None
+        its computed ones) complete: what cache_blocks registers once they are computed. Empty
         where nothing is registered (prefix caching off, an uncacheable request)."""
         if not self.enable_prefix_caching or request.request_id in self._uncacheable:
             return []
