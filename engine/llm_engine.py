@@ -267,7 +267,7 @@ class LLMEngine:
 
     def _remote_kv_arrived(self, request: Request, first_token: int) -> RequestOutput | None:
         self.scheduler.remote_kv_arrived(request.request_id, first_token)
-        if request.is_finished and not request.abandoned:
+        if request.is_finished:
             return self._final_output(request)
         return None
 

@@ -74,9 +74,6 @@ class Request:
         # lands first, waits with its first token (parked_first_token).
         self.kv_awaits: set[str] = set()
         self.parked_first_token: int | None = None
-        # Aborted while requests that adopted its blocks wait for its KV: kept until that KV
-        # lands (they get it), or never will, then dropped (Scheduler.abort).
-        self.abandoned = False
         self.max_model_len = max_model_len
         # Seeds the chain of block hashes: requests with different salts (tenants) never share
         # a cached block. Raises ValueError for a salt block_pool would not hash.

@@ -186,16 +186,6 @@ class Scheduler:
         request = self.waiting_for_kv.get(request_id)
         if request is None:
             return None
-        if request.abandoned:  # its followers get its KV; it goes
-            del self.waiting_for_kv[request_id]
-            request.num_computed_tokens = request.num_prompt_tokens
-            self.kv.cache_blocks(request)
-            ready = self._settle(request_id, landed=True)
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._finish(request)
-            for follower in ready:
-                self.remote_kv_arrived(follower.request_id, follower.parked_first_token)
-            return request
         if request.kv_awaits:  # blocks it adopted still wait for their KV: so does it
             request.parked_first_token = first_token
             return request
@@ -225,10 +215,6 @@ class Scheduler:
         if request is None:
             return False
         self._settle(request_id, landed=False)
-        if request.abandoned:  # nobody wants it any more: dropped, not recomputed
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._finish(request)
-            return True
         self.kv.free(request)
         request.kv_reused_tokens = 0
         request.kv_awaits = set()
@@ -245,13 +231,6 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            if not request.abandoned and any(
-                    follower in self.waiting_for_kv for follower in self._followers.get(request_id, ())):
-                # Requests that adopted its blocks wait for its KV, which is on its way (a
-                # client that hung up after its first token): kept until it lands, then
-                # dropped; a second abort (its reservation expired) drops it at once.
-                request.abandoned = True
-                return request
             del self.waiting_for_kv[request_id]
             self._settle(request_id, landed=False)
         else:
