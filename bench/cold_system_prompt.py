@@ -108,7 +108,12 @@ def against(peer: str, chats: int, words: int, rounds: int, seed: int | None) ->
     root = Path(__file__).resolve().parents[1]
     model_dir = str(root / "models" / "smollm2-135m-instruct")
     logs = Path(tempfile.mkdtemp(prefix="cold-system-prompt-"))
+    # splitserve runs every shipped default (dtype auto: bfloat16 on a CPU with native bf16);
+    # vLLM is started as the project's peer runs always are: --dtype bfloat16.
     opts = ServeOptions(peer_dtype="bfloat16")
+    print("settings: splitserve up with every shipped default (dtype auto, admission on); "
+          "vLLM --dtype bfloat16 in its best configuration here (bench/compare/vllm_peer.py)",
+          flush=True)
     running = []
     try:
         for name in ("splitserve-disagg", peer):

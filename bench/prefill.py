@@ -305,6 +305,16 @@ def profile_prompt(model: str, n: int, threads: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 
 
+def _prefix_shapes(text: str) -> list[tuple[int, int, int]]:
+    """"COUNTxNEW+PREFIX,..." -> [(count, new tokens, prefix tokens), ...]."""
+    shapes = []
+    for shape in text.split(","):
+        count_new, prefix_len = shape.split("+")
+        count, new = count_new.split("x")
+        shapes.append((int(count), int(new), int(prefix_len)))
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -350,19 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.prompts.split(",")]
         many_prompts(args.model, shapes, args.repeats, args.threads)
     if args.only in (None, "cached"):
-        steps = []
-        for shape in args.cached.split(","):
-            count_new, prefix_len = shape.split("+")
-            count, new = count_new.split("x")
-            steps.append((int(count), int(new), int(prefix_len)))
-        cached_prefix(args.model, steps, args.repeats, args.threads)
+        cached_prefix(args.model, _prefix_shapes(args.cached), args.repeats, args.threads)
     if args.only in (None, "together"):
-        shapes = []
-        for shape in args.together.split(","):
-            count_own, prefix_len = shape.split("+")
-            count, own = count_own.split("x")
-            shapes.append((int(count), int(own), int(prefix_len)))
-        prompts_together(args.model, shapes, args.repeats, args.threads)
+        prompts_together(args.model, _prefix_shapes(args.together), args.repeats, args.threads)
     return 0
 
 
