@@ -48,19 +48,25 @@ def test_attributed_seconds_add_up_to_busy_step_seconds_on_a_mixed_load(tiny_lla
 
 
 def test_a_request_sharing_an_earlier_prefix_is_charged_less_prefill(tiny_llama_dir):
+    """A step's fixed cost is a large part of a tiny model's prefill, and this VM's speed
+    moves: long prompts (480 tokens of the model's 512) and the least of three runs of each
+    kind keep the comparison about the tokens computed (with 240 tokens, 1.2 ms against 2.2
+    ms failed the 0.5 bound about half the time here)."""
     engine = make_engine(tiny_llama_dir, block_size=4, enable_prefix_caching=True)
-    shared = [(3 * j) % 190 + 5 for j in range(240)]
+    shared = [(3 * j) % 190 + 5 for j in range(480)]
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     engine.add_request("cold", shared + [1, 2], greedy)
     cold, _ = _run_timed(engine)
-    engine.add_request("warm", shared + [3, 4], greedy)
-    warm, _ = _run_timed(engine)
-    # A same-length prompt with nothing cached, run after both (so no first-step warm-up
-    # favours either side).
-    engine.add_request("other", [(5 * j) % 180 + 9 for j in range(242)], greedy)
-    other, _ = _run_timed(engine)
-    assert warm["warm"].prefill < 0.5 * other["other"].prefill, (warm, other)
-    assert warm["warm"].prefill < cold["cold"].prefill
+    warm, other = [], []
+    for i in range(3):
+        engine.add_request(f"warm{i}", shared + [3 + i, 4], greedy)
+        warm += [c.prefill for c in _run_timed(engine)[0].values()]
+        # A same-length prompt with nothing cached, run after the cold one (so no first-step
+        # warm-up favours either side).
+        engine.add_request(f"other{i}", [(5 * j + i) % 180 + 9 for j in range(482)], greedy)
+        other += [c.prefill for c in _run_timed(engine)[0].values()]
+    assert min(warm) < 0.5 * min(other), (warm, other)
+    assert min(warm) < cold["cold"].prefill
 
 
 def test_rows_are_charged_by_their_share_of_the_step_tokens():
