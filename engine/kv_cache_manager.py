@@ -39,6 +39,9 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self._req_blocks.get(request_id, ()))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
 

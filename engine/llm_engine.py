@@ -242,6 +242,8 @@ class LLMEngine:
         request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
             return None  # aborted meanwhile: the payload is dropped
+        if request.kv_lost:  # blocks it adopted will never get their KV: recomputed here
+            return self._remote_kv_arrived(request, first_token)
         reused_blocks = request.kv_reused_tokens // self.config.block_size
         block_ids = self.kv.block_ids(request_id)[reused_blocks:]
         shape = tuple(payload.shape)

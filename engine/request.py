@@ -69,6 +69,13 @@ class Request:
         # starts after them. Decode role: the reserved blocks start after them. Not usage's
         # cached tokens: the prefill worker computed them.
         self.kv_reused_tokens = 0
+        # Decode role: requests whose reserved blocks this one adopted before their KV landed
+        # (Scheduler.reserve_for_remote_kv); it starts only once theirs has. Its own KV, if it
+        # lands first, waits with its first token (parked_first_token). `kv_lost`: one of
+        # them never will; this one is recomputed here once its own first token is in.
+        self.kv_awaits: set[str] = set()
+        self.parked_first_token: int | None = None
+        self.kv_lost = False
         self.max_model_len = max_model_len
         # Seeds the chain of block hashes: requests with different salts (tenants) never share
         # a cached block. Raises ValueError for a salt block_pool would not hash.

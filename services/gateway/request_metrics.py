@@ -48,7 +48,7 @@ class RequestMetrics:
         self.migrations = Counter(
             "splitserve_gateway_migrations",
             "Streams moved to another decode worker after tokens were sent, by reason "
-            "(draining, worker_failed, stream_ended).",
+            "(draining, worker_failed, stream_ended, diverged).",
             ["model", "reason"], registry=registry)
         # Cost per query: engine seconds the workers charged to the tenant's requests.
         self.tenant_compute = Counter(

@@ -5,15 +5,18 @@ error event past the migration limit, and cancellation of every RPC it opened.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fake_workers import (
     FIRST_TOKEN,
     FakeDecode,
     FakePrefill,
+    delta,
     exhausted,
     fails_after,
     hangs,
     rejects,
+    reserved,
     streams,
 )
 from splitserve.v1 import common_pb2
@@ -137,6 +140,36 @@ def test_failure_after_tokens_migrates_with_prompt_and_tokens_so_far(servers):
     assert moved.sampling.seed == SAMPLING.seed and moved.sampling.max_tokens == 8
     assert moved.request_id == "req-move1"
     assert len(broken.servicer.calls) == 1
+
+
+def recomputed_after_the_prefill(token_ids):
+    """A decode worker whose KV never came: it recomputed the prompt and streams from index 0,
+    after the prefill worker has answered (so the gateway has sent that first token)."""
+
+    def script(request, context, fake):
+        yield reserved()
+        time.sleep(0.3)
+        for i, token in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            yield delta([token], i, common_pb2.FINISH_REASON_LENGTH if last else 0)
+    return script
+
+
+def test_a_recomputed_first_token_unlike_the_one_sent_moves_the_stream(servers):
+    """The decode worker's own first token is not the prefill worker's, which the client has:
+    the tokens after it follow the other one, so the stream moves, resuming after the token
+    sent, and nothing of the diverged stream reaches the client."""
+    diverged = servers(FakeDecode(recomputed_after_the_prefill([FIRST_TOKEN + 1, 21, 22]),
+                                  kv_blocks_free=900))  # chosen first
+    healthy = servers(FakeDecode(resumes([53, 54]), kv_blocks_free=100))
+    events, error = run([diverged, healthy], [servers(FakePrefill())])
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 53, 54]
+    assert list(healthy.servicer.calls[0].resumed_output_token_ids) == [FIRST_TOKEN]
+    # The same first token (same seed, same numbers) is a repeat, skipped, as before.
+    same = servers(FakeDecode(recomputed_after_the_prefill([FIRST_TOKEN, 21, 22])))
+    events, error = run([same], [servers(FakePrefill())])
+    assert error is None and tokens(events) == [FIRST_TOKEN, 21, 22]
 
 
 def test_past_the_migration_limit_the_stream_ends_with_an_error_event(servers):

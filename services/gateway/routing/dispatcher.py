@@ -221,7 +221,7 @@ class Dispatcher:
             remote_prefill=False, cache_salt=cache_salt, resumed_output_token_ids=resumed,
         ), metadata=observer.grpc_metadata)
         try:
-            async with aclosing(_decode_events(call, decode, next_index=len(resumed),
+            async with aclosing(_decode_events(call, decode, resumed,
                                                resumed=bool(resumed))) as events:
                 async for event in events:
                     yield event
@@ -271,7 +271,7 @@ class Dispatcher:
                     # The decode worker recomputed the prompt and streams from the start on
                     # its own: the prefill is not needed any more.
                     prefill_call.cancel()
-                    async with aclosing(_decode_events(call, decode, 0, decode_next)) as events:
+                    async with aclosing(_decode_events(call, decode, (), decode_next)) as events:
                         async for event in events:
                             yield event
                     return
@@ -294,7 +294,8 @@ class Dispatcher:
             )
             if response.first_token_stops:
                 return
-            async with aclosing(_decode_events(call, decode, 1, decode_next)) as events:
+            async with aclosing(_decode_events(call, decode, (first.token_id,),
+                                               decode_next)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -308,12 +309,20 @@ class Dispatcher:
                                  return_exceptions=True)
 
 
-async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
+async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
                          pending: asyncio.Future | None = None,
                          resumed: bool = False) -> AsyncIterator[TokenEvent]:
-    """TokenDeltas of a Decode.Generate stream, minus tokens the caller already has.
-    `pending` is a read already started on the stream; its message comes first. A `resumed`
-    (migrated) stream reports no cached tokens: usage keeps the first attempt's."""
+    """TokenDeltas of a Decode.Generate stream, minus the tokens the caller already has
+    (`have`: the prefill worker's first token, or those a migrated stream resumes after).
+    Those the stream repeats must be the same: a decode worker that recomputed the prompt
+    itself (its KV never came) samples its own first token, and on another CPU or batch that
+    can differ from the one the client got, and the tokens after it follow it. The attempt
+    then fails (FAILED_PRECONDITION, not the worker's health) and the request moves with the
+    tokens sent so far. `pending` is a read already started on the stream; its message comes
+    first. A `resumed` (migrated) stream reports no cached tokens: usage keeps the first
+    attempt's."""
+    seen = list(have)
+    next_index = len(seen)
     healthy = False
     while True:
         if pending is not None:
@@ -329,8 +338,16 @@ async def _decode_events(call, decode: WorkerEndpoint, next_index: int,
             decode.breaker.record_success()
         delta = message.delta
         skip = max(0, next_index - delta.output_index)
+        repeated = list(delta.token_ids[:skip])
+        if repeated != seen[delta.output_index:delta.output_index + len(repeated)]:
+            raise _AttemptFailed(decode, _synthetic_error(
+                f"the decode stream's tokens from index {delta.output_index} "
+                f"({repeated[:4]}) differ from those already sent "
+                f"({seen[delta.output_index:delta.output_index + 4]})",
+                grpc.StatusCode.FAILED_PRECONDITION))
         token_ids = tuple(delta.token_ids[skip:])
         next_index += len(token_ids)
+        seen.extend(token_ids)
         finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
         if finish == "abort":
             finish = "error"
@@ -370,6 +387,8 @@ def _migration_reason(error: grpc.aio.AioRpcError) -> str:
         return "draining"
     if error.code() == grpc.StatusCode.UNAVAILABLE and "decode stream ended" in details:
         return "stream_ended"
+    if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "differ from" in details:
+        return "diverged"
     return "worker_failed"
 
 
