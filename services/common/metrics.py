@@ -184,6 +184,9 @@ class _StatsCollector:
                            sum(s.transfers for s in snaps))
             yield _counter("splitserve_kv_transfer_failures", "KV transfers that failed.", labels,
                            sum(s.failures + s.failed_transfers for s in snaps))
+            yield _counter("splitserve_kv_transfer_queue_full", "KV sends that found their "
+                           "decode worker's queue full (--max-queued-kv-transfers) and waited.",
+                           labels, sum(s.rejected for s in snaps))
             yield _counter("splitserve_kv_transfer_dropped", "KV received for dead requests.",
                            labels, sum(s.dropped for s in snaps))
             yield _counter("splitserve_kv_frames_refused", "KV frames refused (bad header, tag "

@@ -134,7 +134,8 @@ class Worker:
             self.senders = open_kv_senders(self.engine, layout=layout, device=device,
                                            timeout_s=cfg.kv_transfer_timeout_s,
                                            secret=self.cluster_secret,
-                                           max_senders=cfg.max_kv_senders)
+                                           max_senders=cfg.max_kv_senders,
+                                           max_queued=cfg.max_queued_kv_transfers)
             self.metrics.kv_stats.append(self.senders.stats)
 
         from services.decode.servicer import DecodeServicer

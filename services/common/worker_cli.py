@@ -182,6 +182,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
     parser.add_argument("--max-kv-senders", type=int, default=int(_env("max_kv_senders", 128)),
                         help="prefill: KV channels to decode endpoints open at once; a Prefill "
                              "call needing one more is refused with RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-queued-kv-transfers", type=int,
+                        default=int(_env("max_queued_kv_transfers", 64)),
+                        help="prefill: KV transfers queued per decode endpoint; a prompt's KV "
+                             "waits for room (up to 10 s, then RESOURCE_EXHAUSTED)")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
     parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
@@ -253,4 +257,5 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         cluster_secret_file=args.cluster_secret_file,
         kv_allowed_endpoints=args.kv_allowed_endpoints,
         max_kv_senders=args.max_kv_senders,
+        max_queued_kv_transfers=args.max_queued_kv_transfers,
     )

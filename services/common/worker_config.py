@@ -144,6 +144,8 @@ class WorkerConfig:
     kv_allowed_endpoints: str = ""
     # Prefill role: KV channels (decode endpoints) open at once; a new one past it is refused.
     max_kv_senders: int = 128
+    # Prefill role: KV transfers queued per decode endpoint; a prompt's KV waits for room.
+    max_queued_kv_transfers: int = 64
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -194,6 +196,8 @@ class WorkerConfig:
         parse_allow_list(self.kv_allowed_endpoints)
         if self.max_kv_senders < 1:
             raise ValueError("--max-kv-senders must be >= 1")
+        if self.max_queued_kv_transfers < 1:
+            raise ValueError("--max-queued-kv-transfers must be >= 1")
         if self.standby and not self.redis_url:
             raise ValueError("--standby waits for an activation in Redis: it needs --redis-url")
         self._check_openai_port()

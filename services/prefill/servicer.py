@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from engine.llm_engine import LLMEngine
-from kv_transfer import KVSenderLimitError
+from kv_transfer import KVQueueFullError, KVSenderLimitError
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import health_response
@@ -26,6 +26,10 @@ from services.prefill.kv_handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("splitserve.prefill")
+
+# How long a computed prompt's KV waits for room behind the transfers already queued to its
+# decode worker (--max-queued-kv-transfers) before the call is refused.
+QUEUE_ROOM_WAIT_S = 10.0
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -48,6 +52,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         "splitserve.prompt_tokens": len(request.prompt_token_ids)},
         ) as span:
             return await self._prefill(request, context, span)
+
+    async def _send_when_queued(self, endpoint, rid, first, num_sent, kv, send_span) -> None:
+        """Queue the KV transfer, waiting up to QUEUE_ROOM_WAIT_S for room when the decode
+        worker's queue is full: a burst of more prompts than it holds (104 at once in the
+        structured-output tests) has its KV computed already, and a refusal threw that away,
+        made the gateway retry from scratch and, counted as failures, opened this worker's
+        circuit. The queue drains as fast as the channel sends."""
+        deadline = asyncio.get_running_loop().time() + QUEUE_ROOM_WAIT_S
+        delay = 0.002
+        while True:
+            try:
+                self.kv_handoff.send(endpoint, rid, first, num_sent, kv,
+                                     on_done=lambda error, s=send_span: _finish_send(s, error))
+                return
+            except KVQueueFullError:
+                if asyncio.get_running_loop().time() + delay > deadline:
+                    raise
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:  # the caller left: the KV is dropped, never queued
+                send_span.end()
+                raise
+            delay = min(2 * delay, 0.05)
 
     async def _prefill(self, request, context, span) -> prefill_pb2.PrefillResponse:
         if self.worker.draining:
@@ -108,15 +135,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_sent = out.num_prompt_tokens - request.decode_cached_tokens
             span.set_attribute("splitserve.kv_reused_tokens", request.decode_cached_tokens)
             try:
-                self.kv_handoff.send(endpoint, rid, first, num_sent, out.kv,
-                                     on_done=lambda error, s=send_span: _finish_send(s, error))
+                await self._send_when_queued(endpoint, rid, first, num_sent, out.kv, send_span)
             except Exception as exc:
-                # Not even queued (full queue, unusable endpoint): fail the call, so the caller
-                # retries elsewhere and drops the decode stream rather than wait for this KV.
+                # Not even queued (no room in time, unusable endpoint): fail the call, so the
+                # caller retries elsewhere and drops the decode stream rather than wait for
+                # this KV. Limits reached are load, not ill health (the gateway's breaker).
                 send_span.set_status(Status(StatusCode.ERROR, str(exc)))
                 send_span.end()
                 log.warning("KV transfer of %.80s not queued: %s", rid, exc)
-                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, KVSenderLimitError)
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED
+                        if isinstance(exc, KVSenderLimitError | KVQueueFullError)
                         else grpc.StatusCode.UNAVAILABLE)
                 await context.abort(code, f"KV transfer to {endpoint[:200]} not possible: {exc}")
             span.set_attribute("splitserve.transfer_bytes", kv_bytes)

@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import grpc
+import httpx
 import pytest
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -53,6 +54,33 @@ def test_16_concurrent_requests_match_the_engine_alone(workers, reference_engine
             for i, p in enumerate(prompts)])
 
     assert asyncio.run(run()) == expected(reference_engine, prompts, 12)
+    decode.wait_for(lambda h: h.stats.kv_blocks_free == h.stats.kv_blocks_total, what="idle")
+
+
+def test_a_burst_past_the_kv_queue_waits_for_room_and_is_served(workers, reference_engine,
+                                                                  tiny_llama_dir):
+    """A prefill worker whose queue to the decode worker holds one transfer gets 16 prompts at
+    once: each computed prompt's KV waits for room, where the call used to fail UNAVAILABLE
+    (the KV thrown away, the gateway retrying from scratch and opening the worker's circuit),
+    and every answer equals the engine alone's."""
+    decode, _ = workers
+    prefill = start_worker("prefill", tiny_llama_dir, "--num-kv-blocks", "256",
+                           "--max-queued-kv-transfers", "1")
+    try:
+        prompts = mixed_prompts(16, seed=5)
+
+        async def run():
+            return await asyncio.gather(*[
+                disaggregated(decode.address, prefill.address, f"queued-{i}", p, greedy(6))
+                for i, p in enumerate(prompts)])
+
+        assert asyncio.run(run()) == expected(reference_engine, prompts, 6)
+        metrics = httpx.get(f"http://{prefill.metrics_address}/metrics", timeout=10).text
+        waited = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("splitserve_kv_transfer_queue_full_total")]
+        assert waited and waited[0] > 0, "the queue never filled: the test proves nothing"
+    finally:
+        prefill.kill()
     decode.wait_for(lambda h: h.stats.kv_blocks_free == h.stats.kv_blocks_total, what="idle")
 
 
