@@ -17,9 +17,8 @@ import pytest
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without CUDA the Triton kernels (tests/kernels) run under Triton's interpreter, which must be
-# on before anything imports triton (torch._dynamo does, via llguidance.torch in the
-# structured-output tests collected earlier); tests/kernels/conftest.py says the same for a run
-# of that folder alone. No nvidia-smi: no CUDA device to compile for.
+# on before anything imports triton (torch._dynamo does, and tests collected earlier may
+# import it); tests/kernels/conftest.py says the same for a run of that folder alone. No nvidia-smi: no CUDA device to compile for.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Worker processes started by tests compute in float32: tokens compared across deployments

@@ -151,10 +151,10 @@ class GrammarMasks:
         return built
 
     def _fill(self, rows: list[MaskRow]) -> torch.Tensor:
-        # Imported on the first constrained step: llguidance.torch imports torch._dynamo
-        # (about a second, and triton where it is installed), which no other step needs.
-        import llguidance.torch
-
+        # The executor writes straight into the bitmask (contiguous int32 on the CPU, one row
+        # of self._words words per mask). Not through llguidance.torch: importing it imports
+        # torch._dynamo, 1.6 s on the engine thread at the first constrained step, which
+        # stalled every stream then, and taught the gateway's TTFT line a 2-3 s first token.
         bitmask = torch.full((sum(len(r.proposals) + 1 for r in rows), self._words), -1,
                              dtype=torch.int32)
         live, drafts, at = [], [], 0
@@ -167,8 +167,9 @@ class GrammarMasks:
                 live.append((r.state.matcher, at))
             at += len(r.proposals) + 1
         if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self._words * 4,
+                                                   len(bitmask))
         if drafts:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
-                self._executor, drafts, bitmask)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafts, bitmask.data_ptr(), self._words * 4, len(bitmask))
         return bitmask

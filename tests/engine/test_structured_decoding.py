@@ -6,7 +6,11 @@ outputs, speculative verification. Real llguidance, the tiny model's real tokeni
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +259,25 @@ def test_tensor_parallel_ranks_follow_the_same_grammar(tiny_llama_dir, decode):
     assert results[2] == results[1]
     for tokens in results[1].values():
         assert_follows_schema(decode(tokens))
+
+
+def test_the_first_constrained_step_does_not_import_torch_dynamo(tiny_llama_dir):
+    """Masks are filled by llguidance's executor directly: importing llguidance.torch, which
+    imports torch._dynamo, took 1.6 s on the engine thread at a worker's first constrained
+    step, stalling every stream on it (and teaching the gateway's TTFT line a slow first
+    token). Checked in a fresh process, since other tests import torch._dynamo."""
+    script = (
+        "import sys\n"
+        "from engine_harness import drive, make_engine\n"
+        "from engine.sampling_params import SamplingParams, StructuredOutput\n"
+        f"engine = make_engine({str(tiny_llama_dir)!r})\n"
+        "engine.add_request('r', [5, 6, 7], SamplingParams(max_tokens=4, temperature=1.0, seed=1,"
+        f" structured_output=StructuredOutput(regex={REGEX!r})))\n"
+        "drive(engine)\n"
+        "print(engine.runner.grammar_masks is not None, 'torch._dynamo' in sys.modules)\n")
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=here.parents[1], text=True,
+                          capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(here)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"], done.stdout
