@@ -11,7 +11,6 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from engine.block_pool import KVCacheBlock
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import (
     CachedRequestData,
@@ -20,6 +19,7 @@ from engine.outputs import (
     RequestOutput,
     SchedulerOutput,
 )
+from engine.pending_prefixes import PendingPrefixes
 from engine.request import Request, RequestStatus
 
 
@@ -79,14 +79,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
-        # Decode role: the full prompt blocks reserved for KV still on its way (reserved with
-        # reuse_cached_prefix), by hash: (block, its tokens, the request it was reserved for).
-        # A reservation of the same prefix adopts them rather than have that KV sent again:
-        # twelve chats sent together behind a new 1,100-token system prompt each had its
-        # whole KV (25 MB) gathered, sent and written, the prefix twelve times.
-        self._pending: dict[int, tuple[KVCacheBlock, tuple[int, ...], str]] = {}
-        self._pending_by_owner: dict[str, list[int]] = {}
-        self._followers: dict[str, set[str]] = {}  # owner -> requests that adopted its blocks
+        # Decode role: blocks reserved for KV still on its way, adopted by the same prefix.
+        self.pending = PendingPrefixes(kv_cache_manager)
         self._finished_ids: set[str] = set()
         # Runner-side knowledge: which requests it holds state for.
         self._known_to_runner: set[str] = set()
@@ -107,58 +101,23 @@ class Scheduler:
         hits, num_hit = (self.kv.get_computed_blocks(request) if reuse_cached_prefix
                          else ([], 0))
         owners: set[str] = set()
-        if reuse_cached_prefix and self._pending:
+        if reuse_cached_prefix and self.pending:
             hits = list(hits)
-            owners = self._adopt_pending(request, hits)
+            owners = self.pending.adopt(request, hits)
             num_hit = len(hits) * self.kv.block_size
         new_ids = self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits)
         if new_ids is None:
             return None
         if reuse_cached_prefix:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-            self._add_pending(request, len(hits))
+            self.pending.add(request, len(hits))
+            self.pending.follow(request.request_id, owners)
         request.kv_reused_tokens = num_hit
         request.kv_awaits = owners
-        for owner in owners:
-            self._followers.setdefault(owner, set()).add(request.request_id)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
         return new_ids
-
-    def _adopt_pending(self, request: Request, hits: list) -> set[str]:
-        """Extends `hits` (the cached prefix) with the pending blocks that follow it, never
-        the prompt's last token's block; returns the requests they were reserved for."""
-        bs = self.kv.block_size
-        last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        owners: set[str] = set()
-        i = len(hits)
-        while i < last:
-            entry = self._pending.get(request.block_hashes[i])
-            if entry is None or entry[1] != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
-                break
-            hits.append(entry[0])
-            owners.add(entry[2])
-            i += 1
-        return owners
-
-    def _add_pending(self, request: Request, first: int) -> None:
-        """The request's full prompt blocks from `first` on (those it did not adopt) become
-        adoptable until its KV lands."""
-        if not self.kv.enable_prefix_caching:
-            return
-        bs = self.kv.block_size
-        blocks = self.kv.blocks(request.request_id)
-        added = []
-        for i in range(first, min(len(request.block_hashes), request.num_prompt_tokens // bs)):
-            block_hash = request.block_hashes[i]
-            if block_hash not in self._pending:
-                self._pending[block_hash] = (
-                    blocks[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]),
-                    request.request_id)
-                added.append(block_hash)
-        if added:
-            self._pending_by_owner[request.request_id] = added
 
     def _settle(self, request_id: str, landed: bool) -> list[Request]:
         """A reserved request's KV landed (`landed`), or never will (aborted, recomputed
@@ -167,10 +126,8 @@ class Scheduler:
         they adopted will never hold that KV, and they are recomputed here, each once its
         own first token is in: the prefill worker answered that token to the gateway, which
         may have streamed it already, so it is kept, not sampled again."""
-        for block_hash in self._pending_by_owner.pop(request_id, ()):
-            self._pending.pop(block_hash, None)
         ready = []
-        for follower_id in sorted(self._followers.pop(request_id, ())):
+        for follower_id in self.pending.settle(request_id):
             follower = self.waiting_for_kv.get(follower_id)
             if follower is None:
                 continue
