@@ -7,12 +7,12 @@ import asyncio
 import random
 
 import grpc
-import httpx
 import pytest
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from splitserve_cli.processes import start_worker
+from tests.metrics_text import scrape_worker
 from tests.services.flows import aggregated, disaggregated, disaggregated_reusing, greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,16 +44,23 @@ def expected(reference_engine, prompts, max_tokens):
     return [r.token_ids for r in reference_engine.generate(prompts, params)]
 
 
-def test_16_concurrent_requests_match_the_engine_alone(workers, reference_engine):
-    decode, (prefill, _) = workers
-    prompts = mixed_prompts(16, seed=1)
+def all_at_once(decode, prefills, name: str, prompts, max_tokens: int) -> list[list[int]]:
+    """Every prompt's disaggregated flow at once, the prefill workers taking turns."""
 
     async def run():
         return await asyncio.gather(*[
-            disaggregated(decode.address, prefill.address, f"one-{i}", p, greedy(12))
+            disaggregated(decode.address, prefills[i % len(prefills)].address, f"{name}-{i}", p,
+                          greedy(max_tokens))
             for i, p in enumerate(prompts)])
 
-    assert asyncio.run(run()) == expected(reference_engine, prompts, 12)
+    return asyncio.run(run())
+
+
+def test_16_concurrent_requests_match_the_engine_alone(workers, reference_engine):
+    decode, (prefill, _) = workers
+    prompts = mixed_prompts(16, seed=1)
+    assert all_at_once(decode, [prefill], "one", prompts, 12) == expected(reference_engine,
+                                                                           prompts, 12)
     decode.wait_for(lambda h: h.stats.kv_blocks_free == h.stats.kv_blocks_total, what="idle")
 
 
@@ -68,17 +75,10 @@ def test_a_burst_past_the_kv_queue_waits_for_room_and_is_served(workers, referen
                            "--max-queued-kv-transfers", "1")
     try:
         prompts = mixed_prompts(16, seed=5)
-
-        async def run():
-            return await asyncio.gather(*[
-                disaggregated(decode.address, prefill.address, f"queued-{i}", p, greedy(6))
-                for i, p in enumerate(prompts)])
-
-        assert asyncio.run(run()) == expected(reference_engine, prompts, 6)
-        metrics = httpx.get(f"http://{prefill.metrics_address}/metrics", timeout=10).text
-        waited = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith("splitserve_kv_transfer_queue_full_total")]
-        assert waited and waited[0] > 0, "the queue never filled: the test proves nothing"
+        assert all_at_once(decode, [prefill], "queued", prompts, 6) == expected(
+            reference_engine, prompts, 6)
+        waited = scrape_worker(prefill).get('splitserve_kv_transfer_queue_full_total{role="prefill"}')
+        assert waited, "the queue never filled: the test proves nothing"
     finally:
         prefill.kill()
     decode.wait_for(lambda h: h.stats.kv_blocks_free == h.stats.kv_blocks_total, what="idle")
@@ -87,13 +87,8 @@ def test_a_burst_past_the_kv_queue_waits_for_room_and_is_served(workers, referen
 def test_two_prefill_workers_feed_one_decode_worker(workers, reference_engine):
     decode, prefills = workers
     prompts = mixed_prompts(16, seed=2)
-
-    async def run():
-        return await asyncio.gather(*[
-            disaggregated(decode.address, prefills[i % 2].address, f"two-{i}", p, greedy(10))
-            for i, p in enumerate(prompts)])
-
-    assert asyncio.run(run()) == expected(reference_engine, prompts, 10)
+    assert all_at_once(decode, prefills, "two", prompts, 10) == expected(reference_engine,
+                                                                          prompts, 10)
     for prefill in prefills:
         assert prefill.health().stats.computed_tokens > 0
 

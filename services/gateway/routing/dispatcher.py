@@ -321,8 +321,7 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
     tokens sent so far. `pending` is a read already started on the stream; its message comes
     first. A `resumed` (migrated) stream reports no cached tokens: usage keeps the first
     attempt's."""
-    seen = list(have)
-    next_index = len(seen)
+    seen = list(have)  # every token the caller has, this attempt's included
     healthy = False
     while True:
         if pending is not None:
@@ -337,7 +336,7 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
             healthy = True
             decode.breaker.record_success()
         delta = message.delta
-        skip = max(0, next_index - delta.output_index)
+        skip = max(0, len(seen) - delta.output_index)
         repeated = list(delta.token_ids[:skip])
         if repeated != seen[delta.output_index:delta.output_index + len(repeated)]:
             raise _AttemptFailed(decode, _synthetic_error(
@@ -346,7 +345,6 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
                 f"({seen[delta.output_index:delta.output_index + 4]})",
                 grpc.StatusCode.FAILED_PRECONDITION))
         token_ids = tuple(delta.token_ids[skip:])
-        next_index += len(token_ids)
         seen.extend(token_ids)
         finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
         if finish == "abort":
