@@ -3,8 +3,11 @@ up (`make run`): how many are served, and their times to first token. The `make 
 of admission with a shared prefix; each run draws a new system prompt (a cold prefix cache).
 `--warm-up` first sends what the user check sends before it, two bursts of 32 short
 completions, so the gateway's TTFT estimate has been fitted (an untrained one admits anything).
+`--choices 8` then sends 13 requests of n=8 under a regex at once (each choice a sequence of
+its own on the workers: what they teach the estimate must not refuse the chats after them).
 
     python -m bench.cold_system_prompt --warm-up       # 12 chats, ~1,100-token system prompt
+    python -m bench.cold_system_prompt --warm-up --choices 8 --bursts 2
     python -m bench.cold_system_prompt --chats 16 --url http://127.0.0.1:8000
     python -m bench.cold_system_prompt --against vllm --rounds 3
 
@@ -19,10 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import time
 
 import httpx
 
+CHOICE_REGEX = "[A-Z][a-z]{2,8} [0-9]{1,3}"
 WORDS = "river stone cloud forest light music paper window garden ocean castle dream".split()
 
 
@@ -49,6 +54,29 @@ async def warm_up(client: httpx.AsyncClient, url: str, model: str) -> None:
         await asyncio.sleep(3)
 
 
+async def many_choices(client: httpx.AsyncClient, url: str, model: str, n: int,
+                       requests: int = 13) -> None:
+    """`requests` chats of `n` choices each under a regex, sent at once; prints what came back."""
+    async def one(i: int) -> tuple[int, list[str]]:
+        response = await client.post(f"{url}/v1/chat/completions", json={
+            "model": model, "max_tokens": 16, "temperature": 1.0, "seed": i, "n": n,
+            "messages": [{"role": "user", "content": f"Review number {i}: the film was long."}],
+            "structured_outputs": {"regex": CHOICE_REGEX}})
+        if response.status_code != 200:
+            return response.status_code, []
+        return 200, [c["message"]["content"] for c in response.json()["choices"]]
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(requests)))
+    codes = [code for code, _ in results]
+    texts = [text for _, answer in results for text in answer]
+    outside = sum(not re.fullmatch(CHOICE_REGEX, text) for text in texts)
+    print(f"{requests} requests of n={n} under a regex at once: served {codes.count(200)}, "
+          f"refused {codes.count(503)} (503), other {len(codes) - codes.count(200) - codes.count(503)}"
+          f"; {len(texts)} choices, {outside} outside the regex; "
+          f"{time.perf_counter() - start:.2f} s", flush=True)
+
+
 def _system_prompt(rng: random.Random, words: int) -> str:
     return "You are a helpful assistant. " + " ".join(
         f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(words))
@@ -68,14 +96,21 @@ def _summary(codes: list[int], ttft: list[int]) -> str:
             f"{len(codes) - codes.count(200) - codes.count(503)}; TTFT ms {ttft}")
 
 
-async def run(url: str, chats: int, words: int, seed: int | None, warm: bool) -> None:
-    system = _system_prompt(random.Random(seed), words)
+async def run(url: str, chats: int, words: int, seed: int | None, warm: bool, choices: int,
+              bursts: int) -> None:
+    rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=120) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         if warm:
             await warm_up(client, url, model)
-        codes, ttft = await burst(client, url, model, system, chats)
-    print(f"{chats} chats behind a new system prompt: {_summary(codes, ttft)}")
+        if choices:
+            await many_choices(client, url, model, choices)
+        for b in range(bursts):
+            if b:
+                await asyncio.sleep(5)
+            codes, ttft = await burst(client, url, model, _system_prompt(rng, words), chats)
+            print(f"{chats} chats behind a new system prompt: {_summary(codes, ttft)}",
+                  flush=True)
 
 
 async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: int,
@@ -142,6 +177,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="default: a new prompt each run")
     parser.add_argument("--warm-up", action="store_true",
                         help="two bursts of 32 short completions first")
+    parser.add_argument("--choices", type=int, default=0, metavar="N",
+                        help="before the chats, 13 requests of n=N under a regex at once")
+    parser.add_argument("--bursts", type=int, default=1, help="bursts of chats, 5 s apart, "
+                        "each behind a new system prompt")
     parser.add_argument("--against", choices=("vllm",),
                         help="start splitserve up and this peer, and take turns (not --url)")
     parser.add_argument("--rounds", type=int, default=3, help="with --against")
@@ -149,7 +188,8 @@ def main() -> int:
     if args.against:
         against(args.against, args.chats, args.words, args.rounds, args.seed)
     else:
-        asyncio.run(run(args.url, args.chats, args.words, args.seed, args.warm_up))
+        asyncio.run(run(args.url, args.chats, args.words, args.seed, args.warm_up, args.choices,
+                        args.bursts))
     return 0
 
 

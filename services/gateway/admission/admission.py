@@ -14,13 +14,13 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.gateway.admission.capacity import ClusterRoom
 from services.gateway.admission.fair_queue import FairQueue
 from services.gateway.admission.inflight import InFlight
+from services.gateway.admission.metered import MeteredDispatcher
 from services.gateway.admission.metrics import AdmissionMetrics
 from services.gateway.admission.quota import Lease, QuotaRefused, Quotas
 from services.gateway.admission.tenants import Tenant, TenantDirectory
@@ -52,6 +52,7 @@ class Ticket:
     # its prefill computes, and what the TTFT estimate counts.
     prefill_tokens: int = 0
     prefill_at_release: int = 0  # tokens to prefill before its first token, its own too
+    extra_at_release: int = 0  # and choices beyond each request's first
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
     output_tokens: int = 0
@@ -64,13 +65,17 @@ class Ticket:
         return len(self.specs)
 
     @property
+    def extra_choices(self) -> int:
+        return len(self.specs) - 1
+
+    @property
     def max_output_tokens(self) -> int:
         return self.reserved_tokens - self.prompt_tokens
 
-    def metered(self, dispatcher) -> _MeteredDispatcher:
+    def metered(self, dispatcher) -> MeteredDispatcher:
         """`dispatcher`, counting this request's tokens (first token, fair-queue service,
         the refund)."""
-        return _MeteredDispatcher(dispatcher, self)
+        return MeteredDispatcher(dispatcher, self)
 
     def release(self) -> None:
         if not self.done:
@@ -84,30 +89,6 @@ class Ticket:
         self.output_tokens += count
         self.admission.running.tokens(self, count)
         self.admission.queue.charge_output(self.tenant, count)
-
-
-class _MeteredDispatcher:
-    """The dispatcher as one ticket's choices see it: tokens are counted as they come, and
-    the ticket is released when every choice has its last token (its slot is free then, not
-    when the client has read the end of the response)."""
-
-    def __init__(self, dispatcher, ticket: Ticket) -> None:
-        self.dispatcher = dispatcher
-        self.ticket = ticket
-
-    async def generate(self, request_id, prompt_token_ids, sampling,
-                       cache_salt: str = "") -> AsyncIterator:
-        ticket = self.ticket
-        async with aclosing(self.dispatcher.generate(request_id, prompt_token_ids, sampling,
-                                                     cache_salt=cache_salt)) as events:
-            async for event in events:
-                if event.token_ids:
-                    ticket._tokens(len(event.token_ids))
-                if event.finish_reason is not None:
-                    ticket.finished_choices += 1
-                    if ticket.finished_choices == ticket.slots:
-                        ticket.release()
-                yield event
 
 
 # cached_tokens(prompt token ids, cache salt): how many of the prompt's tokens a worker that
@@ -142,6 +123,7 @@ class Admission:
         self.on_admitted = on_admitted
         self.inflight = 0  # choices released to the workers and not finished
         self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
+        self.prefilling_extra = 0  # and their extra choices
         self.running = InFlight()  # the released requests, and when they will end
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task | None = None
@@ -175,7 +157,8 @@ class Admission:
             blocks=sum(-(-(len(s.prompt_token_ids) + s.params.max_tokens) // block_size)
                        for s in specs),
             arrival=now,
-            deadline=now + self._ttft_budget_s(prefill_tokens) if self.ttft_target_s else math.inf,
+            deadline=(now + self._ttft_budget_s(prefill_tokens, len(specs) - 1)
+                      if self.ttft_target_s else math.inf),
             prefill_tokens=prefill_tokens)
         if tenant.max_queued and self.queue.queued(tenant.name) >= tenant.max_queued:
             raise self._reject(tenant, "queue_full", APIError.rate_limited(
@@ -241,23 +224,24 @@ class Admission:
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
         slot_in = None if room else self.running.nth_end_s(
-            requests, self.estimator.service_at(self.prefilling_tokens))
+            requests, self.estimator.service_at(self.prefilling_tokens, self.prefilling_extra))
+        extra = self.prefilling_extra + ticket.extra_choices
         plain = self.estimator.estimate(requests, tokens, ticket.prefill_tokens, room,
-                                        self.inflight, self.prefilling_tokens, slot_in)
+                                        self.inflight, self.prefilling_tokens, slot_in, extra)
         if plain is None:
             return
         # Judged only where the estimator is trusted: an untrusted guess's miss, or that of a
         # line extrapolated beyond the loads it was fitted on, is no evidence of how wrong the
         # fitted line is (see TTFTEstimator.trusted, .trusted_at).
-        judged = self.estimator.trusted_at(self.prefilling_tokens + ticket.prefill_tokens)
+        judged = self.estimator.trusted_at(self.prefilling_tokens + ticket.prefill_tokens, extra)
         ticket.predicted_ttft_s = plain if judged else None
         predicted = plain + self.estimator.margin(self.ttft_target_s)
         budget = ticket.deadline - ticket.arrival
         if log.isEnabledFor(logging.DEBUG):
             log.debug("judged: %d prompt tokens (%d to prefill), %d ahead, %d prefilling, "
-                      "estimate %.3fs + margin %.3fs, budget %.3fs", ticket.prompt_tokens,
-                      ticket.prefill_tokens, requests, self.prefilling_tokens, plain,
-                      predicted - plain, budget)
+                      "%d extra choices, estimate %.3fs + margin %.3fs, budget %.3fs",
+                      ticket.prompt_tokens, ticket.prefill_tokens, requests,
+                      self.prefilling_tokens, extra, plain, predicted - plain, budget)
         if predicted > budget:
             retry = max(1, math.ceil(predicted - budget))
             uncached = ("" if ticket.prefill_tokens == ticket.prompt_tokens
@@ -271,13 +255,13 @@ class Admission:
                      f"{allowed}; retry in {retry}s.",
                 "server_error", None, "ttft_unattainable", retry))
 
-    def _ttft_budget_s(self, prefill_tokens: int) -> float:
+    def _ttft_budget_s(self, prefill_tokens: int, extra_choices: int) -> float:
         """How long this request may take to its first token before it is refused or dropped:
         the TTFT target, or, for a prompt whose own prefill takes most of it, that prefill plus
         half the target of waiting. The target bounds the wait others' work imposes; a long
         prompt whose prefill alone exceeds it would otherwise be refused on every try, on an
         idle cluster too, however often it came back."""
-        own = self.estimator.service_at(prefill_tokens)
+        own = self.estimator.service_at(prefill_tokens, extra_choices)
         return max(self.ttft_target_s, own + self.ttft_target_s / 2)
 
     def _drain(self) -> None:
@@ -313,13 +297,16 @@ class Admission:
 
     def _service_s(self, ticket: Ticket) -> float:
         """Its release -> first token if released now, behind the prompts still prefilling."""
-        return self.estimator.service_at(self.prefilling_tokens + ticket.prefill_tokens)
+        return self.estimator.service_at(self.prefilling_tokens + ticket.prefill_tokens,
+                                         self.prefilling_extra + ticket.extra_choices)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
         self.estimator.released(ticket.prompt_tokens)
         self.prefilling_tokens += ticket.prefill_tokens
+        self.prefilling_extra += ticket.extra_choices
         ticket.prefill_at_release = self.prefilling_tokens
+        ticket.extra_at_release = self.prefilling_extra
         self.inflight += ticket.slots
         self.running.add(ticket)
         ticket.released_at = now
@@ -360,6 +347,7 @@ class Admission:
             self.running.remove(ticket)
             if ticket.first_token_at is None:
                 self.prefilling_tokens -= ticket.prefill_tokens
+                self.prefilling_extra -= ticket.extra_choices
             self.queue.finished(ticket)
             self.estimator.finished(time.monotonic() - ticket.released_at)
         served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
@@ -372,18 +360,20 @@ class Admission:
 
     def _first_token(self, ticket: Ticket) -> None:
         self.prefilling_tokens -= ticket.prefill_tokens
+        self.prefilling_extra -= ticket.extra_choices
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
             ticket.first_token_at - ticket.arrival)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("first token: %.3fs after release with %d tokens to prefill (line says "
-                      "%.3fs), TTFT %.3fs, predicted %s", ticket.first_token_at - ticket.released_at,
-                      ticket.prefill_at_release, self.estimator.service_at(
-                          ticket.prefill_at_release), ticket.first_token_at - ticket.arrival,
-                      ticket.predicted_ttft_s)
+            log.debug("first token: %.3fs after release with %d tokens and %d extra choices "
+                      "to prefill (fit says %.3fs), TTFT %.3fs, predicted %s",
+                      ticket.first_token_at - ticket.released_at, ticket.prefill_at_release,
+                      ticket.extra_at_release, self.estimator.service_at(
+                          ticket.prefill_at_release, ticket.extra_at_release),
+                      ticket.first_token_at - ticket.arrival, ticket.predicted_ttft_s)
         self.estimator.first_token(ticket.first_token_at - ticket.released_at,
                                    ticket.predicted_ttft_s,
                                    ticket.first_token_at - ticket.arrival,
-                                   ticket.prefill_at_release)
+                                   ticket.prefill_at_release, ticket.extra_at_release)
 
     def _reject(self, tenant: Tenant, reason: str, error: APIError) -> APIError:
         self.metrics.rejected.labels(tenant.name, reason).inc()

@@ -85,3 +85,11 @@ class _StateCollector:
         yield GaugeMetricFamily("splitserve_gateway_service_seconds",
                                 "Average release -> first token.",
                                 value=estimator.service_s or 0.0)
+        yield GaugeMetricFamily("splitserve_gateway_ttft_seconds_per_prompt_token",
+                                "What one more prompt token to prefill adds to a first token "
+                                "(the TTFT estimate's fitted slope).",
+                                value=estimator.seconds_per_prompt_token())
+        yield GaugeMetricFamily("splitserve_gateway_ttft_seconds_per_extra_choice",
+                                "What one more choice beyond a request's first (n > 1) adds to "
+                                "a first token (the TTFT estimate's fitted term).",
+                                value=estimator.seconds_per_extra_choice())

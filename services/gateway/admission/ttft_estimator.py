@@ -19,6 +19,15 @@ weighted moments. So it grows with the prefill backlog as soon as requests are r
 their slow first tokens are seen (a flood admitted on yesterday's quiet figure would all be
 late), and a short prompt is not judged by long prompts' first tokens.
 
+A request for n choices sends n sequences to the workers behind one prompt, and each one costs
+a first step of its own (its KV, its sampling, its grammar) that no prompt token accounts for:
+13 requests of n=8 under a regex, 104 sequences at once, took 1.0-1.2 s to their first tokens
+with 24-315 prompt tokens to prefill. The line knows prompt tokens only, so those first tokens
+are a second term's to explain: seconds per extra choice (choices beyond each request's first,
+among the requests prefilling, its own included), fitted on what the line leaves unexplained.
+Taught to the line, they made its slope 2 ms per token, and the next chats behind a
+1,132-token system prompt were predicted 2.25 s and refused (served in 0.32 s).
+
 Every learned figure fades towards fresher evidence: after a quiet spell a new sample outweighs
 the old fit (half-life `half_life_s`), and old errors leave the margin after `error_window_s`.
 An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
@@ -76,9 +85,11 @@ class TTFTEstimator:
         # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
         self._moments = [_Aged() for _ in range(4)]
         self._fit_samples = 0  # first tokens the line was fitted on
-        # [x, weight] of the fit's samples that still weigh at least _SEEN_WEIGHT in it: the
-        # prompt loads the line was fitted on, as far as it still remembers them.
-        self._seen: list[list[float]] = []
+        self._seen = _Loads()  # the prompt loads the line was fitted on
+        # Exponentially weighted moments of (s = extra choices prefilling, r = y - the line's
+        # value): E[rs], E[s^2]; their ratio is the seconds one extra choice adds.
+        self._choice_moments = [_Aged(), _Aged()]
+        self._seen_choices = _Loads()  # the extra-choice loads that term was fitted on
         self.duration_s: float | None = None  # release -> end
         self._errors: deque[tuple[float, float]] = deque(maxlen=200)  # (when, actual - predicted)
         self._busy_since: float | None = None
@@ -107,16 +118,27 @@ class TTFTEstimator:
         self._close_window()
 
     def first_token(self, seconds: float, predicted_ttft: float | None = None,
-                    actual_ttft: float | None = None,
-                    prefill_tokens: int | None = None) -> None:
+                    actual_ttft: float | None = None, prefill_tokens: int | None = None,
+                    extra_choices: int = 0) -> None:
         """A released request's first token, `seconds` after its release, when `prefill_tokens`
-        prompt tokens (its own included) were to be prefilled before it; with what its TTFT
-        was predicted to be and turned out to be, when it was predicted."""
+        prompt tokens and `extra_choices` choices beyond each request's first (its own
+        included in both) were to be prefilled before it; with what its TTFT was predicted to
+        be and turned out to be, when it was predicted.
+
+        A sample with extra choices teaches the per-choice term, what the line leaves of it;
+        the line only until it is trusted (traffic of n>1 alone still gets a line)."""
         now = self._clock()
         self.service_s = _ewma(self.service_s, seconds, self.alpha)
-        if prefill_tokens is not None:
+        if prefill_tokens is not None and extra_choices and self.trusted:
+            residual = seconds - self.service_at(prefill_tokens)
+            self._seen_choices.remember(extra_choices, self._choice_moments[0], now,
+                                        self.half_life_s)
+            for moment, sample in zip(self._choice_moments, (residual * extra_choices,
+                                                             extra_choices ** 2), strict=True):
+                moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
+        elif prefill_tokens is not None:
             self._fit_samples += 1
-            self._remember(prefill_tokens, now)
+            self._seen.remember(prefill_tokens, self._moments[0], now, self.half_life_s)
             for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
                                                       prefill_tokens * seconds), strict=True):
                 moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
@@ -134,12 +156,13 @@ class TTFTEstimator:
 
     def estimate(self, requests_ahead: int, tokens_ahead: int, prompt_tokens: int,
                  room_now: bool, slots_in_use: int = 0, prefilling_tokens: int = 0,
-                 slot_free_in_s: float | None = None) -> float | None:
+                 slot_free_in_s: float | None = None, extra_choices: int = 0) -> float | None:
         """Seconds to this request's first token (the plain estimate), or None before
         anything was measured. `prefilling_tokens`: prompt tokens released and still without
         a first token; `slot_free_in_s`: when the request in flight whose end lets this one
-        go will end, where known (the wait is at least that)."""
-        service = self.service_at(prefilling_tokens + prompt_tokens)
+        go will end, where known (the wait is at least that); `extra_choices`: choices beyond
+        each request's first among those released without a first token, its own included."""
+        service = self.service_at(prefilling_tokens + prompt_tokens, extra_choices)
         if room_now and requests_ahead == 0:
             return 0.0 if slots_in_use == 0 else service  # idle: see the module docstring
         rate, tokens_rate = self.requests_per_s, self.tokens_per_s
@@ -169,15 +192,16 @@ class TTFTEstimator:
             wait = max(wait, slot_free_in_s)
         return wait + service
 
-    def service_at(self, prefill_tokens: int) -> float:
-        """Release -> first token when `prefill_tokens` prompt tokens (its own included) are to
-        be prefilled before it: the fitted line, never below 0; the plain average before any
-        length was seen."""
+    def service_at(self, prefill_tokens: int, extra_choices: int = 0) -> float:
+        """Release -> first token when `prefill_tokens` prompt tokens and `extra_choices` extra
+        choices (its own included) are to be prefilled before it: the fitted line plus the
+        per-choice term, never below 0; the plain average before any length was seen."""
         line = self._line()
         if line is None:
             return self.service_s or 0.0
         intercept, slope = line
-        return max(0.0, intercept + slope * prefill_tokens)
+        return max(0.0, intercept + slope * prefill_tokens
+                   + self.seconds_per_extra_choice() * extra_choices)
 
     @property
     def trusted(self) -> bool:
@@ -187,7 +211,7 @@ class TTFTEstimator:
         the margin at its cap for the next error_window_s and refuse work served on time)."""
         return self._fit_samples >= _MIN_FIT_SAMPLES
 
-    def trusted_at(self, prefill_tokens: int) -> bool:
+    def trusted_at(self, prefill_tokens: int, extra_choices: int = 0) -> bool:
         """Whether an estimate for `prefill_tokens` prompt tokens to prefill is the fit's to be
         judged by: trusted, and within the loads it was fitted on (and still weighs), give or
         take a factor of _SEEN_REACH. Beyond them the line extrapolates, and its misses there
@@ -196,23 +220,21 @@ class TTFTEstimator:
         learned the slope from those very first tokens, yet their errors pinned the margin at
         its cap for 20 s and refused 11 of the next 12 chats (served in 0.7 s once admitted).
         Below: prompts adding 44 tokens to a cached prefix, judged by a line fitted on
-        1,300-5,100-token loads, came 0.3-0.4 s late and refused the next burst."""
-        if not self.trusted or not self._seen:
-            return False
-        loads = [x for x, _ in self._seen]
-        return min(loads) / _SEEN_REACH <= prefill_tokens <= _SEEN_REACH * max(loads)
-
-    def _remember(self, prefill_tokens: int, now: float) -> None:
-        """Weigh the loads seen as the fit's moments weigh their samples (see _Aged.add)."""
-        first = self._moments[0]
-        keep = 0.0 if first.value is None else _keep(_FIT_ALPHA, now - first.at, self.half_life_s)
-        self._seen = [[x, w * keep] for x, w in self._seen if w * keep >= _SEEN_WEIGHT]
-        self._seen.append([float(prefill_tokens), 1.0 - keep])
+        1,300-5,100-token loads, came 0.3-0.4 s late and refused the next burst. The same for
+        extra choices beyond those the per-choice term was fitted on (none, the first time)."""
+        return (self.trusted and self._seen.cover(prefill_tokens)
+                and (not extra_choices or self._seen_choices.cover(extra_choices)))
 
     def seconds_per_prompt_token(self) -> float:
         """The fit's slope: what one more prompt token to prefill adds to a first token."""
         line = self._line()
         return 0.0 if line is None else line[1]
+
+    def seconds_per_extra_choice(self) -> float:
+        """What one more choice beyond a request's first adds to a first token (least squares
+        through the origin on what the line leaves unexplained); never negative."""
+        rs, ss = (m.value for m in self._choice_moments)
+        return 0.0 if not ss else max(0.0, rs / ss)
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, slope) of the least-squares line; flat while the lengths seen were too
@@ -265,6 +287,25 @@ _MIN_FIT_SAMPLES = 16
 # judged.
 _SEEN_WEIGHT = 0.02
 _SEEN_REACH = 1.25
+
+
+class _Loads:
+    """The loads a fit's samples came at, weighed as its moments weigh them (see _Aged.add),
+    as far as they still weigh at least _SEEN_WEIGHT."""
+
+    def __init__(self) -> None:
+        self._weighed: list[list[float]] = []  # [load, weight]
+
+    def remember(self, load: float, moment: _Aged, now: float, half_life_s: float) -> None:
+        """A sample at `load`, about to be added to `moment` (any of the fit's moments)."""
+        keep = 0.0 if moment.value is None else _keep(_FIT_ALPHA, now - moment.at, half_life_s)
+        self._weighed = [[x, w * keep] for x, w in self._weighed if w * keep >= _SEEN_WEIGHT]
+        self._weighed.append([float(load), 1.0 - keep])
+
+    def cover(self, load: float) -> bool:
+        """Within _SEEN_REACH times the loads remembered."""
+        loads = [x for x, _ in self._weighed]
+        return bool(loads) and min(loads) / _SEEN_REACH <= load <= _SEEN_REACH * max(loads)
 
 
 def _keep(alpha: float, age_s: float, half_life_s: float) -> float:
