@@ -139,7 +139,8 @@ class _StatsCollector:
             for name, (key, doc) in gauges.items():
                 yield _gauge(name, doc, labels, stats[key])
             yield _gauge("splitserve_worker_token_interval_seconds", "Mean gap between steps "
-                         "over the last 3 s while requests ran: the streams' time per token.",
+                         "per token over the last 3 s while requests ran (0 until they ran for "
+                         "1 s of it): the streams' time per token.",
                          labels, stats.get("token_interval_s", 0.0))
             used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
             yield _gauge("splitserve_kv_blocks_used", "KV cache blocks in use.", labels, used)

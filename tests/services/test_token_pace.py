@@ -21,20 +21,47 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_gaps_count_only_while_requests_run():
-    pace = TokenPace(window_s=10)
+    pace = TokenPace(window_s=10, min_span_s=0)
     assert pace.snapshot(0.0) == {"token_interval_s": 0.0, "interval_rows": 0.0}
     pace.step_done(1.00, rows=0, still_running=True)  # a step that admitted the first prompt
-    pace.step_done(1.05, rows=2, still_running=True)
-    pace.step_done(1.15, rows=4, still_running=False)  # its last streams finished
+    pace.step_done(1.05, rows=3, still_running=True)
+    pace.step_done(1.15, rows=3, still_running=False)  # its last streams finished
     assert pace.snapshot(1.2) == pytest.approx({"token_interval_s": 0.075, "interval_rows": 3.0})
-    pace.step_done(5.00, rows=1, still_running=True)  # after idling: that gap is nobody's
+    pace.step_done(5.00, rows=3, still_running=True)  # after idling: that gap is nobody's
     assert pace.snapshot(5.0) == pytest.approx({"token_interval_s": 0.075, "interval_rows": 3.0})
-    pace.step_done(5.02, rows=1, still_running=True)
+    pace.step_done(5.02, rows=3, still_running=True)
     assert pace.snapshot(5.02)["token_interval_s"] == pytest.approx((0.05 + 0.1 + 0.02) / 3)
 
 
+def test_the_pace_is_per_token_not_per_step():
+    """Streams see a step's gap once per row in it: a lone slow step of one row is one
+    token's worth of the pace, a step of 100 rows is 100 tokens' worth."""
+    pace = TokenPace(window_s=10, min_span_s=0)
+    pace.step_done(0.0, rows=0, still_running=True)
+    pace.step_done(0.3, rows=1, still_running=True)
+    pace.step_done(0.4, rows=100, still_running=True)
+    assert pace.snapshot(0.4) == pytest.approx({"token_interval_s": (0.3 + 100 * 0.1) / 101,
+                                                "interval_rows": (1 + 100 ** 2) / 101})
+
+
+def test_one_first_step_is_not_a_pace():
+    """`make run`, 13 requests of n=8 under a regex: the decode worker's first step of 24 rows
+    took 0.281 s (its grammars, its KV landing); a poll that saw it alone held the worker to 8
+    requests. A third of the window must be covered first."""
+    pace = TokenPace()  # 3 s: judged once its gaps cover 1 s
+    pace.step_done(0.0, rows=0, still_running=True)
+    pace.step_done(0.281, rows=24, still_running=True)
+    assert pace.snapshot(0.3) == {"token_interval_s": 0.0, "interval_rows": 0.0}
+    t = 0.281
+    for _ in range(8):
+        t += 0.1
+        pace.step_done(t, rows=104, still_running=True)
+    snapshot = pace.snapshot(t)
+    assert snapshot["interval_rows"] > 100 and snapshot["token_interval_s"] < 0.11
+
+
 def test_old_gaps_age_out_of_the_window():
-    pace = TokenPace(window_s=1.0)
+    pace = TokenPace(window_s=1.0, min_span_s=0)
     pace.step_done(0.0, rows=8, still_running=True)
     pace.step_done(0.4, rows=8, still_running=True)  # a 0.4 s gap
     for i in range(1, 11):
