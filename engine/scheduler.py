@@ -19,7 +19,7 @@ from engine.outputs import (
     RequestOutput,
     SchedulerOutput,
 )
-from engine.pending_prefixes import PendingPrefixes
+from engine.remote_kv import RemoteKVReservations, Settled
 from engine.request import Request, RequestStatus
 
 
@@ -78,9 +78,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
-        self.waiting_for_kv: dict[str, Request] = {}
-        # Decode role: blocks reserved for KV still on its way, adopted by the same prefix.
-        self.pending = PendingPrefixes(kv_cache_manager)
+        self.remote = RemoteKVReservations(kv_cache_manager)  # decode role
         self._finished_ids: set[str] = set()
         # Runner-side knowledge: which requests it holds state for.
         self._known_to_runner: set[str] = set()
@@ -92,106 +90,57 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_order_key)
 
+    # -- remote KV (decode role: engine/remote_kv.py) -----------------------------------------
+
+    @property
+    def waiting_for_kv(self) -> dict[str, Request]:
+        """Requests with blocks reserved for KV a prefill worker sends, by id."""
+        return self.remote.requests
+
     def reserve_for_remote_kv(self, request: Request, reuse_cached_prefix: bool = False
                               ) -> list[int] | None:
-        """Decode role: allocate blocks for the prompt now; the KV arrives later. Returns the
-        ids of the blocks to receive it, or None (nothing changed) when the cache cannot hold
-        the prompt. `reuse_cached_prefix`: the prompt's cached prefix blocks are adopted, not
+        """Allocate blocks for the prompt now; the KV arrives later. Returns the ids of the
+        blocks to receive it, or None (nothing changed) when the cache cannot hold the
+        prompt. `reuse_cached_prefix`: the prompt's cached prefix blocks are adopted, not
         received (request.kv_reused_tokens), and only the blocks after them are reserved."""
-        hits, num_hit = (self.kv.get_computed_blocks(request) if reuse_cached_prefix
-                         else ([], 0))
-        owners: set[str] = set()
-        if reuse_cached_prefix and self.pending:
-            hits = list(hits)
-            owners = self.pending.adopt(request, hits)
-            num_hit = len(hits) * self.kv.block_size
-        new_ids = self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits)
-        if new_ids is None:
-            return None
-        if reuse_cached_prefix:
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-            self.pending.add(request, len(hits))
-            self.pending.follow(request.request_id, owners)
-        request.kv_reused_tokens = num_hit
-        request.kv_awaits = owners
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.request_id] = request
-        self.waiting_for_kv[request.request_id] = request
-        return new_ids
-
-    def _settle(self, request_id: str, landed: bool) -> list[Request]:
-        """A reserved request's KV landed (`landed`), or never will (aborted, recomputed
-        locally): its blocks are no longer adoptable. Its followers wait for it no longer if
-        it landed (returns those whose own KV is in: they start now). Otherwise the blocks
-        they adopted will never hold that KV, and they are recomputed here, each once its
-        own first token is in: the prefill worker answered that token to the gateway, which
-        may have streamed it already, so it is kept, not sampled again."""
-        ready = []
-        for follower_id in self.pending.settle(request_id):
-            follower = self.waiting_for_kv.get(follower_id)
-            if follower is None:
-                continue
-            follower.kv_awaits.discard(request_id)
-            if not landed:
-                follower.kv_lost = True
-                if follower.parked_first_token is not None:
-                    self.recompute_locally(follower_id)
-            elif not follower.kv_awaits and follower.parked_first_token is not None:
-                ready.append(follower)
-        return ready
+        block_ids = self.remote.reserve(request, reuse_cached_prefix)
+        if block_ids is not None:
+            self.requests[request.request_id] = request
+        return block_ids
 
     def remote_kv_arrived(self, request_id: str, first_token: int) -> Request | None:
         """The prompt's KV is in the reserved blocks: the request joins the running batch
-        with its first token (sampled by the prefill worker) already appended."""
-        request = self.waiting_for_kv.get(request_id)
-        if request is None:
-            return None
-        if request.kv_awaits or request.kv_lost:  # blocks it adopted wait for KV, or lost it
-            request.parked_first_token = first_token
-            if request.kv_lost:
-                self.recompute_locally(request_id)
-            return request
-        del self.waiting_for_kv[request_id]
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.kv_arrived_ns = time.time_ns()
-        request.append_output_token(first_token)
-        self.kv.cache_blocks(request)
-        for follower in self._settle(request_id, landed=True):
-            self.remote_kv_arrived(follower.request_id, follower.parked_first_token)
-        if request.check_stop():
-            self._finish(request)
-            return request
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        with its first token (sampled by the prefill worker) already appended, as do those
+        that waited for its blocks."""
+        request = self.remote.requests.get(request_id)
+        if request is not None:
+            self._apply(self.remote.arrived(request_id, first_token))
         return request
 
     def remote_kv_overdue(self, reserved_before: float) -> list[str]:
         """Requests still waiting for remote KV that were reserved before `reserved_before`
-        (time.monotonic(); a reserved request arrives when it is reserved)."""
-        return [rid for rid, request in self.waiting_for_kv.items()
-                if request.arrival_time < reserved_before]
+        (time.monotonic())."""
+        return self.remote.overdue(reserved_before)
 
     def recompute_locally(self, request_id: str) -> bool:
-        """KV transfer failed: drop the reservation and prefill the prompt here instead. A
-        first token already received (parked: the blocks it adopted lost their KV) is kept,
-        since the gateway may have streamed it: the prompt and it are recomputed, as after a
-        preemption, and the next token is sampled here."""
-        request = self.waiting_for_kv.pop(request_id, None)
-        if request is None:
+        """KV transfer failed: drop the reservation and prefill the prompt here instead (a
+        first token already received is kept: the prompt and it are recomputed, as after a
+        preemption, and the next token is sampled here)."""
+        settled = self.remote.lost(request_id)
+        if settled is None:
             return False
-        self._settle(request_id, landed=False)
-        self.kv.free(request)
-        first_token = request.parked_first_token
-        request.kv_reused_tokens = 0
-        request.kv_awaits, request.parked_first_token, request.kv_lost = set(), None, False
-        if first_token is not None:
-            request.append_output_token(first_token)
-            if request.check_stop():  # its stream ends at the gateway, with that token
-                self._finish(request)
-                return True
-        request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=_order_key)
+        self._apply(settled)
         return True
+
+    def _apply(self, settled: Settled) -> None:
+        for request in settled.run:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        for request in settled.recompute:
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=_order_key)
+        for request in settled.finished:
+            self._finish(request)  # its stream ends at the gateway, with that token
 
     def abort(self, request_id: str) -> Request | None:
         """No-op (None) for unknown or finished requests."""
@@ -201,8 +150,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            del self.waiting_for_kv[request_id]
-            self._settle(request_id, landed=False)
+            self._apply(self.remote.abort(request_id))
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED

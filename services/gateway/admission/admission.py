@@ -74,13 +74,18 @@ class Ticket:
 
     def metered(self, dispatcher) -> MeteredDispatcher:
         """`dispatcher`, counting this request's tokens (first token, fair-queue service,
-        the refund)."""
-        return MeteredDispatcher(dispatcher, self)
+        the refund) and releasing it when every choice has its last token."""
+        return MeteredDispatcher(dispatcher, self._tokens, self._choice_done)
 
     def release(self) -> None:
         if not self.done:
             self.done = True
             self.admission._finish(self)
+
+    def _choice_done(self) -> None:
+        self.finished_choices += 1
+        if self.finished_choices == self.slots:
+            self.release()
 
     def _tokens(self, count: int) -> None:
         if self.first_token_at is None:
