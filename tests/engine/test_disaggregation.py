@@ -18,9 +18,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
 
 
-def prefill(engine, rid, prompt, params):
-    """Prefill role: returns (first token, KV payload); checks the output that carries them."""
-    engine.add_request(rid, prompt, params, hold_kv=True)
+def prefill(engine, rid, prompt, params, kv_reused_tokens=0):
+    """Prefill role: returns (first token, KV payload); checks the output that carries them.
+    `kv_reused_tokens`: the decode engine holds that much of the prompt, so it is not sent."""
+    engine.add_request(rid, prompt, params, hold_kv=True, kv_reused_tokens=kv_reused_tokens)
     outputs = [out for _ in range(100) if engine.has_unfinished() for out in engine.step()]
     (out,) = [o for o in outputs if o.request_id == rid]
     assert out.finished and len(out.new_token_ids) == 1
@@ -31,6 +32,13 @@ def prefill(engine, rid, prompt, params):
 def blank_kv(engine, num_blocks):
     """A payload of the right layout for `num_blocks` blocks (its values do not matter here)."""
     return torch.zeros_like(engine.runner.kv_cache[:, :, :num_blocks])
+
+
+def shared_prompts(seed: int) -> dict[str, list[int]]:
+    """Two prompts sharing 3 full blocks (12 tokens), each with its own tail."""
+    shared = random_prompts([12], seed=seed)[0]
+    return {"a": shared + random_prompts([5], seed=seed + 1)[0],
+            "b": shared + random_prompts([6], seed=seed + 2)[0]}
 
 
 def single_engine_tokens(model_dir, prompts, params):
@@ -257,9 +265,7 @@ def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped
     engine; the second reserves only its own blocks, and the prefill engine ships just those.
     Tokens and logprobs equal one engine's, and usage does not count the reused tokens as
     cached (the prefill engine computed them)."""
-    shared = random_prompts([12], seed=20)[0]
-    prompts = {"a": shared + random_prompts([5], seed=21)[0],
-               "b": shared + random_prompts([6], seed=22)[0]}
+    prompts = shared_prompts(seed=20)
     expected = single_engine_tokens(tiny_llama_dir, prompts, GREEDY)
     prefill_engine = make_engine(tiny_llama_dir, enable_prefix_caching=False)
     decode_engine = make_engine(tiny_llama_dir)
@@ -269,13 +275,11 @@ def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped
         held = 0 if rid == "a" else 12
         assert reservation.num_cached_tokens == held
         assert len(reservation.block_ids) == cdiv(len(prompt), BLOCK) - held // BLOCK
-        prefill_engine.add_request(rid, prompt, GREEDY, hold_kv=True, kv_reused_tokens=held)
-        (out,) = [o for _ in range(20) if prefill_engine.has_unfinished()
-                  for o in prefill_engine.step()]
-        assert out.kv.shape[2] == len(reservation.block_ids)
-        decode_engine.receive_remote_kv(rid, out.new_token_ids[0], out.kv)
+        first, kv = prefill(prefill_engine, rid, prompt, GREEDY, kv_reused_tokens=held)
+        assert kv.shape[2] == len(reservation.block_ids)
+        decode_engine.receive_remote_kv(rid, first, kv)
         collected = drive(decode_engine)[rid]
-        results[rid] = [out.new_token_ids[0], *collected.token_ids]
+        results[rid] = [first, *collected.token_ids]
         assert collected.num_cached_tokens == 0
     assert results == expected
     assert decode_engine.kv.prefix_hits == 12

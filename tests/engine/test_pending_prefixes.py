@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import pytest
 from engine_harness import assert_no_leak, drive, make_engine, random_prompts
-from test_disaggregation import BLOCK, GREEDY, blank_kv, single_engine_tokens
+from test_disaggregation import (
+    BLOCK,
+    GREEDY,
+    blank_kv,
+    prefill,
+    shared_prompts,
+    single_engine_tokens,
+)
 
 from engine.kv_cache_manager import cdiv
 from engine.request import RequestStatus
-
-
-def _shared_prompts(seed: int) -> dict[str, list[int]]:
-    """Two prompts sharing 3 full blocks (12 tokens), each with its own tail."""
-    shared = random_prompts([12], seed=seed)[0]
-    return {"a": shared + random_prompts([5], seed=seed + 1)[0],
-            "b": shared + random_prompts([6], seed=seed + 2)[0]}
-
-
-def _prefill_payload(prefill_engine, rid, prompt, held):
-    prefill_engine.add_request(rid, prompt, GREEDY, hold_kv=True, kv_reused_tokens=held)
-    (out,) = [o for _ in range(20) if prefill_engine.has_unfinished()
-              for o in prefill_engine.step()]
-    return out.new_token_ids[0], out.kv
 
 
 @pytest.mark.parametrize("landing", ["first-prompt-first", "follower-first"])
@@ -34,7 +27,7 @@ def test_a_prefix_reserved_but_not_yet_received_is_adopted_not_shipped_again(tin
     of their KV: the second reservation adopts the first's three pending blocks, and only
     its own blocks' KV is shipped. It starts only once the first's KV is in (its own may land
     first: it waits). Tokens and logprobs equal one engine's."""
-    prompts = _shared_prompts(seed=30)
+    prompts = shared_prompts(seed=30)
     expected = single_engine_tokens(tiny_llama_dir, prompts, GREEDY)
     prefill_engine = make_engine(tiny_llama_dir, enable_prefix_caching=False)
     decode_engine = make_engine(tiny_llama_dir)
@@ -43,7 +36,7 @@ def test_a_prefix_reserved_but_not_yet_received_is_adopted_not_shipped_again(tin
         reservation = decode_engine.reserve_remote(rid, prompt, GREEDY, reuse_cached_prefix=True)
         held[rid] = reservation.num_cached_tokens
     assert held == {"a": 0, "b": 12}
-    payloads = {rid: _prefill_payload(prefill_engine, rid, prompt, held[rid])
+    payloads = {rid: prefill(prefill_engine, rid, prompt, GREEDY, kv_reused_tokens=held[rid])
                 for rid, prompt in prompts.items()}
     assert payloads["b"][1].shape[2] == cdiv(len(prompts["b"]), BLOCK) - 3
     order = ["a", "b"] if landing == "first-prompt-first" else ["b", "a"]
@@ -69,7 +62,7 @@ def test_a_follower_whose_adopted_kv_never_lands_is_recomputed_keeping_its_first
     its own first token is in, and keeps that token, which the prefill worker answered and the
     gateway may have streamed already. Here that token is not the greedy one, so a follower
     that sampled its first token again would not continue it. Nothing leaks."""
-    prompts = _shared_prompts(seed=40)
+    prompts = shared_prompts(seed=40)
     decode_engine = make_engine(tiny_llama_dir)
     greedy = single_engine_tokens(tiny_llama_dir, {"b": prompts["b"]}, GREEDY)["b"][0]
     forced = next(t for t in range(greedy + 1, greedy + 10)
@@ -102,7 +95,7 @@ def test_a_follower_whose_adopted_kv_never_lands_is_recomputed_keeping_its_first
 
 def test_a_pending_block_is_adopted_only_with_the_same_tokens_and_salt(tiny_llama_dir):
     """Another tenant's salt, or a different prefix, adopts nothing of a pending reservation."""
-    prompts = _shared_prompts(seed=50)
+    prompts = shared_prompts(seed=50)
     engine = make_engine(tiny_llama_dir)
     engine.reserve_remote("a", prompts["a"], GREEDY, reuse_cached_prefix=True)
     other_tenant = engine.reserve_remote("t", prompts["b"], GREEDY, cache_salt="tenant-2",
