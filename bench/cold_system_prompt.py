@@ -10,11 +10,13 @@ its own on the workers: what they teach the estimate must not refuse the chats a
     python -m bench.cold_system_prompt --warm-up --choices 8 --bursts 2
     python -m bench.cold_system_prompt --chats 16 --url http://127.0.0.1:8000
     python -m bench.cold_system_prompt --against vllm --rounds 3
+    python -m bench.cold_system_prompt --against vllm --rounds 3 --choices 8
 
 `--against vllm` starts `splitserve up` (every shipped default) and vLLM's CPU server (`make
 peers`; its best configuration here, as bench.compare runs it), warms both up, then takes
 turns: each round sends the same burst (a new system prompt, the same for both) to one system
-and then the other, alternating which goes first.
+and then the other, alternating which goes first; with `--choices N`, each system gets the 13
+requests of n=N right before its burst.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ async def warm_up(client: httpx.AsyncClient, url: str, model: str) -> None:
 
 
 async def many_choices(client: httpx.AsyncClient, url: str, model: str, n: int,
-                       requests: int = 13) -> None:
-    """`requests` chats of `n` choices each under a regex, sent at once; prints what came back."""
+                       requests: int = 13, label: str = "") -> list[int]:
+    """`requests` chats of `n` choices each under a regex, sent at once; prints what came back
+    and returns the status codes."""
     async def one(i: int) -> tuple[int, list[str]]:
         response = await client.post(f"{url}/v1/chat/completions", json={
-            "model": model, "max_tokens": 16, "temperature": 1.0, "seed": i, "n": n,
+            "model": model, "max_tokens": 16, "temperature": 1.0, "n": n,
             "messages": [{"role": "user", "content": f"Review number {i}: the film was long."}],
             "structured_outputs": {"regex": CHOICE_REGEX}})
         if response.status_code != 200:
@@ -71,10 +74,11 @@ async def many_choices(client: httpx.AsyncClient, url: str, model: str, n: int,
     codes = [code for code, _ in results]
     texts = [text for _, answer in results for text in answer]
     outside = sum(not re.fullmatch(CHOICE_REGEX, text) for text in texts)
-    print(f"{requests} requests of n={n} under a regex at once: served {codes.count(200)}, "
+    print(f"{label}{requests} requests of n={n} under a regex at once: served {codes.count(200)}, "
           f"refused {codes.count(503)} (503), other {len(codes) - codes.count(200) - codes.count(503)}"
           f"; {len(texts)} choices, {outside} outside the regex; "
           f"{time.perf_counter() - start:.2f} s", flush=True)
+    return codes
 
 
 def _system_prompt(rng: random.Random, words: int) -> str:
@@ -114,9 +118,13 @@ async def run(url: str, chats: int, words: int, seed: int | None, warm: bool, ch
 
 
 async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: int,
-                      rounds: int, seed: int | None) -> dict[str, list[tuple[list[int], list[int]]]]:
+                      rounds: int, seed: int | None, choices: int,
+                      ) -> tuple[dict[str, list[tuple[list[int], list[int]]]], dict[str, list[int]]]:
+    """Per system: each round's (status codes, first tokens) of the chats, and the status codes
+    of the n=`choices` requests sent before them (none without `choices`)."""
     rng = random.Random(seed)
     out: dict[str, list[tuple[list[int], list[int]]]] = {name: [] for name in systems}
+    many: dict[str, list[int]] = {name: [] for name in systems}
     async with httpx.AsyncClient(timeout=120) as client:
         for name, (url, model) in systems.items():
             print(f"warming up {name}...", flush=True)
@@ -126,14 +134,18 @@ async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: in
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
                 url, model = systems[name]
+                if choices:
+                    many[name] += await many_choices(client, url, model, choices,
+                                                     label=f"round {r + 1}, {name}: ")
                 codes, ttft = await burst(client, url, model, system, chats)
                 out[name].append((codes, ttft))
                 print(f"round {r + 1}, {name}: {_summary(codes, ttft)}", flush=True)
                 await asyncio.sleep(3)
-    return out
+    return out, many
 
 
-def against(peer: str, chats: int, words: int, rounds: int, seed: int | None) -> None:
+def against(peer: str, chats: int, words: int, rounds: int, seed: int | None,
+            choices: int = 0) -> None:
     import statistics
     import tempfile
     from pathlib import Path
@@ -155,18 +167,22 @@ def against(peer: str, chats: int, words: int, rounds: int, seed: int | None) ->
             print(f"starting {name} (logs in {logs})...", flush=True)
             running.append(start_system(SYSTEMS[name], model_dir, logs, opts))
         systems = {r.spec.name: (r.url, r.model_name) for r in running}
-        results = asyncio.run(_take_turns(systems, chats, words, rounds, seed))
+        results, many = asyncio.run(_take_turns(systems, chats, words, rounds, seed, choices))
     finally:
         for r in running:
             r.stop()
-    print(f"\n{chats} chats at once behind a new system prompt, {rounds} rounds (medians over "
-          "rounds of each burst's first / median / last first token, ms; refused in all):")
+    before = f", each after 13 requests of n={choices} under a regex" if choices else ""
+    print(f"\n{chats} chats at once behind a new system prompt{before}, {rounds} rounds "
+          "(medians over rounds of each burst's first / median / last first token, ms; "
+          "refused in all):")
     for name, bursts in results.items():
         served = [ttft for _, ttft in bursts if ttft]
         cells = " / ".join(f"{statistics.median(pick(t) for t in served):.0f}" for pick in (
             lambda t: t[0], lambda t: t[len(t) // 2], lambda t: t[-1])) if served else "-"
         refused = sum(codes.count(503) for codes, _ in bursts)
-        print(f"  {name:<20} {cells}   refused {refused} of {chats * len(bursts)}")
+        n_refused = (f"; n={choices} requests refused {len(many[name]) - many[name].count(200)} "
+                     f"of {len(many[name])}" if choices else "")
+        print(f"  {name:<20} {cells}   refused {refused} of {chats * len(bursts)}{n_refused}")
 
 
 def main() -> int:
@@ -178,7 +194,8 @@ def main() -> int:
     parser.add_argument("--warm-up", action="store_true",
                         help="two bursts of 32 short completions first")
     parser.add_argument("--choices", type=int, default=0, metavar="N",
-                        help="before the chats, 13 requests of n=N under a regex at once")
+                        help="before the chats, 13 requests of n=N under a regex at once "
+                        "(with --against: before each system's burst, every round)")
     parser.add_argument("--bursts", type=int, default=1, help="bursts of chats, 5 s apart, "
                         "each behind a new system prompt")
     parser.add_argument("--against", choices=("vllm",),
@@ -186,7 +203,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="with --against")
     args = parser.parse_args()
     if args.against:
-        against(args.against, args.chats, args.words, args.rounds, args.seed)
+        against(args.against, args.chats, args.words, args.rounds, args.seed, args.choices)
     else:
         asyncio.run(run(args.url, args.chats, args.words, args.seed, args.warm_up, args.choices,
                         args.bursts))
