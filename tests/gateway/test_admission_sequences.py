@@ -89,3 +89,27 @@ def test_a_burst_of_many_short_requests_does_not_lock_out_the_next():
             ticket.release()
 
     asyncio.run(scenario())
+
+
+def test_long_prompts_beyond_what_was_prefilled_alone_are_not_judged_flat():
+    """After the warm-up, the lone first tokens (6-37 tokens) give the line no slope; judged by
+    it, 8 prompts of ~2,000 tokens sent at once would all be admitted and the last served
+    seconds late. Beyond the longest load prefilled alone, each token costs what the line over
+    every first token says: the first is admitted, the ones behind it are refused."""
+
+    async def scenario():
+        admission = make_admission(A, rule=CapacityRule(), ttft_target_s=1.0)
+        await _warm_up(admission)
+        assert admission.estimator.service_at(2000) > 0.5  # flat, it would say 0.07 s
+        first = await admission.admit(A, [spec(2000, 8)], 2000)
+        refused = 0
+        for i in range(7):
+            try:
+                await admission.admit(A, [spec(2000, 8, index=i + 1)], 2000)
+            except APIError as exc:
+                assert exc.status == 503
+                refused += 1
+        assert refused == 7
+        first.release()
+
+    asyncio.run(scenario())

@@ -149,7 +149,8 @@ class TTFTEstimator:
         if prefill_tokens is None:
             pass
         elif extra_sequences and self.trusted:
-            residual = seconds - self.service_at(prefill_tokens)
+            line = self._line_at(prefill_tokens, extra_sequences)
+            residual = seconds - (line if line is not None else self.service_s)
             self._seen_sequences.remember(extra_sequences, self._sequence_moments[0], now,
                                           self.half_life_s)
             for moment, sample in zip(self._sequence_moments, (residual * extra_sequences,
@@ -214,12 +215,10 @@ class TTFTEstimator:
         sequences beyond one (its own included) are to be prefilled before it: the fitted line
         plus the per-sequence term, never below 0; the plain average before any length was
         seen."""
-        line = self._line()
+        line = self._line_at(prefill_tokens, extra_sequences)
         if line is None:
             return self.service_s or 0.0
-        intercept, slope = line
-        return max(0.0, intercept + slope * prefill_tokens
-                   + self.seconds_per_extra_sequence() * extra_sequences)
+        return max(0.0, line + self.seconds_per_extra_sequence() * extra_sequences)
 
     @property
     def trusted(self) -> bool:
@@ -264,6 +263,27 @@ class TTFTEstimator:
         """The line in use: over sequences prefilled alone once trusted and there are some
         (see first_token), else over every first token."""
         return self._alone if self.trusted and self._alone.samples else self._every
+
+    def _line_at(self, prefill_tokens: int, extra_sequences: int) -> float | None:
+        """The line in use at `prefill_tokens`. Where that is the line over sequences prefilled
+        alone and flat (lengths too alike for a slope), the tokens beyond what the sequences
+        would hold at the longest length it saw (by _SEEN_REACH) each cost what the line over
+        every first token says: lone chats of 6-37 tokens give no slope, and judged by them
+        alone 8 prompts of 2,000 tokens sent at once would all be admitted, the last ~4 s late.
+        (That line is steeper than a prefill's cost per token, since it reads a burst's
+        batching as one, so it stands in only for prompts longer than any seen alone; a burst
+        of many short ones is the per-sequence term's.)"""
+        fit = self._fit()
+        line = fit.line()
+        if line is None:
+            return None
+        intercept, slope = line
+        if fit is self._alone and slope == 0.0:
+            beyond = prefill_tokens - (extra_sequences + 1) * fit.seen.longest() * _SEEN_REACH
+            every = self._every.line()
+            if beyond > 0 and every is not None:
+                return intercept + every[1] * beyond
+        return intercept + slope * prefill_tokens
 
     def margin(self, target_s: float) -> float:
         """What to add to a plain estimate: its recent 95th-percentile error over events, within
@@ -365,6 +385,9 @@ class _Loads:
         keep = 0.0 if moment.value is None else _keep(_FIT_ALPHA, now - moment.at, half_life_s)
         self._weighed = [[x, w * keep] for x, w in self._weighed if w * keep >= _SEEN_WEIGHT]
         self._weighed.append([float(load), 1.0 - keep])
+
+    def longest(self) -> float:
+        return max((x for x, _ in self._weighed), default=0.0)
 
     def cover(self, load: float, through_origin: bool = False) -> bool:
         """Within _SEEN_REACH times the loads remembered; for a term through the origin (no
