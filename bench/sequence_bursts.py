@@ -11,19 +11,26 @@ Each burst prints what was served and refused (503), and the slowest request's s
 gateway's DEBUG log (`SPLITSERVE_GATEWAY_LOG_LEVEL=DEBUG`) shows every estimate and first
 token.
 
+`--long N` sends instead, after the same warm-up, N prompts of ~1,930 tokens (random words,
+none seen before) at once, twice, 5 s apart, streamed: served, refused, and the served ones'
+times to first token. Prompts longer than any prefilled alone must not be admitted on a line
+fitted on short ones.
+
     python -m bench.sequence_bursts                              # http://127.0.0.1:8000
     python -m bench.sequence_bursts --url http://127.0.0.1:8000 --passes 3
+    python -m bench.sequence_bursts --long 8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 
 import httpx
 
-from bench.cold_system_prompt import CHOICE_REGEX, warm_up
+from bench.cold_system_prompt import CHOICE_REGEX, WORDS, warm_up
 
 BURSTS = ((8, True, 13), (8, False, 13), (1, True, 104), (1, False, 104))  # n, regex, requests
 
@@ -48,7 +55,35 @@ async def _burst(client: httpx.AsyncClient, url: str, model: str, n: int, regex:
     return codes
 
 
-async def run(url: str, passes: int) -> None:
+async def _first_token_s(client: httpx.AsyncClient, url: str,
+                         body: dict) -> tuple[int, float | None]:
+    start = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, None
+        async for line in response.aiter_lines():
+            if '"text":"' in line and '"text":""' not in line:
+                return 200, round(time.perf_counter() - start, 3)
+    return 200, None
+
+
+async def _long(client: httpx.AsyncClient, url: str, model: str, prompts: int) -> None:
+    rng = random.Random()
+    for burst in range(2):
+        if burst:
+            await asyncio.sleep(5)
+        texts = [" ".join(f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(280))
+                 for _ in range(prompts)]
+        results = await asyncio.gather(*(_first_token_s(client, url, {
+            "model": model, "prompt": text, "max_tokens": 8, "stream": True}) for text in texts))
+        codes = [code for code, _ in results]
+        ttft = sorted(t for _, t in results if t is not None)
+        print(f"{prompts} prompts of ~1,930 tokens at once: served {codes.count(200)}, refused "
+              f"{codes.count(503)}; TTFT s {ttft}", flush=True)
+
+
+async def run(url: str, passes: int, long: int) -> None:
     async with httpx.AsyncClient(timeout=120) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         print("warming up (two bursts of 32 short completions, one chat)...", flush=True)
@@ -56,6 +91,10 @@ async def run(url: str, passes: int) -> None:
         await client.post(f"{url}/v1/chat/completions", json={
             "model": model, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        if long:
+            await asyncio.sleep(3)
+            await _long(client, url, model, long)
+            return
         refused = []
         for p in range(passes):
             print(f"pass {p + 1}:", flush=True)
@@ -72,8 +111,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--long", type=int, default=0, metavar="N",
+                        help="instead: N prompts of ~1,930 tokens at once, twice")
     args = parser.parse_args()
-    asyncio.run(run(args.url, args.passes))
+    asyncio.run(run(args.url, args.passes, args.long))
     return 0
 
 
