@@ -113,3 +113,29 @@ def test_long_prompts_beyond_what_was_prefilled_alone_are_not_judged_flat():
         first.release()
 
     asyncio.run(scenario())
+
+
+def test_a_slow_first_set_of_many_choices_does_not_steepen_the_line():
+    """13 requests of n=8 under a regex, the first such set (grammars and tokenizers cold):
+    first tokens at up to 4 s. Taught to the line over every first token (which stands in for
+    prompts longer than any prefilled alone), they had the 12 chats after them, behind a new
+    1,100-token system prompt, predicted 5.3 s and 11 refused; they are the term's."""
+
+    async def scenario():
+        admission = make_admission(A, rule=CapacityRule(), ttft_target_s=1.0)
+        await _warm_up(admission)
+        estimator = admission.estimator
+        before = estimator.service_at(1100 + 11 * 26, 11)
+        burst = [await admission.admit(A, [spec(24, 16, index=i) for i in range(8)], 24)
+                 for _ in range(13)]
+        for k, ticket in enumerate(burst):
+            seconds = 1.0 + 0.25 * k
+            ticket.released_at -= seconds
+            ticket.arrival -= seconds
+            ticket._tokens(1)
+        for ticket in burst:
+            ticket.release()
+        assert estimator.seconds_per_extra_sequence() > 0.01
+        assert estimator.service_at(1100 + 11 * 26, 11) < before + 11 * 0.05
+
+    asyncio.run(scenario())
