@@ -62,18 +62,18 @@ def test_extra_choices_teach_their_own_term_not_the_prompt_token_line():
         _taught_by_chats(estimator)
         slope = estimator.seconds_per_prompt_token()
         burst = await _n8_burst(admission)
-        assert [t.extra_at_release for t in burst] == [8 * (k + 1) - 1 for k in range(13)]
-        assert admission.prefilling_sequences == 0 and admission.prefilling_tokens == 0
+        assert [t.extra_at_release for t in burst] == [7 * (k + 1) for k in range(13)]
+        assert admission.prefilling_extra == 0 and admission.prefilling_tokens == 0
         # Predicted with no term for extra choices yet: their misses are not the line's.
         assert all(t.predicted_ttft_s is None for t in burst)
         assert estimator.margin(1.0) == 0.0
         assert estimator.seconds_per_prompt_token() == pytest.approx(slope)
-        assert 0.008 < estimator.seconds_per_extra_sequence() < 0.02
+        assert 0.008 < estimator.seconds_per_extra_choice() < 0.02
         assert estimator.trusted_at(300, 91) and not estimator.trusted_at(300, 700)
         gauges = {line.split()[0]: float(line.split()[1]) for line in generate_latest(
             admission.metrics.registry).decode().splitlines() if line.startswith("splitserve_")}
-        assert gauges["splitserve_gateway_ttft_seconds_per_extra_sequence"] == pytest.approx(
-            estimator.seconds_per_extra_sequence())
+        assert gauges["splitserve_gateway_ttft_seconds_per_extra_choice"] == pytest.approx(
+            estimator.seconds_per_extra_choice())
         assert gauges["splitserve_gateway_ttft_seconds_per_prompt_token"] == pytest.approx(slope)
         # The cold system prompt right after: 1,132 tokens, predicted down the chats' line.
         cold = await admission.admit(A, [spec(1132, 24)], 1132)
@@ -115,8 +115,8 @@ def test_traffic_of_many_choices_alone_still_gets_a_line():
     estimator = TTFTEstimator(clock=Clock())
     for _ in range(10):
         for k in (1, 2, 3, 4):
-            estimator.first_token(0.05 + 0.04 * k, prefill_tokens=30 * k, extra_sequences=3 * k)
+            estimator.first_token(0.05 + 0.04 * k, prefill_tokens=30 * k, extra_choices=3 * k)
     assert estimator.trusted
     for k in (1, 4):
         assert estimator.service_at(30 * k, 3 * k) == pytest.approx(0.05 + 0.04 * k, abs=0.02)
-    assert estimator.seconds_per_extra_sequence() < 0.002
+    assert estimator.seconds_per_extra_choice() < 0.002

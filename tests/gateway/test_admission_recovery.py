@@ -121,10 +121,10 @@ def test_old_errors_leave_the_margin():
 
 
 def test_a_bursts_misses_are_one_event_in_the_margin():
-    """13 requests of n=8 sent at once: 3 of them judged, each 0.7 s late, in one decode
-    step. Counted one by one among the 35 errors of the last 20 s they were its 95th
-    percentile, pinned the margin at its 0.5 s cap, and the next burst on an idle cluster had
-    12 of 13 refused. As one event among 32, the margin is the steady requests' error."""
+    """A burst's judged first tokens, 0.7 s late each, in one decode step. Counted one by one
+    among the errors of the last 20 s they were its 95th percentile, pinned the margin at its
+    0.5 s cap, and the next burst on an idle cluster was refused. As one event among 32, the
+    margin is the steady requests' error."""
     clock = Clock()
     estimator = TTFTEstimator(clock=clock)
     for _ in range(31):  # steady requests, 0.05 s late at most
@@ -199,8 +199,6 @@ def test_predictions_join_the_margin_only_once_the_line_is_trusted():
         early = await admission.admit(A, [spec(64, 8)], 64)
         assert not admission.estimator.trusted and early.predicted_ttft_s is None
         _taught_a_line(admission.estimator)
-        for ticket in (first, early):  # prefilled: `later` prefills alone, on the line only
-            ticket._tokens(1)
         later = await admission.admit(A, [spec(64, 8)], 64)
         assert admission.estimator.trusted and later.predicted_ttft_s is not None
         for ticket in (first, early, later):

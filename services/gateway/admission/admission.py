@@ -52,7 +52,7 @@ class Ticket:
     # its prefill computes, and what the TTFT estimate counts.
     prefill_tokens: int = 0
     prefill_at_release: int = 0  # tokens to prefill before its first token, its own too
-    extra_at_release: int = 0  # and sequences beyond one (every choice of each request)
+    extra_at_release: int = 0  # and choices beyond each request's first
     first_token_at: float | None = None
     predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
     output_tokens: int = 0
@@ -128,7 +128,7 @@ class Admission:
         self.on_admitted = on_admitted
         self.inflight = 0  # choices released to the workers and not finished
         self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
-        self.prefilling_sequences = 0  # and their sequences (each choice is one)
+        self.prefilling_extra = 0  # and their extra choices
         self.running = InFlight()  # the released requests, and when they will end
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task | None = None
@@ -229,9 +229,8 @@ class Admission:
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
         slot_in = None if room else self.running.nth_end_s(
-            requests, self.estimator.service_at(self.prefilling_tokens,
-                                                max(0, self.prefilling_sequences - 1)))
-        extra = self.prefilling_sequences + ticket.extra_choices
+            requests, self.estimator.service_at(self.prefilling_tokens, self.prefilling_extra))
+        extra = self.prefilling_extra + ticket.extra_choices
         plain = self.estimator.estimate(requests, tokens, ticket.prefill_tokens, room,
                                         self.inflight, self.prefilling_tokens, slot_in, extra)
         if plain is None:
@@ -245,7 +244,7 @@ class Admission:
         budget = ticket.deadline - ticket.arrival
         if log.isEnabledFor(logging.DEBUG):
             log.debug("judged: %d prompt tokens (%d to prefill), %d ahead, %d prefilling, "
-                      "%d extra sequences, estimate %.3fs + margin %.3fs, budget %.3fs",
+                      "%d extra choices, estimate %.3fs + margin %.3fs, budget %.3fs",
                       ticket.prompt_tokens, ticket.prefill_tokens, requests,
                       self.prefilling_tokens, extra, plain, predicted - plain, budget)
         if predicted > budget:
@@ -304,15 +303,15 @@ class Admission:
     def _service_s(self, ticket: Ticket) -> float:
         """Its release -> first token if released now, behind the prompts still prefilling."""
         return self.estimator.service_at(self.prefilling_tokens + ticket.prefill_tokens,
-                                         self.prefilling_sequences + ticket.extra_choices)
+                                         self.prefilling_extra + ticket.extra_choices)
 
     def _release(self, ticket: Ticket, now: float) -> None:
         self.queue.pop(ticket)
         self.estimator.released(ticket.prompt_tokens)
         self.prefilling_tokens += ticket.prefill_tokens
-        self.prefilling_sequences += ticket.slots
+        self.prefilling_extra += ticket.extra_choices
         ticket.prefill_at_release = self.prefilling_tokens
-        ticket.extra_at_release = self.prefilling_sequences - 1
+        ticket.extra_at_release = self.prefilling_extra
         self.inflight += ticket.slots
         self.running.add(ticket)
         ticket.released_at = now
@@ -353,7 +352,7 @@ class Admission:
             self.running.remove(ticket)
             if ticket.first_token_at is None:
                 self.prefilling_tokens -= ticket.prefill_tokens
-                self.prefilling_sequences -= ticket.slots
+                self.prefilling_extra -= ticket.extra_choices
             self.queue.finished(ticket)
             self.estimator.finished(time.monotonic() - ticket.released_at)
         served_prompt = ticket.prompt_tokens if ticket.first_token_at is not None else 0
@@ -366,11 +365,11 @@ class Admission:
 
     def _first_token(self, ticket: Ticket) -> None:
         self.prefilling_tokens -= ticket.prefill_tokens
-        self.prefilling_sequences -= ticket.slots
+        self.prefilling_extra -= ticket.extra_choices
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(
             ticket.first_token_at - ticket.arrival)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("first token: %.3fs after release with %d tokens and %d extra sequences "
+            log.debug("first token: %.3fs after release with %d tokens and %d extra choices "
                       "to prefill (fit says %.3fs), TTFT %.3fs, predicted %s",
                       ticket.first_token_at - ticket.released_at, ticket.prefill_at_release,
                       ticket.extra_at_release, self.estimator.service_at(

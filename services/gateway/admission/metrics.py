@@ -89,8 +89,7 @@ class _StateCollector:
                                 "What one more prompt token to prefill adds to a first token "
                                 "(the TTFT estimate's fitted slope).",
                                 value=estimator.seconds_per_prompt_token())
-        yield GaugeMetricFamily("splitserve_gateway_ttft_seconds_per_extra_sequence",
-                                "What one more sequence prefilling (another request, or another "
-                                "of its n choices) adds to a first token (the TTFT estimate's "
-                                "fitted term).",
-                                value=estimator.seconds_per_extra_sequence())
+        yield GaugeMetricFamily("splitserve_gateway_ttft_seconds_per_extra_choice",
+                                "What one more choice beyond a request's first (n > 1) adds to "
+                                "a first token (the TTFT estimate's fitted term).",
+                                value=estimator.seconds_per_extra_choice())
