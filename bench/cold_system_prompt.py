@@ -61,10 +61,8 @@ async def many_choices(client: httpx.AsyncClient, url: str, model: str, n: int,
     """`requests` chats of `n` choices each under a regex, sent at once; prints what came back
     and returns the status codes."""
     async def one(i: int) -> tuple[int, list[str]]:
-        response = await client.post(f"{url}/v1/chat/completions", json={
-            "model": model, "max_tokens": 16, "temperature": 1.0, "n": n,
-            "messages": [{"role": "user", "content": f"Review number {i}: the film was long."}],
-            "structured_outputs": {"regex": CHOICE_REGEX}})
+        response = await client.post(f"{url}/v1/chat/completions",
+                                     json=choices_body(model, i, n, regex=True))
         if response.status_code != 200:
             return response.status_code, []
         return 200, [c["message"]["content"] for c in response.json()["choices"]]
@@ -81,9 +79,23 @@ async def many_choices(client: httpx.AsyncClient, url: str, model: str, n: int,
     return codes
 
 
+def choices_body(model: str, i: int, n: int, regex: bool) -> dict:
+    """A chat request for `n` sampled choices (no seed: vLLM's CPU engine dies on seeded
+    ones), under CHOICE_REGEX if `regex`."""
+    body = {"model": model, "max_tokens": 16, "temperature": 1.0, "n": n, "messages": [
+        {"role": "user", "content": f"Review number {i}: the film was long."}]}
+    if regex:
+        body["structured_outputs"] = {"regex": CHOICE_REGEX}
+    return body
+
+
+def random_words(rng: random.Random, words: int) -> str:
+    """Words no prompt before it had (~7 tokens each: a word and a number)."""
+    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(words))
+
+
 def _system_prompt(rng: random.Random, words: int) -> str:
-    return "You are a helpful assistant. " + " ".join(
-        f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(words))
+    return "You are a helpful assistant. " + random_words(rng, words)
 
 
 async def burst(client: httpx.AsyncClient, url: str, model: str, system: str,

@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from bench.cold_system_prompt import CHOICE_REGEX, WORDS, warm_up
+from bench.cold_system_prompt import choices_body, random_words, warm_up
 
 BURSTS = ((8, True, 13), (8, False, 13), (1, True, 104), (1, False, 104))  # n, regex, requests
 
@@ -38,12 +38,9 @@ BURSTS = ((8, True, 13), (8, False, 13), (1, True, 104), (1, False, 104))  # n, 
 async def _burst(client: httpx.AsyncClient, url: str, model: str, n: int, regex: bool,
                  requests: int) -> list[int]:
     async def one(i: int) -> tuple[int, float]:
-        body = {"model": model, "max_tokens": 16, "temperature": 1.0, "n": n, "messages": [
-            {"role": "user", "content": f"Review number {i}: the film was long."}]}
-        if regex:
-            body["structured_outputs"] = {"regex": CHOICE_REGEX}
         start = time.perf_counter()
-        response = await client.post(f"{url}/v1/chat/completions", json=body)
+        response = await client.post(f"{url}/v1/chat/completions",
+                                     json=choices_body(model, i, n, regex))
         return response.status_code, time.perf_counter() - start
 
     results = await asyncio.gather(*(one(i) for i in range(requests)))
@@ -73,8 +70,7 @@ async def _long(client: httpx.AsyncClient, url: str, model: str, prompts: int) -
     for burst in range(2):
         if burst:
             await asyncio.sleep(5)
-        texts = [" ".join(f"{rng.choice(WORDS)}{rng.randrange(10**6)}" for _ in range(280))
-                 for _ in range(prompts)]
+        texts = [random_words(rng, 280) for _ in range(prompts)]
         results = await asyncio.gather(*(_first_token_s(client, url, {
             "model": model, "prompt": text, "max_tokens": 8, "stream": True}) for text in texts))
         codes = [code for code, _ in results]

@@ -59,6 +59,16 @@ class _Window:
 
 
 @dataclass
+class _Event:
+    """Errors that came together: when the first and the last came, and the worst of them
+    (actual - predicted)."""
+
+    first: float
+    last: float
+    worst: float
+
+
+@dataclass
 class _Aged:
     """An exponentially weighted average whose old value counts for less the longer it went
     without a sample: after a quiet spell, one new sample mostly replaces it."""
@@ -96,8 +106,7 @@ class TTFTEstimator:
         self._choice_moments = [_Aged(), _Aged()]
         self._seen_choices = _Loads()  # the extra-choice loads that term was fitted on
         self.duration_s: float | None = None  # release -> end
-        # Recent events: [first, last error's time, the worst actual - predicted among them].
-        self._errors: deque[list[float]] = deque(maxlen=200)
+        self._errors: deque[_Event] = deque(maxlen=200)  # recent events, oldest first
         self._busy_since: float | None = None
         self._window = _Window()
 
@@ -262,23 +271,23 @@ class TTFTEstimator:
         half the target either way (0 until 20 events were seen in the last
         `error_window_s`)."""
         horizon = self._clock() - self.error_window_s
-        while self._errors and self._errors[0][1] < horizon:
+        while self._errors and self._errors[0].last < horizon:
             self._errors.popleft()
         if len(self._errors) < 20:
             return 0.0
-        ordered = sorted(error for _, _, error in self._errors)
+        ordered = sorted(event.worst for event in self._errors)
         error = ordered[int(0.95 * (len(ordered) - 1))]
         return max(-target_s / 2, min(target_s / 2, error))
 
     def _error(self, now: float, error: float) -> None:
         """One request's error: part of the event of the errors just before it, if within
-        _SAME_EVENT_S of the last of them (an event at most _SAME_EVENT_S * 20 long)."""
-        last = self._errors[-1] if self._errors else None
-        if (last is not None and now - last[1] <= _SAME_EVENT_S
-                and now - last[0] <= 20 * _SAME_EVENT_S):
-            last[1], last[2] = now, max(last[2], error)
+        _SAME_EVENT_S of the last of them and the event is not yet _LONGEST_EVENT_S long."""
+        event = self._errors[-1] if self._errors else None
+        if (event is not None and now - event.last <= _SAME_EVENT_S
+                and now - event.first <= _LONGEST_EVENT_S):
+            event.last, event.worst = now, max(event.worst, error)
         else:
-            self._errors.append([now, now, error])
+            self._errors.append(_Event(now, now, error))
 
     def _close_window(self) -> None:
         window = self._window
@@ -296,6 +305,7 @@ _FIT_ALPHA = 0.1  # a slope needs many requests' worth of evidence
 # Errors this close together are one event for the margin: a decode step's first tokens reach
 # the gateway within ~15 ms of one another here (30 streams), and steps are 30-80 ms apart.
 _SAME_EVENT_S = 0.02
+_LONGEST_EVENT_S = 0.4  # so that steady traffic's errors do not chain into one event
 _MIN_SPREAD_TOKENS = 16.0  # standard deviation of x before an intercept is believed
 # First tokens before a slope is believed. A fresh gateway's first few (a warm-up of a few
 # short prompts) carry each request's fixed cost, which a line through them reads as a cost
