@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in (
     "paged_decode_attention.cpp", "small_m_linear.cpp", "fused_decode.cpp",
-    "prefill_attention.cpp", "prefill_attention_amx.cpp", "greedy_argmax.cpp", "amx_linear.cpp")]
+    "prefill_attention.cpp", "prefill_attention_amx.cpp", "greedy_argmax.cpp", "amx_linear.cpp",
+    "sample_draw.cpp")]
 _HEADERS = [Path(__file__).parent / "cpu" / name for name in (
     "vector_math.h", "prefill_attention_amx.h", "amx_linear.h", "decode_attention_parts.h",
     "per_row_decode.h", "shared_prefix_decode.h")]

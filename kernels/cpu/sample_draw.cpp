@@ -1,0 +1,327 @@
+// The sampled rows of a step: each row's temperature-scaled distribution, cut by its top-k,
+// top-p and min-p, inverted at its uniform (float64, keyed by seed and position upstream).
+// Reference: engine/sampling_draw.py draw() (the torch path), which this follows exactly but
+// for float rounding: a row without a cut is inverted in vocabulary order, a cut row in order
+// of falling probability over its kept tokens. tests/engine/test_sample_draw_kernel.py holds
+// the two together.
+//
+// Why: the torch path made a float32 copy, a scaled copy, a softmax and a padded float64
+// two-level search, five or six passes over [rows, vocab] that no longer fit in a cache once a
+// step samples many rows: 42 ms of a 104-row decode step on SmolLM2's 49,152-token vocabulary,
+// against about a third of that for the model's forward. Here a row is read twice (its maximum;
+// its exponentials, kept in a per-thread buffer) and the search runs over block sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 256;  // entries per block of the search over an uncut row
+// Nats below the row's most likely token within which a cut row's candidates are first looked
+// for; each try that does not hold the kept set doubles it, and the last takes every token.
+constexpr float kFirstSpan = 8.0f;
+constexpr int kSpans = 3;  // 8, 16, 32 nats, then all
+// A top-p row first orders only this many of its candidates: usually its kept set.
+constexpr int64_t kHead = 64;
+
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) {
+  uint16_t half;
+  std::memcpy(&half, &v, sizeof(half));
+  const uint32_t bits = static_cast<uint32_t>(half) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+float row_max(const T* row, int64_t n) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+  const int64_t whole = n / kLanes * kLanes;
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float v = as_float(row[i + j]);
+      lanes[j] = lanes[j] < v ? v : lanes[j];
+    }
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < kLanes; ++j) best = best < lanes[j] ? lanes[j] : best;
+  for (int64_t i = whole; i < n; ++i) best = std::max(best, as_float(row[i]));
+  return best;
+}
+
+// e[i] = exp(x[i] / temperature - top) for i in [begin, end) (a whole number of lanes, or the
+// tail), zero where that is below -87 (masked tokens: -inf); returns their sum.
+template <typename T>
+double exponentials(const T* row, int64_t begin, int64_t end, float temperature, float top,
+                    float* e) {
+  float lanes[kLanes] = {};
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float d = as_float(row[i + j]) / temperature - top;
+      const float v = d >= -87.0f ? splitserve_cpu::exp_nonpositive(d) : 0.0f;
+      e[i + j] = v;
+      lanes[j] += v;
+    }
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (; i < end; ++i) {
+    const float d = as_float(row[i]) / temperature - top;
+    e[i] = d >= -87.0f ? splitserve_cpu::exp_nonpositive(d) : 0.0f;
+    sum += e[i];
+  }
+  return sum;
+}
+
+// An index with zero mass (the target rounded to or past the total) becomes the last entry
+// with mass before it, or the first one after it if none is before (sampling_draw._kept).
+int64_t with_mass(const float* e, int64_t n, int64_t at) {
+  if (e[at] > 0.0f) return at;
+  for (int64_t i = at; i >= 0; --i) {
+    if (e[i] > 0.0f) return i;
+  }
+  for (int64_t i = at; i < n; ++i) {
+    if (e[i] > 0.0f) return i;
+  }
+  return at;
+}
+
+// An uncut row: the first token whose cumulative mass passes u times the total, found block by
+// block over the sums and then within one block.
+int64_t invert_uncut(const float* e, const double* blocks, int64_t n, double u) {
+  const int64_t count = (n + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < count; ++b) total += blocks[b];
+  const double target = u * total;
+  double ahead = 0.0;
+  int64_t b = 0;
+  while (b < count - 1 && ahead + blocks[b] <= target) ahead += blocks[b++];
+  const int64_t end = std::min(n, (b + 1) * kBlock);
+  int64_t at = end - 1;
+  for (int64_t i = b * kBlock; i < end; ++i) {
+    ahead += e[i];
+    if (ahead > target) {
+      at = i;
+      break;
+    }
+  }
+  return with_mass(e, n, at);
+}
+
+struct Candidate {
+  float scaled;  // x / temperature
+  int32_t index;
+};
+
+// Falling probability; equal ones by index (their order is free: sampling_draw's may differ).
+inline bool before_in_order(const Candidate& a, const Candidate& b) {
+  return a.scaled > b.scaled || (a.scaled == b.scaled && a.index < b.index);
+}
+
+// The tokens with mass e >= floor (all with any mass when floor is 0).
+template <typename T>
+void collect(const T* row, const float* e, int64_t n, float temperature, float floor,
+             std::vector<Candidate>& candidates) {
+  candidates.clear();
+  const float least = floor > 0.0f ? floor : std::numeric_limits<float>::denorm_min();
+  const auto take = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (e[j] >= least) candidates.push_back({as_float(row[j]) / temperature, static_cast<int32_t>(j)});
+    }
+  };
+  constexpr int64_t kChunk = 4 * kLanes;
+  const int64_t whole = n / kChunk * kChunk;
+  for (int64_t i = 0; i < whole; i += kChunk) {
+    int32_t hits = 0;  // most chunks hold none
+    for (int64_t j = 0; j < kChunk; ++j) hits += e[i + j] >= least ? 1 : 0;
+    if (hits) take(i, i + kChunk);
+  }
+  take(whole, n);
+}
+
+// A cut row. The candidates are the tokens within a span of nats below the top (or, with a
+// min-p and no top-k, those min-p keeps: e >= min_p, the top token's e being 1), cut to
+// top-k's set (with every token tied with the k-th); top-p runs over them in order of falling
+// probability on the mass renormalised to the top-k set, min-p against the top token; the draw
+// inverts the kept tokens in that order. A span that may not hold the kept set (fewer tokens
+// than the top-k; without a top-k or a min-p, its last token still kept by top-p) is widened,
+// up to every token.
+template <typename T>
+int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float temperature,
+                   float top, int64_t top_k, float top_p, float min_p, double u,
+                   std::vector<Candidate>& candidates) {
+  const bool limited = top_k > 0 && top_k < n;
+  const float min_p_floor = min_p > 0.0f ? min_p * (1.0f - 1e-6f) : 0.0f;  // rounding's margin
+  float span = kFirstSpan;
+  for (int attempt = 0; attempt <= kSpans; ++attempt, span *= 2.0f) {
+    const float span_floor = attempt == kSpans ? 0.0f : splitserve_cpu::exp_nonpositive(-span);
+    // With a min-p, no token below its floor is kept: that floor bounds the candidates, unless
+    // a top-k needs its whole set (its mass renormalises the kept tokens').
+    const bool bounded_by_min_p = !limited && min_p_floor > 0.0f && min_p_floor >= span_floor;
+    collect(row, e, n, temperature, bounded_by_min_p ? min_p_floor : span_floor, candidates);
+    int64_t count = static_cast<int64_t>(candidates.size());
+    bool whole = bounded_by_min_p || span_floor == 0.0f;  // the kept set lies among them
+    if (limited && count < top_k && !whole) continue;  // the top-k set may reach past them
+    if (count == 0) break;  // nothing has mass: the top token, below
+    double normaliser = total;
+    if (limited && count > top_k) {
+      std::nth_element(candidates.begin(), candidates.begin() + (top_k - 1), candidates.end(),
+                       before_in_order);
+      const float kth = candidates[top_k - 1].scaled;
+      const auto tail = std::partition(candidates.begin() + top_k, candidates.end(),
+                                       [kth](const Candidate& c) { return c.scaled >= kth; });
+      candidates.erase(tail, candidates.end());
+      count = static_cast<int64_t>(candidates.size());
+    }
+    if (limited) {  // top-k renormalises over its set (all of them are candidates now)
+      normaliser = 0.0;
+      for (const Candidate& c : candidates) normaliser += e[c.index];
+      whole = true;
+    }
+    // Order: at first only the head of the candidates, which is enough when top-p drops its
+    // last token; else all of them.
+    int64_t ordered = count;
+    if (top_p < 1.0f && count > 2 * kHead) {
+      ordered = kHead;
+      std::partial_sort(candidates.begin(), candidates.begin() + kHead, candidates.end(),
+                        before_in_order);
+    } else {
+      std::sort(candidates.begin(), candidates.end(), before_in_order);
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+      double before = 0.0, kept_total = 0.0;
+      const double first = e[candidates[0].index] / normaliser;
+      int64_t kept_end = 0;  // the kept tokens are a prefix of the order (both cuts are)
+      for (int64_t j = 0; j < ordered; ++j) {
+        const double p = e[candidates[j].index] / normaliser;
+        const bool keep = p > 0.0 && (top_p >= 1.0f || before < top_p) &&
+                          p >= static_cast<double>(min_p) * first;
+        if (!keep) break;
+        before += p;
+        kept_total += p;
+        kept_end = j + 1;
+      }
+      if (kept_end == ordered && ordered < count) {  // the head is all kept: order the rest
+        std::sort(candidates.begin() + ordered, candidates.end(), before_in_order);
+        ordered = count;
+        continue;
+      }
+      // Whole: every token was a candidate, or a top-k or min-p bounds them, or top-p
+      // dropped one: every token after it has less mass and more ahead of it.
+      if (!whole && kept_end == count) break;  // widen the span
+      if (kept_end == 0) return candidates[0].index;
+      const double target = u * kept_total;
+      double ahead = 0.0;
+      for (int64_t j = 0; j < kept_end; ++j) {
+        ahead += e[candidates[j].index] / normaliser;
+        if (ahead > target) return candidates[j].index;
+      }
+      return candidates[kept_end - 1].index;
+    }
+  }
+  // No token has mass (every logit -inf or NaN): the first maximum, as the argmax would pick.
+  for (int64_t i = 0; i < n; ++i) {
+    if (as_float(row[i]) / temperature == top) return i;
+  }
+  return 0;
+}
+
+template <typename T>
+void draw_rows(const at::Tensor& logits, const int64_t* rows, int64_t count, const float* temps,
+               const int64_t* top_ks, const float* top_ps, const float* min_ps,
+               const double* uniforms, int64_t* out) {
+  const auto* data = logits.data_ptr<T>();
+  const int64_t n = logits.size(1), stride = logits.stride(0);
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(n);
+    std::vector<double> blocks((n + kBlock - 1) / kBlock);
+    std::vector<Candidate> candidates;
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = data + rows[r] * stride;
+      const float temperature = temps[r];
+      const float top = row_max(row, n) / temperature;
+      double total = 0.0;
+      for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
+        blocks[b] = exponentials(row, b * kBlock, std::min(n, (b + 1) * kBlock), temperature,
+                                 top, e.data());
+        total += blocks[b];
+      }
+      const bool cut = top_ks[r] > 0 || top_ps[r] < 1.0f || min_ps[r] > 0.0f;
+      if (!std::isfinite(top) || !(total > 0.0)) {
+        // Every logit -inf (or a NaN): the cut path's fallback, the first maximum.
+        out[r] = invert_cut(row, e.data(), n, total, temperature, top, 0, 1.0f, 0.0f, 0.0,
+                            candidates);
+      } else if (cut) {
+        out[r] = invert_cut(row, e.data(), n, total, temperature, top, top_ks[r], top_ps[r],
+                            min_ps[r], uniforms[r], candidates);
+      } else {
+        out[r] = invert_uncut(e.data(), blocks.data(), n, uniforms[r]);
+      }
+    }
+  });
+}
+
+at::Tensor sample_draw(const at::Tensor& logits, const at::Tensor& rows,
+                       const at::Tensor& temperatures, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p,
+                       const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+              "sample_draw takes bfloat16 or float32 logits");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "vocab too large for 32-bit indices");
+  const int64_t count = rows.numel();
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [count]");
+  TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.numel() == count &&
+                  top_k.scalar_type() == at::kLong && top_k.numel() == count &&
+                  top_p.scalar_type() == at::kFloat && top_p.numel() == count &&
+                  min_p.scalar_type() == at::kFloat && min_p.numel() == count &&
+                  uniforms.scalar_type() == at::kDouble && uniforms.numel() == count,
+              "per-row settings: temperatures, top_p, min_p float32, top_k int64, uniforms "
+              "float64, one per row");
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const at::Tensor r = rows.contiguous(), t = temperatures.contiguous(), k = top_k.contiguous();
+  const at::Tensor p = top_p.contiguous(), m = min_p.contiguous(), u = uniforms.contiguous();
+  const int64_t* row_ids = r.data_ptr<int64_t>();
+  const float* temps = t.data_ptr<float>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "row ", row_ids[i], " out of range");
+    TORCH_CHECK(temps[i] > 0.0f, "a sampled row needs a temperature above 0, got ", temps[i]);
+  }
+  at::Tensor out = at::empty({count}, logits.options().dtype(at::kLong));
+  if (count == 0) return out;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "sample_draw",
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        draw_rows<c10::BFloat16>(x, row_ids, count, temps, k.data_ptr<int64_t>(),
+                                 p.data_ptr<float>(), m.data_ptr<float>(),
+                                 u.data_ptr<double>(), out.data_ptr<int64_t>());
+      })
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        draw_rows<float>(x, row_ids, count, temps, k.data_ptr<int64_t>(), p.data_ptr<float>(),
+                         m.data_ptr<float>(), u.data_ptr<double>(), out.data_ptr<int64_t>());
+      }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("sample_draw(Tensor logits, Tensor rows, Tensor temperatures, Tensor top_k, "
+        "Tensor top_p, Tensor min_p, Tensor uniforms) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("sample_draw", &sample_draw); }
