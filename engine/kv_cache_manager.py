@@ -81,6 +81,43 @@ class KVCacheManager:
         return request.block_hashes[first:(request.num_computed_tokens + num_new_tokens)
                                     // self.block_size]
 
+    def upcoming_blocks(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Hashes of the full prompt blocks the request computes after its next
+        `num_new_tokens` tokens (a prompt cut into chunks): what a later step registers."""
+        if not self.enable_prefix_caching or request.request_id in self._uncacheable:
+            return []
+        self._update_block_hashes(request)
+        return request.block_hashes[(request.num_computed_tokens + num_new_tokens)
+                                    // self.block_size:request.num_prompt_tokens // self.block_size]
+
+    def computing_blocks(self, request: Request, num_new_tokens: int,
+                         ) -> dict[int, tuple[KVCacheBlock, tuple[int, ...]]]:
+        """blocks_completed's blocks and their tokens by hash, once the step's slots are
+        allocated: the full blocks the request's next `num_new_tokens` tokens complete."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        return {h: (blocks[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+                for i, h in enumerate(self.blocks_completed(request, num_new_tokens), first)}
+
+    def adopt_computing(self, request: Request, hits: list[KVCacheBlock],
+                        computing: dict[int, tuple[KVCacheBlock, tuple[int, ...]]]) -> int:
+        """Extends `hits` (the request's cached prefix, from get_computed_blocks) with the
+        blocks that follow it among those a prompt scheduled this step computes (`computing`,
+        by hash; tokens compared, as for a cache hit), never the prompt's last token's block;
+        returns the hit tokens. The request reads them in the same step: every layer writes
+        the step's K/V before any of its attention reads the cache."""
+        bs = self.block_size
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        i = len(hits)
+        while i < last:
+            entry = computing.get(request.block_hashes[i])
+            if entry is None or entry[1] != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(entry[0])
+            i += 1
+        return len(hits) * bs
+
     def shared_run(self, request: Request, num_hit_tokens: int, computing: set[int]) -> int:
         """Tokens of the full blocks a fresh request would compute first after a prefix hit of
         `num_hit_tokens` (block-aligned) whose hashes are in `computing`, one after another

@@ -95,6 +95,27 @@ def test_prefix_cache_hits_in_a_second_round_match_transformers(tiny_model_dir):
     assert_no_leak(engine)
 
 
+def test_prompts_sharing_blocks_computed_in_their_own_step_match_transformers(tiny_model_dir):
+    """Prompts sent together behind a prefix no block holds: the later ones take the first
+    one's blocks in the same step (every layer writes the step's K/V before its attention
+    reads the cache), with the same two prompts twice (n choices of one prompt), and each
+    decodes as transformers does."""
+    engine = make_engine(tiny_model_dir)
+    (shared,) = random_prompts([22], seed=3)
+    suffixes = random_prompts([3, 5], seed=4)
+    prompts = {"first": shared + suffixes[0], "again": shared + suffixes[0],
+               "other": shared + suffixes[1], "other-again": shared + suffixes[1]}
+    add_all(engine, prompts, GREEDY)
+    results = drive(engine)
+    _check_all(tiny_model_dir, prompts, results)
+    assert engine.num_steps == MAX_TOKENS  # all four prefilled in the first step
+    assert results["first"].num_cached_tokens == 0
+    assert results["again"].num_cached_tokens == 24  # whole blocks of 4 before the last token
+    assert results["other"].num_cached_tokens == 20  # the shared prefix's whole blocks
+    assert results["other-again"].num_cached_tokens == 24
+    assert_no_leak(engine)
+
+
 def test_preemption_under_a_tiny_cache_matches_transformers(tiny_model_dir):
     # 36 blocks of 4 tokens; the five requests need 7 + 7 + 11 + 12 + 18 = 55 blocks at the end.
     engine = make_engine(tiny_model_dir, num_kv_blocks=36, long_prefill_token_threshold=8)

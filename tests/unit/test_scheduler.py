@@ -343,9 +343,10 @@ def test_prefix_hit_reads_the_right_kv_end_to_end():
 
 def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
     """Prompts that arrive together behind a prefix no block holds yet: the first computes
-    it, the others wait one step and read it from the cache (before, the token budget took
-    several of them whole, each computing the prefix); a prompt queued behind them that
-    shares nothing is not held up; every output is unchanged."""
+    it, and the others take its blocks in the same step, computing only their own tokens
+    (before, the token budget took several of them whole, each computing the prefix; then
+    they waited a step for it); a prompt queued behind them that shares nothing is not held
+    up; every output is unchanged, each read back through its own block table."""
     scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
     shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT)
     prompts = {f"p{i}": shared + [i + 1, i + 2] for i in range(3)}
@@ -353,22 +354,57 @@ def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
     for rid, prompt in prompts.items():
         scheduler.add_request(make_request(rid, prompt, max_tokens=3))
     trace = run_to_completion(scheduler)
-    first, second = trace.steps[0].num_scheduled_tokens, trace.steps[1].num_scheduled_tokens
-    assert first == {"p0": len(shared) + 2, "other": 6}
-    assert second["p1"] == second["p2"] == 2  # the shared tokens come from the cache
+    assert trace.steps[0].num_scheduled_tokens == {
+        "p0": len(shared) + 2, "p1": 2, "p2": 2, "other": 6}
     for rid, prompt in prompts.items():
         assert trace.outputs[rid] == expected_output(prompt, 3)
+    assert scheduler.kv.prefix_hits == 2 * len(shared)
     assert_no_blocks_held(scheduler)
 
 
-def test_a_short_shared_prefix_is_computed_again_rather_than_waited_for():
-    """Waiting costs a step (~30 ms on SmolLM2 here): below MIN_SHARED_TOKENS_TO_WAIT shared
-    tokens both prompts go in the same step."""
+def test_a_short_shared_prefix_is_taken_in_the_same_step_too():
+    """Below MIN_SHARED_TOKENS_TO_WAIT shared tokens as well: nothing waits, and the second
+    prompt computes only its own last token."""
     scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
     shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT - BLOCK)
     scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
     scheduler.add_request(make_request("b", shared + [2], max_tokens=2))
-    assert set(scheduler.schedule().num_scheduled_tokens) == {"a", "b"}
+    assert scheduler.schedule().num_scheduled_tokens == {"a": len(shared) + 1, "b": 1}
+
+
+def test_identical_prompts_share_every_full_block_but_compute_their_last_one():
+    """n choices of one prompt (the gateway sends each as a request): the blocks before the
+    last token's are computed once; each request computes its own last block, which it will
+    write its output into."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
+    prompt = prompt_of(3 * BLOCK - 1)  # two full blocks, then the last token's block
+    for i in range(4):
+        scheduler.add_request(make_request(f"c{i}", prompt, max_tokens=3))
+    trace = run_to_completion(scheduler)
+    own = len(prompt) - 2 * BLOCK
+    assert trace.steps[0].num_scheduled_tokens == {"c0": len(prompt), "c1": own, "c2": own,
+                                                   "c3": own}
+    assert all(trace.outputs[f"c{i}"] == expected_output(prompt, 3) for i in range(4))
+    assert_no_blocks_held(scheduler)
+
+
+def test_a_prompt_taking_blocks_in_flight_keeps_them_when_their_owner_is_aborted():
+    """The owner of the blocks computed this step is aborted while the step runs (it never
+    registers them in the prefix cache): the prompt that took them still reads its prefix
+    through them, and every block is freed in the end."""
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=400)
+    runner = FakeRunner(64)
+    shared = prompt_of(3 * BLOCK)
+    scheduler.add_request(make_request("owner", shared + [1], max_tokens=4))
+    scheduler.add_request(make_request("taker", shared + [2], max_tokens=4))
+    sched = scheduler.schedule()
+    assert sched.num_scheduled_tokens == {"owner": len(shared) + 1, "taker": 1}
+    result = runner.execute(sched)
+    scheduler.abort("owner")
+    scheduler.update(sched, result)
+    trace = run_to_completion(scheduler, runner)
+    assert trace.outputs["taker"] == expected_output(shared + [2], 4)[1:]
+    assert_no_blocks_held(scheduler)
 
 
 def test_a_prompt_waits_for_a_shared_prefix_chunked_over_several_steps():
