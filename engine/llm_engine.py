@@ -7,6 +7,7 @@ is thread-safe. Services hand work to that thread instead of calling in from els
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from engine.spec_decode.speculator import Speculator, build_proposer
 from engine.step_budget import MixedStepBudget
 from engine.step_cost import charge_step, step_rows
 from engine.step_threads import StepThreads, default_small_threads, set_team_threads
+
+log = logging.getLogger(__name__)
 
 
 class KVCacheFull(RuntimeError):
@@ -66,6 +69,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.kv_prefault = self._build_kv_prefault()
+        self._structured_warm_done = False
         self.speculator: Speculator | None = None
         if config.speculative.enabled:
             config.speculative.validate()
@@ -103,6 +107,26 @@ class LLMEngine:
                 or self.runner.device.type != "cpu"):
             return None
         return KVPrefault(self.runner.kv_cache, cdiv(tokens, self.config.block_size))
+
+    def warm_structured_outputs(self) -> bool:
+        """The first time, if configured: ModelRunner.warm_structured_outputs (for the engine
+        loop while nothing is runnable); False after, or when there is nothing to warm (a
+        tensor-parallel executor, a model without tokenizer.json)."""
+        if self._structured_warm_done:
+            return False
+        self._structured_warm_done = True
+        warm = getattr(self.runner, "warm_structured_outputs", None)
+        if not self.config.structured_outputs_warmup or warm is None:
+            return False
+        started = time.perf_counter()
+        try:
+            warm()
+        except ValueError as exc:  # no tokenizer.json: structured output is refused anyway
+            log.info("structured outputs not warmed up: %s", exc)
+            return False
+        log.info("structured outputs warmed up in %.2f s (grammar tokenizer, matcher, masks)",
+                 time.perf_counter() - started)
+        return True
 
     def prefault_kv(self) -> bool:
         """Fault in the next slice of the KV pool ahead of the blocks handed out so far; for

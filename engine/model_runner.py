@@ -348,6 +348,10 @@ class ModelRunner:
         state = self.requests.get(request_id)
         return None if state is None or state.grammar is None else state.grammar.valid_prefix(token_ids)
 
+    def warm_structured_outputs(self) -> None:
+        """GrammarMasks.warm, on the engine thread (the owner of the runner's grammar side)."""
+        self._grammar_masks().warm(self.dtype, self.device)
+
     def _grammar_masks(self) -> GrammarMasks:
         if self.grammar_masks is None:
             from engine.structured.masks import GrammarMasks

@@ -104,6 +104,14 @@ class GrammarMasks:
                                           initializer=set_team_threads, initargs=(1,))
         self._words = (vocab_size + 31) // 32
 
+    def warm(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Builds what the first constrained request would otherwise wait for: the tokenizer
+        (about 0.3 s and 54 MiB for a 49k vocabulary), a matcher, the mask and torch threads,
+        the bias table; through one mask of a one-character regex."""
+        state = self.new_state(StructuredOutput(regex="a"), (), "structured-outputs-warm-up")
+        masks = self.start({"sample": MaskGroup(1, [MaskRow(state, 0)])}, dtype, device)
+        masks.apply(torch.zeros(1, self.vocab_size, dtype=dtype, device=device), "sample")
+
     def new_state(self, so: StructuredOutput, output_token_ids: Sequence[int],
                   request_id: str) -> GrammarState:
         return GrammarState(self.compiler, so, output_token_ids, request_id)

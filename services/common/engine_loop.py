@@ -334,14 +334,15 @@ class EngineLoop:
         self.engine.set_num_threads(1)
         self._run_commands()
 
-    def _prefault(self) -> bool:
-        """While nothing is runnable: fault in the next slice of the KV pool's pages
-        (LLMEngine.prefault_kv), unless a co-located peer is stepping: this thread would take
-        a core its team uses (one that starts meanwhile shares it for at most a slice). True
-        if it did some."""
+    def _idle_work(self) -> bool:
+        """While nothing is runnable: once, build what the first structured-output request
+        would wait for (LLMEngine.warm_structured_outputs); then fault in the next slice of the
+        KV pool's pages (LLMEngine.prefault_kv); neither while a co-located peer is stepping:
+        this thread would take a core its team uses (one that starts meanwhile shares it for
+        at most a slice). True if it did some."""
         if self.core_share is not None and self.core_share.peer_active():
             return False
-        return self.engine.prefault_kv()
+        return self.engine.warm_structured_outputs() or self.engine.prefault_kv()
 
     def _run_commands(self) -> None:
         while True:
@@ -391,7 +392,7 @@ class EngineLoop:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     if self.core_share is not None:
                         self.core_share.idle()
-                    if self._prefault():
+                    if self._idle_work():
                         continue  # a slice at a time: commands and work come first
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

@@ -93,6 +93,9 @@ class WorkerConfig:
     # CPU: fault in the KV pool's pages this many tokens ahead of use while idle; -1: 4x
     # max_num_batched_tokens; 0: off (engine/kv_prefault.py).
     cpu_kv_prefault_tokens: int = -1
+    # Build the grammar tokenizer and the masks' threads while first idle (54 MiB), not on the
+    # first request under a structured output (about 0.5 s of its first token).
+    structured_outputs_warmup: bool = True
     # Decode role: how long a reserved request waits for its KV before recomputing locally.
     kv_wait_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -299,6 +302,7 @@ class WorkerConfig:
             # Co-located workers time their kernels at start in turn.
             start_measurement_lock=self.core_share + ".measure" if self.core_share else "",
             cpu_kv_prefault_tokens=self.cpu_kv_prefault_tokens,
+            structured_outputs_warmup=self.structured_outputs_warmup,
             speculative=self.speculative_config(),
         )
 

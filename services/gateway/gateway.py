@@ -88,6 +88,8 @@ class Gateway:
         self.model_names = {config.model_name, config.model, str(Path(config.model).resolve())}
 
     async def start(self) -> None:
+        if self.config.structured_outputs_warmup:
+            self.tokenizer_pool.submit(self.preprocessor.structured.warm, self._vocab_size)
         await self.pool.start()
         if self.registry is not None:
             await self.registry.start()

@@ -281,3 +281,24 @@ def test_the_first_constrained_step_does_not_import_torch_dynamo(tiny_llama_dir)
                           env={**os.environ, "PYTHONPATH": str(here)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "False"], done.stdout
+
+
+def test_an_idle_engine_warms_structured_outputs_once_and_not_when_told_not_to(tiny_llama_dir,
+                                                                              decode):
+    """LLMEngine.warm_structured_outputs (the engine loop's first idle work): it builds the
+    grammar side a first constrained request would wait for, once; then that request is served
+    under its grammar as usual. structured_outputs_warmup=False leaves it to that request."""
+    engine = make_engine(tiny_llama_dir)
+    assert engine.runner.grammar_masks is None
+    assert engine.warm_structured_outputs() is True
+    masks = engine.runner.grammar_masks
+    assert masks is not None and masks.compiler._tokenizer is not None
+    assert engine.warm_structured_outputs() is False
+    engine.add_request("r", [5, 6, 7], sampled(StructuredOutput(regex=REGEX), seed=2))
+    assert re.fullmatch(REGEX, decode(drive(engine)["r"].token_ids))
+    assert engine.runner.grammar_masks is masks
+    assert_no_leak(engine)
+
+    off = make_engine(tiny_llama_dir, structured_outputs_warmup=False)
+    assert off.warm_structured_outputs() is False
+    assert off.runner.grammar_masks is None

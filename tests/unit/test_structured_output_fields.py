@@ -142,3 +142,34 @@ def test_the_grpc_front_door_checks_the_constraint_it_is_given(checker):
     good = SamplingParams(max_tokens=4, structured_output=StructuredOutput(choice=("a", "b")))
     spec = preprocessor.token_prompt("r", [1, 2, 3], good, (), limits)
     assert spec.params.structured_output == good.structured_output
+
+
+def test_warming_the_checker_builds_its_tokenizer_before_any_request():
+    """The gateway's start (structured_outputs_warmup): the tokenizer a first constrained
+    request would build (about 0.3 s of its first token) exists before that request comes."""
+    fresh = StructuredOutputChecker(ModelTokenizer(SMOLLM2))
+    fresh.warm(49152)
+    assert fresh._compilers[49152]._tokenizer is not None
+
+
+def test_the_gateway_warms_its_checker_at_start_unless_told_not_to(monkeypatch):
+    """Gateway.start submits the warm-up to a tokenizer thread; false leaves it to the first
+    request. (No worker answers: the pool keeps polling, which start does not wait for.)"""
+    import asyncio
+
+    from services.gateway.config import GatewayConfig
+    from services.gateway.gateway import Gateway
+
+    async def started(warm: bool) -> tuple[list[int], int]:
+        gateway = Gateway(GatewayConfig(model=str(SMOLLM2), prefill=("127.0.0.1:9",),
+                                        decode=("127.0.0.1:9",), structured_outputs_warmup=warm))
+        warmed: list[int] = []
+        monkeypatch.setattr(gateway.preprocessor.structured, "warm", warmed.append)
+        await gateway.start()
+        await gateway.close()
+        gateway.tokenizer_pool.shutdown(wait=True)
+        return warmed, gateway.limits().vocab_size
+
+    warmed, vocab = asyncio.run(started(True))
+    assert warmed == [vocab]
+    assert asyncio.run(started(False))[0] == []

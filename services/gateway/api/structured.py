@@ -6,12 +6,15 @@ engine could not build is a 400 naming the problem before any worker sees the re
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
 from engine.sampling_params import StructuredOutput
 from engine.structured.grammar import GrammarCompiler, GrammarError
 from services.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
 
 # vLLM's structured_outputs keys -> StructuredOutput fields. Its other keys tune how vLLM
 # builds the grammar (whitespace, backend fallback) and change nothing here: ignored.
@@ -126,6 +129,13 @@ class StructuredOutputChecker:
         self._tokenizer = tokenizer  # a ModelTokenizer: its tokenizers backend is serialized
         self._compilers: dict[int, GrammarCompiler] = {}
         self._lock = threading.Lock()
+
+    def warm(self, vocab_size: int) -> None:
+        """Builds the tokenizer for `vocab_size` now (gateway start), through one check."""
+        try:
+            self.check(StructuredOutput(regex="a"), vocab_size)
+        except Exception:  # noqa: BLE001 - the first real request reports whatever this hit
+            log.warning("structured outputs not warmed up", exc_info=True)
 
     def check(self, so: StructuredOutput, vocab_size: int, param: str = "response_format") -> None:
         with self._lock:
