@@ -5,6 +5,8 @@ Imports no torch. Owned by the engine thread (the scheduler calls it).
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from engine.block_pool import BlockPool, KVCacheBlock, chain_block_hashes
 from engine.request import Request
 
@@ -81,15 +83,6 @@ class KVCacheManager:
         return request.block_hashes[first:(request.num_computed_tokens + num_new_tokens)
                                     // self.block_size]
 
-    def upcoming_blocks(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Hashes of the full prompt blocks the request computes after its next
-        `num_new_tokens` tokens (a prompt cut into chunks): what a later step registers."""
-        if not self.enable_prefix_caching or request.request_id in self._uncacheable:
-            return []
-        self._update_block_hashes(request)
-        return request.block_hashes[(request.num_computed_tokens + num_new_tokens)
-                                    // self.block_size:request.num_prompt_tokens // self.block_size]
-
     def computing_blocks(self, request: Request, num_new_tokens: int,
                          ) -> dict[int, tuple[KVCacheBlock, tuple[int, ...]]]:
         """blocks_completed's blocks and their tokens by hash, once the step's slots are
@@ -118,7 +111,7 @@ class KVCacheManager:
             i += 1
         return len(hits) * bs
 
-    def shared_run(self, request: Request, num_hit_tokens: int, computing: set[int]) -> int:
+    def shared_run(self, request: Request, num_hit_tokens: int, computing: Container[int]) -> int:
         """Tokens of the full blocks a fresh request would compute first after a prefix hit of
         `num_hit_tokens` (block-aligned) whose hashes are in `computing`, one after another
         (the hashes are those get_computed_blocks made)."""

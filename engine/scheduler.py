@@ -34,20 +34,22 @@ class SchedulerConfig:
     # The threshold cuts prompts in steps where nothing decodes too (tests of chunked prefill).
     chunk_prompts_alone: bool = False
     enable_chunked_prefill: bool = True
-    # A waiting prompt whose next blocks a prompt scheduled this step computes takes them
-    # (it reads them in the same step), and one whose next blocks a prompt cut into chunks
-    # computes in a later step waits for them. False: it computes them too (as before; kept
-    # as bench/prefill.py's baseline).
+    # A waiting prompt whose next blocks a prompt scheduled this step computes waits a step
+    # and reads them from the prefix cache, or takes them in this step when they are fewer
+    # than MIN_SHARED_TOKENS_TO_WAIT tokens. False: it computes them too (as before; kept as
+    # bench/prefill.py's baseline).
     wait_for_shared_blocks: bool = True
     # Step-time target for steps that carry decoding requests: they take only the prompt
     # tokens measured to fit (engine/step_budget.py). 0: off.
     itl_target_s: float = 0.0
 
 
-# A waiting prompt waits a step for a chunked prompt's later blocks only to skip at least this
-# many tokens: a step costs ~30 ms of its own on SmolLM2 here, what about 100 prompt tokens
-# cost to compute (two prompts sharing 64 tokens: the later first token came 11 ms later for
-# waiting).
+# A waiting prompt waits a step for shared blocks only to skip at least this many tokens: a
+# step costs ~30 ms of its own on SmolLM2 here, what about 100 prompt tokens cost to compute
+# (two prompts sharing 64 tokens: the later first token came 11 ms later for waiting). Fewer
+# are taken in the same step. Waiting for more keeps the first prompt's step small: 12 chats
+# behind a new 1,100-token system prompt taken in one step all got their first tokens later
+# than the first one's had come when the others waited (README, the scheduler).
 MIN_SHARED_TOKENS_TO_WAIT = 128
 
 
@@ -186,11 +188,12 @@ class Scheduler:
         preempted: set[str] = set()
 
         # Full blocks this step computes that the prefix cache will hold after it, by hash: a
-        # waiting prompt whose next blocks are among them takes them and reads them in this
-        # same step (13 chats of n=8 computed their shared blocks 8 times); one whose next
-        # blocks a prompt cut into chunks computes in a later step (`upcoming`) waits for them.
+        # waiting prompt whose next blocks are among them waits a step and reads them from the
+        # cache instead of computing them again (16 prompts sent together behind a new
+        # 680-token system prompt: three of them computed it in one step), or, when they are
+        # too few to be worth a step, takes them and reads them in this same step (the 8
+        # choices of a chat computed their two shared blocks 8 times).
         computing: dict[int, tuple] = {}
-        upcoming: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -226,7 +229,7 @@ class Scheduler:
             budget -= num_new
             if prompt:
                 prompt_left -= num_new
-                self._note_shared(request, num_new, computing, upcoming)
+                self._note_computing(request, num_new, computing)
             self._emit(request, new_block_ids, new_reqs, cached_reqs)
             i += 1
 
@@ -245,11 +248,11 @@ class Scheduler:
             if looked_up:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 if computing and self.config.wait_for_shared_blocks:
+                    if self.kv.shared_run(request, num_hit,
+                                          computing) >= MIN_SHARED_TOKENS_TO_WAIT:
+                        w += 1
+                        continue
                     num_hit = self.kv.adopt_computing(request, hit_blocks, computing)
-                if (upcoming and self.config.wait_for_shared_blocks and self.kv.shared_run(
-                        request, num_hit, upcoming) >= MIN_SHARED_TOKENS_TO_WAIT):
-                    w += 1
-                    continue
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -274,7 +277,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             prompt_left -= num_new
-            self._note_shared(request, num_new, computing, upcoming)
+            self._note_computing(request, num_new, computing)
             self._emit(request, new_block_ids, new_reqs, cached_reqs)
 
         finished, self._finished_ids = self._finished_ids, set()
@@ -290,13 +293,11 @@ class Scheduler:
             preempted_request_ids=preempted,
         )
 
-    def _note_shared(self, request: Request, num_new: int, computing: dict[int, tuple],
-                     upcoming: set[int]) -> None:
+    def _note_computing(self, request: Request, num_new: int, computing: dict[int, tuple]) -> None:
         """A prompt's `num_new` tokens are scheduled: the full blocks they complete, which a
-        prompt waiting behind it may take this step, and those its later chunks complete."""
+        prompt waiting behind it waits for or takes in this step."""
         if self.config.wait_for_shared_blocks:
             computing.update(self.kv.computing_blocks(request, num_new))
-            upcoming.update(self.kv.upcoming_blocks(request, num_new))
 
     def _emit(self, request: Request, new_block_ids: list[int], new_reqs, cached_reqs) -> None:
         rid = request.request_id

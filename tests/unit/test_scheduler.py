@@ -343,10 +343,9 @@ def test_prefix_hit_reads_the_right_kv_end_to_end():
 
 def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
     """Prompts that arrive together behind a prefix no block holds yet: the first computes
-    it, and the others take its blocks in the same step, computing only their own tokens
-    (before, the token budget took several of them whole, each computing the prefix; then
-    they waited a step for it); a prompt queued behind them that shares nothing is not held
-    up; every output is unchanged, each read back through its own block table."""
+    it, the others wait one step and read it from the cache (before, the token budget took
+    several of them whole, each computing the prefix); a prompt queued behind them that
+    shares nothing is not held up; every output is unchanged."""
     scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
     shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT)
     prompts = {f"p{i}": shared + [i + 1, i + 2] for i in range(3)}
@@ -354,17 +353,19 @@ def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
     for rid, prompt in prompts.items():
         scheduler.add_request(make_request(rid, prompt, max_tokens=3))
     trace = run_to_completion(scheduler)
-    assert trace.steps[0].num_scheduled_tokens == {
-        "p0": len(shared) + 2, "p1": 2, "p2": 2, "other": 6}
+    first, second = trace.steps[0].num_scheduled_tokens, trace.steps[1].num_scheduled_tokens
+    assert first == {"p0": len(shared) + 2, "other": 6}
+    assert second["p1"] == second["p2"] == 2  # the shared tokens come from the cache
     for rid, prompt in prompts.items():
         assert trace.outputs[rid] == expected_output(prompt, 3)
-    assert scheduler.kv.prefix_hits == 2 * len(shared)
     assert_no_blocks_held(scheduler)
 
 
-def test_a_short_shared_prefix_is_taken_in_the_same_step_too():
-    """Below MIN_SHARED_TOKENS_TO_WAIT shared tokens as well: nothing waits, and the second
-    prompt computes only its own last token."""
+def test_a_short_shared_prefix_is_taken_in_the_same_step():
+    """Waiting costs a step (~30 ms on SmolLM2 here): below MIN_SHARED_TOKENS_TO_WAIT shared
+    tokens the second prompt goes in the same step, and takes the first one's blocks as they
+    are computed (every layer stores the step's K/V before attention reads the cache), so it
+    computes only its own last token."""
     scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
     shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT - BLOCK)
     scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
