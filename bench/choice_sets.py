@@ -5,6 +5,7 @@ the sampler on 104 rows a step, the grammar's masks.
 
     python -m bench.choice_sets --against vllm --rounds 3
     python -m bench.choice_sets --url http://127.0.0.1:8000     # a deployment that is up
+    python -m bench.choice_sets --warm-up --sets regex,plain,regex     # in this order
     python -m bench.choice_sets --first-requests    # on a fresh deployment: the cold first one
 
 `--against vllm` starts `splitserve up` (every shipped default, admission on) and vLLM's CPU
@@ -135,11 +136,13 @@ async def _first_requests(url: str) -> None:
                   f"{firsts} ms", flush=True)
 
 
-async def _once(url: str) -> None:
+async def _once(url: str, kinds: list[str], warm: bool) -> None:
     async with httpx.AsyncClient(timeout=120) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        for kind, regex in SETS:
-            print(_line(kind, await choice_set(client, url, model, regex)), flush=True)
+        if warm:
+            await warm_up(client, url, model)
+        for kind in kinds:
+            print(_line(kind, await choice_set(client, url, model, kind == "regex")), flush=True)
             await asyncio.sleep(3)
 
 
@@ -149,6 +152,10 @@ def main() -> int:
     parser.add_argument("--against", choices=("vllm",),
                         help="start splitserve up and this peer, and take turns (not --url)")
     parser.add_argument("--rounds", type=int, default=3, help="with --against")
+    parser.add_argument("--sets", default="regex,plain",
+                        help="with --url: the sets to send, in order, 3 s apart (regex, plain)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="with --url: the user check's two bursts of 32 completions first")
     parser.add_argument("--first-requests", action="store_true",
                         help="one chat at a time, plain then under the regex (--url)")
     args = parser.parse_args()
@@ -157,7 +164,10 @@ def main() -> int:
     elif args.first_requests:
         asyncio.run(_first_requests(args.url))
     else:
-        asyncio.run(_once(args.url))
+        kinds = args.sets.split(",")
+        if not set(kinds) <= {"regex", "plain"}:
+            parser.error(f"--sets takes regex and plain, got {args.sets!r}")
+        asyncio.run(_once(args.url, kinds, args.warm_up))
     return 0
 
 
