@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from bench.cold_system_prompt import choices_body, warm_up
+from bench.cold_system_prompt import beside, choices_body, has_text, warm_up
 
 SETS = (("regex", True), ("plain", False))
 
@@ -48,7 +48,7 @@ async def choice_set(client: httpx.AsyncClient, url: str, model: str, regex: boo
             if response.status_code != 200:
                 return response.status_code, None
             async for line in response.aiter_lines():
-                if first is None and '"content":"' in line and '"content":""' not in line:
+                if first is None and has_text(line):
                     first = time.perf_counter() - start
         return 200, first
 
@@ -84,28 +84,8 @@ async def _turns(systems: dict[str, tuple[str, str]], rounds: int) -> dict:
 
 
 def against(peer: str, rounds: int) -> None:
-    import tempfile
-    from pathlib import Path
-
-    from bench.compare.systems import SYSTEMS, ServeOptions, start_system
-
-    root = Path(__file__).resolve().parents[1]
-    model_dir = str(root / "models" / "smollm2-135m-instruct")
-    logs = Path(tempfile.mkdtemp(prefix="choice-sets-"))
-    print("settings: splitserve up with every shipped default (dtype auto, admission on); "
-          "vLLM --dtype bfloat16 in its best configuration here (bench/compare/vllm_peer.py)",
-          flush=True)
-    running = []
-    try:
-        for name in ("splitserve-disagg", peer):
-            print(f"starting {name} (logs in {logs})...", flush=True)
-            running.append(start_system(SYSTEMS[name], model_dir, logs, ServeOptions(
-                peer_dtype="bfloat16")))
-        results = asyncio.run(_turns({r.spec.name: (r.url, r.model_name) for r in running},
-                                     rounds))
-    finally:
-        for r in running:
-            r.stop()
+    with beside(peer, "choice-sets-") as systems:
+        results = asyncio.run(_turns(systems, rounds))
     print(f"\nsets of 13 chats of n=8 at once, {rounds} rounds; medians over the rounds after the "
           "first (cold) one of the time until the set was done, and requests refused in all:")
     for name, kinds in results.items():
@@ -129,7 +109,7 @@ async def _first_requests(url: str) -> None:
                 async with client.stream("POST", f"{url}/v1/chat/completions",
                                          json=body) as response:
                     async for line in response.aiter_lines():
-                        if '"content":"' in line and '"content":""' not in line:
+                        if has_text(line):
                             firsts.append(round((time.perf_counter() - start) * 1e3))
                             break
             print(f"{'under the regex' if regex else 'plain'}, one at a time: first tokens "

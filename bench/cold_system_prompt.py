@@ -23,14 +23,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import re
 import time
+from collections.abc import Iterator
 
 import httpx
 
 CHOICE_REGEX = "[A-Z][a-z]{2,8} [0-9]{1,3}"
 WORDS = "river stone cloud forest light music paper window garden ocean castle dream".split()
+
+
+def has_text(line: str) -> bool:
+    """Whether a streamed chat line carries generated text (not the role's empty first delta)."""
+    return '"content":"' in line and '"content":""' not in line
 
 
 async def _chat(client: httpx.AsyncClient, url: str, model: str, system: str,
@@ -43,7 +50,7 @@ async def _chat(client: httpx.AsyncClient, url: str, model: str, system: str,
         if response.status_code != 200:
             return response.status_code, None
         async for line in response.aiter_lines():
-            if '"content":"' in line and '"content":""' not in line:
+            if has_text(line):
                 return 200, time.perf_counter() - start
     return 200, None
 
@@ -156,9 +163,12 @@ async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: in
     return out, many
 
 
-def against(peer: str, chats: int, words: int, rounds: int, seed: int | None,
-            choices: int = 0) -> None:
-    import statistics
+@contextlib.contextmanager
+def beside(peer: str, log_prefix: str) -> Iterator[dict[str, tuple[str, str]]]:
+    """`splitserve up` (every shipped default) and `peer`'s server started side by side, each
+    system's (url, model name) by name while the block runs; both stopped after it. Prints the
+    settings: splitserve's dtype is auto (bfloat16 on a CPU with native bf16); vLLM is started
+    as the project's peer runs always are, --dtype bfloat16, in its best configuration here."""
     import tempfile
     from pathlib import Path
 
@@ -166,9 +176,7 @@ def against(peer: str, chats: int, words: int, rounds: int, seed: int | None,
 
     root = Path(__file__).resolve().parents[1]
     model_dir = str(root / "models" / "smollm2-135m-instruct")
-    logs = Path(tempfile.mkdtemp(prefix="cold-system-prompt-"))
-    # splitserve runs every shipped default (dtype auto: bfloat16 on a CPU with native bf16);
-    # vLLM is started as the project's peer runs always are: --dtype bfloat16.
+    logs = Path(tempfile.mkdtemp(prefix=log_prefix))
     opts = ServeOptions(peer_dtype="bfloat16")
     print("settings: splitserve up with every shipped default (dtype auto, admission on); "
           "vLLM --dtype bfloat16 in its best configuration here (bench/compare/vllm_peer.py)",
@@ -178,11 +186,18 @@ def against(peer: str, chats: int, words: int, rounds: int, seed: int | None,
         for name in ("splitserve-disagg", peer):
             print(f"starting {name} (logs in {logs})...", flush=True)
             running.append(start_system(SYSTEMS[name], model_dir, logs, opts))
-        systems = {r.spec.name: (r.url, r.model_name) for r in running}
-        results, many = asyncio.run(_take_turns(systems, chats, words, rounds, seed, choices))
+        yield {r.spec.name: (r.url, r.model_name) for r in running}
     finally:
         for r in running:
             r.stop()
+
+
+def against(peer: str, chats: int, words: int, rounds: int, seed: int | None,
+            choices: int = 0) -> None:
+    import statistics
+
+    with beside(peer, "cold-system-prompt-") as systems:
+        results, many = asyncio.run(_take_turns(systems, chats, words, rounds, seed, choices))
     before = f", each after 13 requests of n={choices} under a regex" if choices else ""
     print(f"\n{chats} chats at once behind a new system prompt{before}, {rounds} rounds "
           "(medians over rounds of each burst's first / median / last first token, ms; "

@@ -5,8 +5,6 @@ Imports no torch. Owned by the engine thread (the scheduler calls it).
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from engine.block_pool import BlockPool, KVCacheBlock, chain_block_hashes
 from engine.request import Request
 
@@ -93,35 +91,25 @@ class KVCacheManager:
         return {h: (blocks[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
                 for i, h in enumerate(self.blocks_completed(request, num_new_tokens), first)}
 
-    def adopt_computing(self, request: Request, hits: list[KVCacheBlock],
-                        computing: dict[int, tuple[KVCacheBlock, tuple[int, ...]]]) -> int:
-        """Extends `hits` (the request's cached prefix, from get_computed_blocks) with the
-        blocks that follow it among those a prompt scheduled this step computes (`computing`,
-        by hash; tokens compared, as for a cache hit), never the prompt's last token's block;
-        returns the hit tokens. The request reads them in the same step: every layer writes
-        the step's K/V before any of its attention reads the cache."""
+    def computing_run(self, request: Request, num_hit_tokens: int,
+                      computing: dict[int, tuple[KVCacheBlock, tuple[int, ...]]],
+                      ) -> list[KVCacheBlock]:
+        """The blocks, one after another, that follow a prefix hit of `num_hit_tokens`
+        (block-aligned, from get_computed_blocks) among those a prompt scheduled this step
+        computes (`computing`, by hash; tokens compared, as for a cache hit), never the
+        prompt's last token's block. A request that takes them reads them in the same step:
+        every layer writes the step's K/V before any of its attention reads the cache."""
+        if not self.enable_prefix_caching:
+            return []
         bs = self.block_size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        i = len(hits)
-        while i < last:
+        run: list[KVCacheBlock] = []
+        for i in range(num_hit_tokens // bs, last):
             entry = computing.get(request.block_hashes[i])
             if entry is None or entry[1] != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
                 break
-            hits.append(entry[0])
-            i += 1
-        return len(hits) * bs
-
-    def shared_run(self, request: Request, num_hit_tokens: int, computing: Container[int]) -> int:
-        """Tokens of the full blocks a fresh request would compute first after a prefix hit of
-        `num_hit_tokens` (block-aligned) whose hashes are in `computing`, one after another
-        (the hashes are those get_computed_blocks made)."""
-        if not self.enable_prefix_caching:
-            return 0
-        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        index = first = num_hit_tokens // self.block_size
-        while index < last and request.block_hashes[index] in computing:
-            index += 1
-        return (index - first) * self.block_size
+            run.append(entry[0])
+        return run
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's lookup in the prefix-cache statistics."""

@@ -247,12 +247,13 @@ class Scheduler:
                          and request.sampling_params.prompt_logprobs is None)
             if looked_up:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-                if computing and self.config.wait_for_shared_blocks:
-                    if self.kv.shared_run(request, num_hit,
-                                          computing) >= MIN_SHARED_TOKENS_TO_WAIT:
+                if computing:  # empty unless wait_for_shared_blocks
+                    run = self.kv.computing_run(request, num_hit, computing)
+                    if len(run) * self.kv.block_size >= MIN_SHARED_TOKENS_TO_WAIT:
                         w += 1
                         continue
-                    num_hit = self.kv.adopt_computing(request, hit_blocks, computing)
+                    hit_blocks += run
+                    num_hit += len(run) * self.kv.block_size
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break

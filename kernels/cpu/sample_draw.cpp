@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "vector_math.h"
