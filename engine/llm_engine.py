@@ -82,6 +82,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests
         self.last_step_size = (0, 0)  # (requests, tokens) of the latest step
+        # Its wall time as charged to its requests (copies of held KV included): the worker's
+        # step-seconds metric, so that what requests are charged adds up to it exactly.
+        self.last_step_seconds = 0.0
         # The batch of the step in progress, None between steps. Only swapped as a reference,
         # so a watchdog on another thread may read it to say what a slow step holds.
         self.scheduled: SchedulerOutput | None = None
@@ -376,7 +379,8 @@ class LLMEngine:
                     request.transfer_seconds += copied  # the KV copy is its alone
                     copy_seconds += copied
                     self.scheduler.release_held_kv(request)
-        charge_step(rows, row_tokens, time.perf_counter() - started - copy_seconds)
+        self.last_step_seconds = time.perf_counter() - started
+        charge_step(rows, row_tokens, self.last_step_seconds - copy_seconds)
         if finished is not None:
             for out in outputs:
                 request = finished.get(out.request_id) if out.finished else None

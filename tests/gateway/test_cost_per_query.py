@@ -112,11 +112,12 @@ def _check_adds_up(stack: Stack, workers) -> list[dict]:
     busy = _busy_seconds(*workers) - busy_before
     charged = [u["splitserve"]["compute_seconds"] for u in usages]
     total = sum(c["prefill"] + c["decode"] + c["transfer"] for c in charged)
-    # A decode worker writes arriving KV as a command between steps: those seconds are
-    # charged (transfer) but are not in its step_seconds, so they may add to the total.
-    # (A clean-clone CI run had 2.6 ms of it on 124 ms busy, 2.1%.)
+    # The step-seconds metric is the engines' own timing of the steps they charge, so the two
+    # agree but for the responses' rounding to microseconds (0.002% measured). A decode worker
+    # writes arriving KV as a command between steps: those seconds are charged (transfer) but
+    # are not in its step_seconds, so they may add to the total.
     outside_steps = sum(c["transfer"] for c in charged) if len(workers) > 1 else 0.0
-    assert busy * 0.98 <= total <= busy * 1.02 + outside_steps, (total, busy, charged)
+    assert busy * 0.995 <= total <= busy * 1.005 + outside_steps, (total, busy, charged)
     assert all(c["prefill"] > 0 and c["decode"] > 0 for c in charged), charged
     # The tenant counter grew by what the responses carried (rounded to microseconds there).
     tenant = _tenant_seconds(stack)

@@ -304,7 +304,12 @@ def test_kill_9_with_speculation_and_stop_strings_continues_both(deployment, lon
     accepted_before = spec_accepted(d2)
 
     stopped = [{**body, "stop": [stop]} for body, stop in zip(bodies, stops, strict=True)]
-    results = stream_all(deployment.url, stopped, lambda: kill_when_decoding(d1), finish="stop")
+    # Watched from the start: speculating, d1's streams can be done by the time the last of
+    # the six has its first token (a clean-clone CI run waited 30 s for two that had ended).
+    with ThreadPoolExecutor(1) as pool:
+        killed = pool.submit(kill_when_decoding, d1)
+        results = stream_all(deployment.url, stopped, finish="stop")
+        killed.result()
     assert [r.texts[0] for r in results] == expected
     assert deployment.metric("splitserve_gateway_migrations_total") >= 2
     assert spec_accepted(d2) > accepted_before, "the survivor did not speculate"
