@@ -17,11 +17,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "amx_linear.h"
+#include "elementwise_avx512.h"
 #include "vector_math.h"
 
 namespace {
@@ -36,16 +38,25 @@ constexpr int64_t kRowsPerTask = 8;
 // hidden <- rms_norm(hidden + residual) * weight, residual <- hidden + residual (add_residual),
 // or hidden <- rms_norm(hidden) * weight, residual <- hidden (the first layer). As RMSNorm
 // does in bf16: the sum rounded to bf16, the normalisation in float32 rounded to bf16, then
-// the bf16 product with the weight.
-void add_rms_norm(bf16* hidden, bf16* residual, const bf16* weight, int64_t rows, int64_t size,
-                  float eps, bool add_residual) {
+// the bf16 product with the weight. Read from hidden_in / residual_in, written to hidden /
+// residual: the same rows (in place, the decode layers) or others (rms_norm_step, one pass
+// instead of a copy and a pass).
+void add_rms_norm(const bf16* hidden_in, const bf16* residual_in, bf16* hidden, bf16* residual,
+                  const bf16* weight, int64_t rows, int64_t size, float eps, bool add_residual) {
+  const bool vector = splitserve_cpu::has_avx512_bf16();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> x(size);
     for (int64_t r = begin; r < end; ++r) {
+      const bf16* h_in = hidden_in + r * size;
+      const bf16* res_in = add_residual ? residual_in + r * size : nullptr;
       bf16* h = hidden + r * size;
       bf16* res = residual + r * size;
+      if (vector) {
+        splitserve_cpu::avx512::rms_norm_row(h_in, res_in, h, res, weight, size, eps, add_residual, x.data());
+        continue;
+      }
       for (int64_t i = 0; i < size; ++i) {
-        const bf16 sum = add_residual ? bf16(f32(h[i]) + f32(res[i])) : h[i];
+        const bf16 sum = add_residual ? bf16(f32(h_in[i]) + f32(res_in[i])) : h_in[i];
         res[i] = sum;
         x[i] = f32(sum);
       }
@@ -61,6 +72,12 @@ void add_rms_norm(bf16* hidden, bf16* residual, const bf16* weight, int64_t rows
       for (int64_t k = 0; k < size; ++k) h[k] = bf16(f32(weight[k]) * f32(bf16(x[k] * inv_rms)));
     }
   });
+}
+
+// In place: hidden and residual are read and written.
+void add_rms_norm(bf16* hidden, bf16* residual, const bf16* weight, int64_t rows, int64_t size,
+                  float eps, bool add_residual) {
+  add_rms_norm(hidden, residual, hidden, residual, weight, rows, size, eps, add_residual);
 }
 
 // Rotate Q and K of each row of qkv [rows, (heads + 2 kv_heads) * D] (rotate-half layout):
@@ -79,20 +96,28 @@ void rotate_and_store(const bf16* qkv, int64_t qkv_stride, const bf16* cos, cons
       out[i] = bf16(f32(bf16(f32(x[i]) * f32(c[i]))) + f32(bf16(f32(swapped) * f32(s[i]))));
     }
   };
+  const bool vector = splitserve_cpu::has_avx512_bf16() && dim % 32 == 0;
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16* row = qkv + r * qkv_stride;
       const bf16* c = cos + r * dim;
       const bf16* s = sin + r * dim;
-      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, q + (r * heads + h) * dim);
       bf16* k_slot = k_cache + slots[r] * token;
       bf16* v_slot = v_cache + slots[r] * token;
-      for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, c, s, k_slot + h * dim);
+      if (vector) {
+        for (int64_t h = 0; h < heads; ++h)
+          splitserve_cpu::avx512::rotate_head(row + h * dim, c, s, q + (r * heads + h) * dim, dim);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          splitserve_cpu::avx512::rotate_head(row + (heads + h) * dim, c, s, k_slot + h * dim, dim);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, q + (r * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, c, s, k_slot + h * dim);
+      }
       const bf16* v = row + (heads + kv_heads) * dim;
-      for (int64_t i = 0; i < token; ++i) v_slot[i] = v[i];
+      std::memcpy(v_slot, v, token * sizeof(bf16));
       if (k_out != nullptr) {
-        for (int64_t i = 0; i < token; ++i) k_out[r * token + i] = k_slot[i];
-        for (int64_t i = 0; i < token; ++i) v_out[r * token + i] = v[i];
+        std::memcpy(k_out + r * token, k_slot, token * sizeof(bf16));
+        std::memcpy(v_out + r * token, v, token * sizeof(bf16));
       }
     }
   });
@@ -257,11 +282,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_step(const at::Tensor& hidden, const
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [rows, size]");
   check_bf16_matrix(hidden, hidden.size(0), hidden.size(1), "hidden");
   check_bf16_vector(weight, hidden.size(1), "weight");
-  at::Tensor out = hidden.clone();
-  at::Tensor res = residual.has_value() ? residual->clone() : at::empty_like(hidden);
-  if (residual.has_value()) check_bf16_matrix(res, hidden.size(0), hidden.size(1), "residual");
-  add_rms_norm(ptr(out), ptr(res), ptr(weight), hidden.size(0), hidden.size(1), static_cast<float>(eps),
-               residual.has_value());
+  if (residual.has_value()) check_bf16_matrix(*residual, hidden.size(0), hidden.size(1), "residual");
+  at::Tensor out = at::empty_like(hidden);
+  at::Tensor res = at::empty_like(hidden);
+  add_rms_norm(ptr(hidden), residual.has_value() ? ptr(*residual) : nullptr, ptr(out), ptr(res), ptr(weight),
+               hidden.size(0), hidden.size(1), static_cast<float>(eps), residual.has_value());
   return {out, res};
 }
 
