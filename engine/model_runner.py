@@ -87,6 +87,9 @@ class ModelRunner:
         self.shared_prefixes = self.native_decode and config.cpu_shared_prefix_attention
         self.native_prefill = kernel_choice.native_prefill(config, model_config, self.dtype,
                                                            self.native_decode)
+        # Prompts after a cached prefix: one call per layer reading the paged cache (AMX).
+        self.paged_prefill = (self.native_prefill and self.block_size % 16 == 0
+                              and torch.ops.splitserve_cpu.has_amx_bf16())
         # Raises now, not at the first step, for a backend this device cannot run.
         self.triton = uses_triton(config.attention_backend, self.device)
         self.model = load_model(model_config, self.dtype, self.device)
@@ -287,6 +290,7 @@ class ModelRunner:
             native_prefill=self.native_prefill,
             attention_backend=self.config.attention_backend,
             fresh_prefill_spans=self._fresh_prefill_spans(batch.prefill_seqs),
+            cached_prefill_spans=self._cached_prefill_spans(batch.prefill_seqs),
             decode_shared_prefix_of=shared_of,
             decode_shared_prefix_lens=shared_lens,
         )
@@ -299,6 +303,15 @@ class ModelRunner:
             return None
         fresh = [(start, q_len) for start, q_len, ctx_len in prefill_seqs if ctx_len == q_len]
         return torch.tensor(fresh, dtype=torch.long) if fresh else None
+
+    def _cached_prefill_spans(self, prefill_seqs: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """(start, length, context length, table row) of the step's prompts after a cached
+        prefix, for the AMX prefill attention's one call per layer over all of them."""
+        if not self.paged_prefill:
+            return None
+        cached = [(start, q_len, ctx_len, row)
+                  for row, (start, q_len, ctx_len) in enumerate(prefill_seqs) if ctx_len > q_len]
+        return torch.tensor(cached, dtype=torch.long) if cached else None
 
     def _decode_graph(self, batch: StepBatch) -> DecodeGraph | None:
         """The CUDA graph that runs this step, if it has one: decode rows only, none scored

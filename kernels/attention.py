@@ -56,6 +56,11 @@ class AttentionMetadata:
     # length = query length) as an int64 [n, 2] tensor of (query start, length), attended in
     # one call per layer (prefill_attention_into) instead of one per sequence; None: none.
     fresh_prefill_spans: torch.Tensor | None = None
+    # With native_prefill on AMX: the prefill sequences after a cached prefix as an int64
+    # [n, 4] tensor of (query start, length, context length, row of prefill_block_tables),
+    # attended in one call per layer reading the paged cache (prefill_attention_paged), each
+    # block they share packed once; None: none (or one per sequence, gathered, as before).
+    cached_prefill_spans: torch.Tensor | None = None
     # With native_decode: decode rows behind a shared prefix (find_shared_prefixes), as the C++
     # kernel takes them: each row's prefix (-1: none) [num_decodes] and each prefix's length in
     # tokens [prefixes], int64; None: no prefix is shared.
@@ -307,8 +312,12 @@ def paged_attention(
     fresh = meta.fresh_prefill_spans
     if fresh is not None:
         torch.ops.splitserve_cpu.prefill_attention_into(out, query, key, value, fresh, scale, window)
+    cached = meta.cached_prefill_spans if not window else None  # the paged call has no window
+    if cached is not None:
+        torch.ops.splitserve_cpu.prefill_attention_paged(out, query, k_cache, v_cache, cached,
+                                                         meta.prefill_block_tables, scale)
     for (start, q_len, ctx_len), table in zip(meta.prefill_seqs, meta.prefill_block_tables, strict=True):
-        if fresh is not None and ctx_len == q_len:
+        if (fresh is not None and ctx_len == q_len) or (cached is not None and ctx_len > q_len):
             continue  # attended above
         end = start + q_len
         if ctx_len == q_len:

@@ -372,6 +372,45 @@ void prefill_attention_into(at::Tensor& out, const at::Tensor& query, const at::
   attend_all(problems);
 }
 
+// Prompts after a cached prefix, all of a step's in one call per layer, reading K/V from the
+// paged cache (AMX only; see prefill_attention_amx_paged). seqs: int64 [n, 4] (query start,
+// query length, context length, row of block_tables).
+void prefill_attention_paged(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& seqs,
+                             const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(splitserve_cpu::has_amx_bf16(), "prefill_attention_paged needs AMX");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bfloat16 [blocks, block_size, kv_heads, D] of one shape");
+  check_inputs(query, k_cache[0], v_cache[0], 0);
+  TORCH_CHECK(query.stride(2) == 1, "each query row's D values must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+              "out must be contiguous bfloat16 of query's shape");
+  const int64_t blocks = k_cache.size(0), bs = k_cache.size(1), tokens = query.size(0);
+  TORCH_CHECK(bs % kLanes == 0, "the block size must be a multiple of 16");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1,
+              "block_tables must be int64 [rows, blocks] with contiguous rows");
+  TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 4 && seqs.scalar_type() == at::kLong && seqs.is_contiguous(),
+              "seqs must be contiguous int64 [sequences, 4] (start, query length, context length, table row)");
+  const int64_t* s = seqs.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seqs.size(0); ++i) {
+    const int64_t start = s[4 * i], q_len = s[4 * i + 1], ctx = s[4 * i + 2], row = s[4 * i + 3];
+    TORCH_CHECK(start >= 0 && q_len >= 1 && start + q_len <= tokens && ctx >= q_len,
+                "sequence ", i, " (start ", start, ", length ", q_len, ", context ", ctx,
+                ") is not within the ", tokens, " rows");
+    TORCH_CHECK(row >= 0 && row < block_tables.size(0) && (ctx + bs - 1) / bs <= block_tables.size(1),
+                "sequence ", i, ": its block table row ", row, " is missing or too short");
+    for (int64_t b = 0; b * bs < ctx; ++b) {
+      const int64_t id = tables[row * block_tables.stride(0) + b];
+      TORCH_CHECK(id >= 0 && id < blocks, "sequence ", i, ": block ", id, " is outside the cache");
+    }
+  }
+  if (seqs.size(0) > 0)
+    splitserve_cpu::prefill_attention_amx_paged(out, query, k_cache, v_cache, seqs, block_tables, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
@@ -379,10 +418,13 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
         "bool amx=True) -> Tensor");
   m.def("prefill_attention_into(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
         "Tensor seqs, float scale, int window=0, bool amx=True) -> ()");
+  m.def("prefill_attention_paged(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor seqs, Tensor block_tables, float scale) -> ()");
   m.def("has_amx_bf16() -> bool", &splitserve_cpu::has_amx_bf16);
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
   m.impl("prefill_attention_into", &prefill_attention_into);
+  m.impl("prefill_attention_paged", &prefill_attention_paged);
 }

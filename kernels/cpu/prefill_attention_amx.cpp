@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 #include <vector>
 
 #include <immintrin.h>
@@ -39,15 +40,24 @@ constexpr int64_t kKeys = 256;      // keys per online-softmax step
 constexpr int64_t kAlign = 32;      // a task's first key block starts on a multiple of this
 constexpr int kLanes = 16;
 
+// Keys [key0, key0 + len) of a sequence's context, packed at slots [slot0, slot0 + len).
+struct Run {
+  int64_t slot0, key0, len;
+};
+
 struct Problem {
   const at::BFloat16* q;   // [q_len, heads, D], rows and heads at the strides below
   int64_t q_row, q_head;
   at::BFloat16* out;       // [q_len, heads, D]
   const at::BFloat16* kt;  // [kv_heads][D/2][padded][2]
   const at::BFloat16* vv;  // [kv_heads][padded/2][D][2]
-  int64_t q_len, ctx, heads, group, dim, padded;
+  int64_t q_len, ctx, heads, group, dim, padded;  // padded: slots per KV head (>= ctx)
   float scale_log2;        // scale * log2(e): scores go straight to exp2
   int64_t window;
+  // Where the context's keys are packed, in key order: runs[0, num_runs) (one run {0, 0, ctx}
+  // when the keys are packed in order from slot 0).
+  const Run* runs;
+  int64_t num_runs;
 };
 
 // 2^x for x <= 0, 16 at a time: 2^n * 2^f, n = round(x), 2^f by its Taylor series to degree 4
@@ -72,9 +82,10 @@ inline __mmask16 lanes(int64_t begin, int64_t end) {
 
 struct Scratch {
   std::vector<float> scores, acc;
-  std::vector<at::BFloat16> probs;
+  std::vector<at::BFloat16> probs, values;  // values: a key block's V gathered from several runs
   float max[kPositions], sum[kPositions];
-  explicit Scratch(int64_t dim) : scores(kPositions * kKeys), acc(kPositions * dim), probs(kPositions * kKeys) {}
+  explicit Scratch(int64_t dim)
+      : scores(kPositions * kKeys), acc(kPositions * dim), probs(kPositions * kKeys), values(kKeys * dim) {}
 };
 
 // Scores of block [n0, n0 + n) -> probabilities (bf16) and the running max and sum; rescales
@@ -136,12 +147,33 @@ void attend_task(const Problem& p, Scratch& s, int64_t head, int64_t i0, int64_t
   const at::BFloat16* kt = p.kt + h * (D / 2) * p.padded * 2;
   const at::BFloat16* vv = p.vv + h * (p.padded / 2) * D * 2;
   bool first = true;
+  int64_t r = 0;  // the run holding key n0
   for (int64_t n0 = lo / kAlign * kAlign; n0 <= last; n0 += kKeys) {
-    // Up to the last row's position, rounded up to 16 keys (the padding is zeros).
+    // Up to the last row's position, rounded up to 16 keys: past the context the slots are
+    // masked off (zeros, or keys of other blocks that no row here may see).
     const int64_t n = std::min<int64_t>(kKeys, (last + 1 - n0 + kLanes - 1) / kLanes * kLanes);
-    blas::brgemm(rows, n, D, p.q_row, p.padded, kKeys, false, q, kt + n0 * 2, s.scores.data());
-    softmax_block(p, s, rows, pos0, n0, n, first);
-    blas::brgemm(rows, D, n, kKeys, D, D, !first, s.probs.data(), vv + n0 * D, s.acc.data());
+    while (p.runs[r].key0 + p.runs[r].len <= n0) ++r;
+    const Run& run = p.runs[r];
+    if (n0 + n <= run.key0 + run.len || r == p.num_runs - 1) {  // the keys' slots are in a row
+      const int64_t slot = run.slot0 + n0 - run.key0;
+      blas::brgemm(rows, n, D, p.q_row, p.padded, kKeys, false, q, kt + slot * 2, s.scores.data());
+      softmax_block(p, s, rows, pos0, n0, n, first);
+      blas::brgemm(rows, D, n, kKeys, D, D, !first, s.probs.data(), vv + slot * D, s.acc.data());
+    } else {
+      // Keys from several runs: each run's scores into its columns, its V into a row of the
+      // block's copy, so the softmax and P V go as for keys in a row (the same arithmetic).
+      for (int64_t k = r, a = n0; a < n0 + n; ++k) {
+        const Run& piece = p.runs[k];
+        const int64_t end = k == p.num_runs - 1 ? n0 + n : std::min(n0 + n, piece.key0 + piece.len);
+        const int64_t slot = piece.slot0 + a - piece.key0;
+        blas::brgemm(rows, end - a, D, p.q_row, p.padded, kKeys, false, q, kt + slot * 2,
+                     s.scores.data() + (a - n0));
+        std::memcpy(s.values.data() + (a - n0) * D, vv + slot * D, (end - a) * D * sizeof(at::BFloat16));
+        a = end;
+      }
+      softmax_block(p, s, rows, pos0, n0, n, first);
+      blas::brgemm(rows, D, n, kKeys, D, D, !first, s.probs.data(), s.values.data(), s.acc.data());
+    }
     first = false;
   }
   for (int64_t m = 0; m < rows; ++m) {
@@ -208,10 +240,11 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const
   pack_kv(k, v, padded, reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()),
           reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>()));
   at::Tensor out = at::empty({q_len, heads, D}, q.options());
+  const Run whole{0, 0, ctx};
   const Problem p{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), out.data_ptr<at::BFloat16>(),
                   reinterpret_cast<const at::BFloat16*>(kt.data_ptr<int32_t>()),
                   vv.data_ptr<at::BFloat16>(), q_len, ctx, heads, heads / kv_heads, D, padded,
-                  static_cast<float>(scale * 1.44269504088896341), window};
+                  static_cast<float>(scale * 1.44269504088896341), window, &whole, 1};
   // Tasks in zigzag order (first, last, second, second to last, ...): each thread's
   // contiguous range mixes short causal rows with long ones.
   const int64_t blocks = (q_len + kPositions - 1) / kPositions, tasks = heads * blocks;
@@ -225,6 +258,110 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const
     at::native::cpublas::brgemm_release();
   });
   return out;
+}
+
+// Prompts after a cached prefix, all of a step's in one call (see the header). Each physical
+// block any of them reads is packed once, in the order first met: a prefix the prompts share
+// (a system prompt, the choices of one chat) is packed once per layer, not once per prompt,
+// and a prompt's keys are runs of consecutive slots (its share of the prefix, then its own
+// blocks), which the GEMMs read in place.
+void prefill_attention_amx_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& seqs,
+                                 const at::Tensor& block_tables, double scale) {
+  const int64_t heads = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t n = seqs.size(0), pairs = D / 2;
+  const int64_t* spans = seqs.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_row = block_tables.stride(0);
+  // Unique blocks in the order met; per block, how many of its keys some prompt reads.
+  std::unordered_map<int64_t, int64_t> index_of;
+  std::vector<int64_t> blocks, filled;
+  std::vector<Run> runs;
+  std::vector<int64_t> runs_at(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t ctx = spans[4 * i + 2];
+    const int64_t* table = tables + spans[4 * i + 3] * table_row;
+    for (int64_t b = 0; b * bs < ctx; ++b) {
+      const int64_t keys = std::min(bs, ctx - b * bs);
+      auto [it, added] = index_of.try_emplace(table[b], static_cast<int64_t>(blocks.size()));
+      if (added) {
+        blocks.push_back(table[b]);
+        filled.push_back(keys);
+      } else {
+        filled[it->second] = std::max(filled[it->second], keys);
+      }
+      const int64_t slot = it->second * bs;
+      if (static_cast<int64_t>(runs.size()) > runs_at[i] && runs.back().slot0 + runs.back().len == slot &&
+          runs.back().len == b * bs - runs.back().key0) {
+        runs.back().len += keys;  // the next slots hold the next keys: one run
+      } else {
+        runs.push_back(Run{slot, b * bs, keys});
+      }
+    }
+    runs_at[i + 1] = static_cast<int64_t>(runs.size());
+  }
+  // 16 zero slots past the last block: a block's read rounded up to 16 keys stays inside.
+  const int64_t unique = static_cast<int64_t>(blocks.size()), padded = unique * bs + kLanes;
+  at::Tensor kt = at::empty({kv_heads, pairs, padded}, at::kInt);
+  at::Tensor vv = at::empty({kv_heads, padded / 2, D, 2}, at::kBFloat16);
+  auto* kp = reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>());
+  auto* vp = reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>());
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t token = kv_heads * D, block = bs * token;
+  // One task per (KV head, block, or the padding): keys past a block's filled ones are zeros.
+  at::parallel_for(0, kv_heads * (unique + 1), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / (unique + 1), u = task % (unique + 1);
+      const int64_t first = u * bs, count = u < unique ? bs : kLanes;
+      uint32_t* kdst = kp + h * pairs * padded;
+      uint16_t* vdst = vp + h * padded * D;
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t slot = first + t;
+        uint16_t* vpair = vdst + (slot / 2) * D * 2 + slot % 2;
+        if (u < unique && t < filled[u]) {
+          const uint16_t* krow = kc + blocks[u] * block + t * token + h * D;
+          const uint16_t* vrow = vc + blocks[u] * block + t * token + h * D;
+          for (int64_t d2 = 0; d2 < pairs; ++d2) {
+            uint32_t word;
+            std::memcpy(&word, krow + 2 * d2, sizeof(word));
+            kdst[d2 * padded + slot] = word;
+          }
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow[d];
+        } else {
+          for (int64_t d2 = 0; d2 < pairs; ++d2) kdst[d2 * padded + slot] = 0;
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = 0;
+        }
+      }
+    }
+  });
+  std::vector<Problem> problems;
+  std::vector<int64_t> tasks_at(n + 1, 0);
+  const float scale_log2 = static_cast<float>(scale * 1.44269504088896341);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = spans[4 * i], q_len = spans[4 * i + 1], ctx = spans[4 * i + 2];
+    problems.push_back(Problem{q.data_ptr<at::BFloat16>() + start * q.stride(0), q.stride(0), q.stride(1),
+                               out.data_ptr<at::BFloat16>() + start * heads * D,
+                               reinterpret_cast<const at::BFloat16*>(kp), vv.data_ptr<at::BFloat16>(), q_len,
+                               ctx, heads, heads / kv_heads, D, padded, scale_log2, 0,
+                               runs.data() + runs_at[i], runs_at[i + 1] - runs_at[i]});
+    tasks_at[i + 1] = tasks_at[i] + heads * ((q_len + kPositions - 1) / kPositions);
+  }
+  const int64_t tasks = tasks_at[n];
+  // Tasks in zigzag order, as prefill_attention_amx takes them.
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(D);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u % 2 == 0 ? u / 2 : tasks - 1 - u / 2;
+      const int64_t i = std::upper_bound(tasks_at.begin(), tasks_at.end(), t) - tasks_at.begin() - 1;
+      const Problem& p = problems[i];
+      const int64_t blocks_per_head = (p.q_len + kPositions - 1) / kPositions, local = t - tasks_at[i];
+      const int64_t i0 = (local % blocks_per_head) * kPositions;
+      attend_task(p, scratch, local / blocks_per_head, i0, std::min<int64_t>(kPositions, p.q_len - i0));
+    }
+    at::native::cpublas::brgemm_release();
+  });
 }
 
 }  // namespace splitserve_cpu

@@ -13,4 +13,13 @@ bool has_amx_bf16();
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, int64_t window);
 
+// Prompts whose context begins with cached blocks, all of a step's in one call, reading K/V
+// from the paged cache [blocks, block_size, kv_heads, D] (block_size a multiple of 16). seqs: int64 [n, 4]
+// (query start, query length, context length, row of block_tables [*, blocks] int64); query
+// and out [tokens, heads, D], out contiguous; each prompt's rows of out are written, causal
+// over its context (no sliding window). Its K and V of this step must be in the cache.
+void prefill_attention_amx_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& seqs,
+                                 const at::Tensor& block_tables, double scale);
+
 }  // namespace splitserve_cpu
