@@ -11,10 +11,10 @@ the sampler on 104 rows a step, the grammar's masks.
 `--against vllm` starts `splitserve up` (every shipped default, admission on) and vLLM's CPU
 server in its best configuration here (bench/compare/vllm_peer.py), warms both up with the
 user check's two bursts of 32 completions, then takes turns, alternating which goes first each
-round; each turn sends a set under the regex, then a plain set, 3 s apart. Per set: requests
-served (admission may refuse some: a 503), the first and last first token, and the time until
-the last choice ended. The first round's regex set is the first structured request a worker
-sees (its grammar tokenizer is built then). No seed: vLLM 0.32's CPU engine dies on seeded
+round; each turn starts once the host's cores are idle and sends a set under the regex, then
+a plain set, 3 s apart. Per set: requests served (admission may refuse some: a 503), the first
+and last first token, and the time until the last choice ended. The first round's regex set is
+the first structured request the workers see. No seed: vLLM 0.32's CPU engine dies on seeded
 n=8 requests (bench.cold_system_prompt says how).
 
 `--first-requests`, against a deployment just started: three plain chats and then four under
@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from bench.cold_system_prompt import beside, choices_body, has_text, warm_up
+from bench.cold_system_prompt import beside, choices_body, has_text, quiet_host, warm_up
 
 SETS = (("regex", True), ("plain", False))
 
@@ -75,6 +75,7 @@ async def _turns(systems: dict[str, tuple[str, str]], rounds: int) -> dict:
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
                 url, model = systems[name]
+                await quiet_host(f"round {r + 1}, {name}")
                 for kind, regex in SETS:
                     result = await choice_set(client, url, model, regex)
                     out[name][kind].append(result)

@@ -16,7 +16,8 @@ its own on the workers: what they teach the estimate must not refuse the chats a
 peers`; its best configuration here, as bench.compare runs it), warms both up, then takes
 turns: each round sends the same burst (a new system prompt, the same for both) to one system
 and then the other, alternating which goes first; with `--choices N`, each system gets the 13
-requests of n=N right before its burst.
+requests of n=N right before its burst. Each turn starts once the host's cores are idle (at
+most 30 s; the wait is printed when it was over a second).
 """
 
 from __future__ import annotations
@@ -53,6 +54,34 @@ async def _chat(client: httpx.AsyncClient, url: str, model: str, system: str,
             if has_text(line):
                 return 200, time.perf_counter() - start
     return 200, None
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host since boot, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+async def quiet_host(label: str, busy_below: float = 0.1, longest_s: float = 30.0) -> None:
+    """Wait until the host's CPUs are idle (under `busy_below` busy over half a second), at
+    most `longest_s`: a system's turn then starts on cores its peer has left, whatever work
+    (a compilation, a spinning thread pool) the peer still runs. The turn right after the
+    warm-ups, always splitserve's first, had run 1.3-1.9x slower than its later ones; in the
+    first runs with this wait it never waited over a second, so that was not the cause."""
+    start = time.monotonic()
+    while True:
+        busy0, total0 = _cpu_times()
+        await asyncio.sleep(0.5)
+        busy1, total1 = _cpu_times()
+        share = (busy1 - busy0) / max(1, total1 - total0)
+        waited = time.monotonic() - start
+        if share < busy_below or waited >= longest_s:
+            if waited > 1.0:
+                print(f"  ({label}: waited {waited:.1f} s for idle cores; last {share:.0%} busy)",
+                      flush=True)
+            return
 
 
 async def warm_up(client: httpx.AsyncClient, url: str, model: str) -> None:
@@ -153,6 +182,7 @@ async def _take_turns(systems: dict[str, tuple[str, str]], chats: int, words: in
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
                 url, model = systems[name]
+                await quiet_host(f"round {r + 1}, {name}")
                 if choices:
                     many[name] += await many_choices(client, url, model, choices,
                                                      label=f"round {r + 1}, {name}: ")
