@@ -13,8 +13,8 @@ what the shape caches on purpose):
 The revision is checked out into a temporary `git worktree` (its kernels build on first use,
 about 40 s, then load from torch's extension cache); the model folder is this checkout's. Each
 side runs in its own process: an engine as `make run` builds it (every setting the shipped
-default, `--threads` torch threads), warmed up on the same work twice, then `--repeats`
-measured repetitions, median and best. The sides take turns `--rounds` times, so drift in the
+default but a fixed KV pool of 2,048 blocks, which it prints; `--threads` torch threads),
+warmed up on the same work twice, then `--repeats` measured repetitions, median and best. The sides take turns `--rounds` times, so drift in the
 VM's speed falls on both.
 
     python bench/prefill_against_revision.py --revision HEAD~1
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(other), args.revision],
                        cwd=ROOT, check=True)
         try:
-            print(f"settings: every engine setting the shipped default, {args.threads} torch "
-                  f"threads; this checkout against {args.revision}, alternating, {args.rounds} "
-                  f"round(s) of {args.repeats} repetitions each, new prompts every time",
-                  flush=True)
+            print(f"settings: every engine setting the shipped default but the KV pool, 2,048 "
+                  f"blocks (a worker sizes its pool from memory), {args.threads} torch threads; "
+                  f"this checkout against {args.revision}, alternating, {args.rounds} round(s) "
+                  f"of {args.repeats} repetitions each, new prompts every time", flush=True)
             print(f"{'work':>22}  {'this checkout ms':>22}  {args.revision + ' ms':>22}  ratio")
             work = [("prompt", x) for x in args.lengths.split(",") if x]
             work += [("cached", x) for x in args.cached.split(",") if x]

@@ -193,6 +193,42 @@ bool has_amx_bf16() {
 
 namespace {
 
+// One key of one KV head into slot `slot` of its K^T [D/2][padded] (32-bit pairs) and V
+// [padded/2][D][2]; krow/vrow nullptr: zeros.
+inline void pack_slot(const uint16_t* krow, const uint16_t* vrow, uint32_t* kdst, uint16_t* vdst,
+                      int64_t slot, int64_t padded, int64_t D) {
+  uint16_t* vpair = vdst + (slot / 2) * D * 2 + slot % 2;
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    uint32_t word = 0;
+    if (krow != nullptr) std::memcpy(&word, krow + 2 * d2, sizeof(word));
+    kdst[d2 * padded + slot] = word;
+  }
+  for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow != nullptr ? vrow[d] : 0;
+}
+
+// Problems' tasks (positions of a query head, kPositions at a time) over the threads, in zigzag
+// order (first, last, second, second to last, ...): each thread's contiguous range mixes short
+// causal rows with long ones, and one prompt's tasks with another's.
+void attend_problems(const std::vector<Problem>& problems) {
+  const int64_t n = static_cast<int64_t>(problems.size());
+  std::vector<int64_t> tasks_at(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    tasks_at[i + 1] = tasks_at[i] + problems[i].heads * ((problems[i].q_len + kPositions - 1) / kPositions);
+  const int64_t tasks = tasks_at[n];
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(problems[0].dim);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u % 2 == 0 ? u / 2 : tasks - 1 - u / 2;
+      const int64_t i = std::upper_bound(tasks_at.begin(), tasks_at.end(), t) - tasks_at.begin() - 1;
+      const Problem& p = problems[i];
+      const int64_t blocks = (p.q_len + kPositions - 1) / kPositions, local = t - tasks_at[i];
+      const int64_t i0 = (local % blocks) * kPositions;
+      attend_task(p, scratch, local / blocks, i0, std::min<int64_t>(kPositions, p.q_len - i0));
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
 // K^T and V in the GEMMs' order (see the top of this file), read once from key/value rows of
 // any row and head strides; the keys past ctx up to `padded` are zeros.
 void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t padded, uint32_t* kt, uint16_t* vv) {
@@ -204,24 +240,10 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t padded, uint32_t*
   at::parallel_for(0, kv_heads * spans, 16, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / spans, n0 = (task % spans) * kLanes;
-      uint32_t* kdst = kt + h * pairs * padded;
-      uint16_t* vdst = vv + h * padded * D;
       for (int64_t n = n0; n < n0 + kLanes; ++n) {
-        if (n < ctx) {
-          const uint16_t* krow = kb + n * k_row + h * k_head;
-          for (int64_t d2 = 0; d2 < pairs; ++d2) {
-            uint32_t word;
-            std::memcpy(&word, krow + 2 * d2, sizeof(word));
-            kdst[d2 * padded + n] = word;
-          }
-          const uint16_t* vrow = vb + n * v_row + h * v_head;
-          uint16_t* vpair = vdst + (n / 2) * D * 2 + n % 2;
-          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow[d];
-        } else {
-          for (int64_t d2 = 0; d2 < pairs; ++d2) kdst[d2 * padded + n] = 0;
-          uint16_t* vpair = vdst + (n / 2) * D * 2 + n % 2;
-          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = 0;
-        }
+        const bool key = n < ctx;
+        pack_slot(key ? kb + n * k_row + h * k_head : nullptr, key ? vb + n * v_row + h * v_head : nullptr,
+                  kt + h * pairs * padded, vv + h * padded * D, n, padded, D);
       }
     }
   });
@@ -241,22 +263,10 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const
           reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>()));
   at::Tensor out = at::empty({q_len, heads, D}, q.options());
   const Run whole{0, 0, ctx};
-  const Problem p{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), out.data_ptr<at::BFloat16>(),
-                  reinterpret_cast<const at::BFloat16*>(kt.data_ptr<int32_t>()),
-                  vv.data_ptr<at::BFloat16>(), q_len, ctx, heads, heads / kv_heads, D, padded,
-                  static_cast<float>(scale * 1.44269504088896341), window, &whole, 1};
-  // Tasks in zigzag order (first, last, second, second to last, ...): each thread's
-  // contiguous range mixes short causal rows with long ones.
-  const int64_t blocks = (q_len + kPositions - 1) / kPositions, tasks = heads * blocks;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(D);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t t = u % 2 == 0 ? u / 2 : tasks - 1 - u / 2;
-      const int64_t i0 = (t % blocks) * kPositions;
-      attend_task(p, scratch, t / blocks, i0, std::min<int64_t>(kPositions, q_len - i0));
-    }
-    at::native::cpublas::brgemm_release();
-  });
+  attend_problems({Problem{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), out.data_ptr<at::BFloat16>(),
+                           reinterpret_cast<const at::BFloat16*>(kt.data_ptr<int32_t>()),
+                           vv.data_ptr<at::BFloat16>(), q_len, ctx, heads, heads / kv_heads, D, padded,
+                           static_cast<float>(scale * 1.44269504088896341), window, &whole, 1}});
   return out;
 }
 
@@ -314,30 +324,16 @@ void prefill_attention_amx_paged(at::Tensor& out, const at::Tensor& q, const at:
   at::parallel_for(0, kv_heads * (unique + 1), 8, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / (unique + 1), u = task % (unique + 1);
-      const int64_t first = u * bs, count = u < unique ? bs : kLanes;
-      uint32_t* kdst = kp + h * pairs * padded;
-      uint16_t* vdst = vp + h * padded * D;
+      const int64_t count = u < unique ? bs : kLanes;
       for (int64_t t = 0; t < count; ++t) {
-        const int64_t slot = first + t;
-        uint16_t* vpair = vdst + (slot / 2) * D * 2 + slot % 2;
-        if (u < unique && t < filled[u]) {
-          const uint16_t* krow = kc + blocks[u] * block + t * token + h * D;
-          const uint16_t* vrow = vc + blocks[u] * block + t * token + h * D;
-          for (int64_t d2 = 0; d2 < pairs; ++d2) {
-            uint32_t word;
-            std::memcpy(&word, krow + 2 * d2, sizeof(word));
-            kdst[d2 * padded + slot] = word;
-          }
-          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow[d];
-        } else {
-          for (int64_t d2 = 0; d2 < pairs; ++d2) kdst[d2 * padded + slot] = 0;
-          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = 0;
-        }
+        const bool key = u < unique && t < filled[u];
+        const int64_t at = key ? blocks[u] * block + t * token + h * D : 0;
+        pack_slot(key ? kc + at : nullptr, key ? vc + at : nullptr, kp + h * pairs * padded,
+                  vp + h * padded * D, u * bs + t, padded, D);
       }
     }
   });
   std::vector<Problem> problems;
-  std::vector<int64_t> tasks_at(n + 1, 0);
   const float scale_log2 = static_cast<float>(scale * 1.44269504088896341);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t start = spans[4 * i], q_len = spans[4 * i + 1], ctx = spans[4 * i + 2];
@@ -346,22 +342,8 @@ void prefill_attention_amx_paged(at::Tensor& out, const at::Tensor& q, const at:
                                reinterpret_cast<const at::BFloat16*>(kp), vv.data_ptr<at::BFloat16>(), q_len,
                                ctx, heads, heads / kv_heads, D, padded, scale_log2, 0,
                                runs.data() + runs_at[i], runs_at[i + 1] - runs_at[i]});
-    tasks_at[i + 1] = tasks_at[i] + heads * ((q_len + kPositions - 1) / kPositions);
   }
-  const int64_t tasks = tasks_at[n];
-  // Tasks in zigzag order, as prefill_attention_amx takes them.
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(D);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t t = u % 2 == 0 ? u / 2 : tasks - 1 - u / 2;
-      const int64_t i = std::upper_bound(tasks_at.begin(), tasks_at.end(), t) - tasks_at.begin() - 1;
-      const Problem& p = problems[i];
-      const int64_t blocks_per_head = (p.q_len + kPositions - 1) / kPositions, local = t - tasks_at[i];
-      const int64_t i0 = (local % blocks_per_head) * kPositions;
-      attend_task(p, scratch, local / blocks_per_head, i0, std::min<int64_t>(kPositions, p.q_len - i0));
-    }
-    at::native::cpublas::brgemm_release();
-  });
+  attend_problems(problems);
 }
 
 }  // namespace splitserve_cpu

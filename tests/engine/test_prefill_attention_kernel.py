@@ -213,13 +213,22 @@ def test_the_calibration_keeps_the_kernel_only_when_it_wins_by_the_margin():
     assert "prefill attention torch SDPA" in dropped.describe()
 
 
+def _cpp_prefill_engine(model) -> LLMEngine:
+    """A bf16 engine with the C++ prefill attention asked for, blocks of 16, one step taking up
+    to 1,024 tokens (the engine tests below put several prompts in one step)."""
+    from engine.scheduler import SchedulerConfig
+
+    return LLMEngine(EngineConfig(
+        model=str(model), dtype="bfloat16", device="cpu", num_kv_blocks=256, block_size=16,
+        cpu_attention="cpp", scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
+
+
 def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(tmp_path):
     """A tiny bf16 model (head_dim 32); one step carries a decoding request, a prompt after a
     cached prefix and three fresh prompts. With the fresh prompts' spans (shipped) they are
     attended in one prefill_attention_into call per layer; without them (the runner's spans
     taken away), one call per prompt as before. Every token and logprob is the same bit for bit,
     and the profiler shows which op ran."""
-    from engine.scheduler import SchedulerConfig
     from splitserve_cli.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", arch="llama", seed=0, head_dim=32)
@@ -227,9 +236,7 @@ def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(t
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=1)
 
     def run(one_call: bool) -> tuple[dict, int]:
-        engine = LLMEngine(EngineConfig(
-            model=str(model), dtype="bfloat16", device="cpu", num_kv_blocks=256, block_size=16,
-            cpu_attention="cpp", scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
+        engine = _cpp_prefill_engine(model)
         assert engine.runner.native_prefill
         if not one_call:
             engine.runner._fresh_prefill_spans = lambda seqs: None
@@ -356,7 +363,6 @@ def test_engine_attends_prompts_after_cached_prefixes_in_one_call_as_it_did_one_
     the cached spans (shipped) the six are attended in one prefill_attention_paged call per
     layer; without (the runner's spans taken away) one call per chat over its gathered
     context, as before. Every token and logprob is the same bit for bit."""
-    from engine.scheduler import SchedulerConfig
     from splitserve_cli.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", arch="llama", seed=0, head_dim=32)
@@ -364,9 +370,7 @@ def test_engine_attends_prompts_after_cached_prefixes_in_one_call_as_it_did_one_
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
 
     def run(one_call: bool) -> tuple[dict, float]:
-        engine = LLMEngine(EngineConfig(
-            model=str(model), dtype="bfloat16", device="cpu", num_kv_blocks=256, block_size=16,
-            cpu_attention="cpp", scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
+        engine = _cpp_prefill_engine(model)
         assert engine.runner.paged_prefill
         if not one_call:
             engine.runner._cached_prefill_spans = lambda seqs: None
