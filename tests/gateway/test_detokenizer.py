@@ -85,3 +85,36 @@ def test_token_bytes_reassemble_the_text(tokenizer):
     text = TEXTS[0]
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert b"".join(tokenizer.token_bytes(t) for t in ids).decode() == text
+
+
+def _byte_token(tokenizer: ModelTokenizer, value: int) -> int:
+    return next(t for t in range(tokenizer.backend.get_vocab_size())
+                if tokenizer.token_bytes(t) == bytes([value]))
+
+
+def test_stray_bytes_stream_at_once_instead_of_holding_the_rest_of_the_output(smollm2_dir):
+    # A model can sample byte tokens that no continuation makes a character (greedy
+    # completions of random-word prompts did: 128 tokens of U+FFFD). Each is final text: held
+    # as "incomplete", the whole output came in one event at its end.
+    tokenizer = ModelTokenizer(smollm2_dir)
+    stray = _byte_token(tokenizer, 0x80)  # a continuation byte with no first byte before it
+    hello = tokenizer.encode(" hello", add_special_tokens=False)
+    ids = hello + [stray] * 5 + hello
+    deltas = _stream(tokenizer, ids)
+    assert all(deltas[:-1]), "every token's text went out with it"
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_a_first_byte_is_held_until_the_next_byte_shows_it_complete_or_broken(smollm2_dir):
+    tokenizer = ModelTokenizer(smollm2_dir)
+    e2, x82, xac = (_byte_token(tokenizer, b) for b in (0xE2, 0x82, 0xAC))
+    special = tokenizer.backend.token_to_id("<|im_end|>")
+    # E2 82 AC is "€"; a skipped special token between its bytes does not break it.
+    assert _stream(tokenizer, [e2, x82, special, xac]) == ["", "", "", "€", ""]
+    # E2 then "A": the E2 can never complete, so it goes out as U+FFFD with the "A".
+    a = tokenizer.encode("A", add_special_tokens=False)
+    assert _stream(tokenizer, [e2] + a) == ["", "\ufffdA", ""]
+    # E2 then a second first byte: the E2 is broken, the C3 may still complete.
+    c3, xa9 = _byte_token(tokenizer, 0xC3), _byte_token(tokenizer, 0xA9)
+    deltas = _stream(tokenizer, [e2, c3, xa9])
+    assert "".join(deltas) == "\ufffdé" and deltas[-2:] == ["\ufffdé", ""]

@@ -40,6 +40,9 @@ class ModelTokenizer:
         self.template_renders_tools = bool(template) and _reads_tools(template)
         self._byte_level = _uses_byte_level(self.backend.decoder)
         self._token_bytes: dict[int, bytes] = {}
+        self._special_ids = frozenset(
+            token_id for token_id, token in self.backend.get_added_tokens_decoder().items()
+            if token.special)
 
     @property
     def has_chat_template(self) -> bool:
@@ -99,6 +102,10 @@ class ModelTokenizer:
         if cached is None:
             cached = self._token_bytes[token_id] = self._compute_token_bytes(token_id)
         return cached
+
+    def is_special(self, token_id: int) -> bool:
+        """A special token: what `decode(..., skip_special_tokens=True)` leaves out."""
+        return token_id in self._special_ids
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
