@@ -7,6 +7,8 @@ the percentiles of each phase over the requests, from their spans.
 
     python bench/ttft_phases.py                         # disaggregated, chat at 3 req/s, 60 s
     python bench/ttft_phases.py --rate 6 --duration 30 --workload chat --out /tmp/phases
+    python bench/ttft_phases.py --loadgen-args "--workload fixed --input-len 2048 \
+        --output-len 8 --arrival closed --concurrency 1 --num-requests 8"
 
 Only the load generator's own settings change; every serving setting is the shipped default.
 """
@@ -17,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -82,6 +85,10 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8310)
+    parser.add_argument("--loadgen-args", default="",
+                        help="more bench.loadgen flags for the measured run, e.g. '--workload "
+                             "fixed --input-len 2048 --output-len 8 --arrival closed "
+                             "--concurrency 1 --num-requests 8' (one long prompt at a time)")
     parser.add_argument("--out", help="folder for phases.json and the load generator's JSON")
     args = parser.parse_args()
     python = sys.executable
@@ -106,7 +113,8 @@ def main() -> int:
         print(f"{args.workload} at {args.rate:g} req/s for {args.duration:g} s...", flush=True)
         subprocess.run([*loadgen, "--workload", args.workload, "--rate", str(args.rate),
                         "--duration", str(args.duration), "--seed", str(args.seed),
-                        "--out", str(work / "loadgen.json")], cwd=ROOT, check=True)
+                        "--out", str(work / "loadgen.json"), *shlex.split(args.loadgen_args)],
+                       cwd=ROOT, check=True)
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:
