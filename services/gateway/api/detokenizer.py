@@ -8,8 +8,7 @@ no longer ends in U+FFFD (an incomplete character).
 A trailing U+FFFD is held only while the new tokens' bytes end with the start of a character
 that more bytes could complete. Bytes no continuation makes valid (a model sampling stray byte
 tokens) decode to U+FFFD for good, and go out at once: held, they held the whole rest of the
-output (3 of a burst of 32 greedy completions streamed nothing for 3.7 s, then all 128 tokens
-in one event at the end).
+output, which then came in one event at its end.
 """
 
 from __future__ import annotations
