@@ -7,8 +7,9 @@
 // embedding and 26 ms in the norms (`python bench/prefill.py --threads 2 --lengths 2048 --only
 // profile`); what this gained end to end: `python bench/prefill_against_revision.py` (README,
 // Engine).
-// (SiLU-and-multiply was tried too and kept portable: it is bound by its exp either way, 0.6 ns
-// an element on one core with its data in L2, vectorized by the compiler or by hand.)
+// SiLU-and-multiply came later: the portable loop's two float divisions per element (vdivps,
+// one per 16 cycles) bound it at 0.6 ns an element on one core; here one reciprocal estimate
+// and a Newton step replace both.
 //
 // Rounding: every step rounds to bf16 where the portable loop does, with vcvtneps2bf16 (round
 // to nearest even, as c10 rounds), and the RMS sum of squares is added in the portable loop's
@@ -88,6 +89,53 @@ SPLITSERVE_BF16_TARGET inline void rotate_head(const bf16* x, const bf16* c, con
     const __m512 a = round(_mm512_mul_ps(load(x + i), load(c + i)));
     const __m512 b = round(_mm512_mul_ps(swapped, load(s + i)));
     store(out + i, _mm512_add_ps(a, b));
+  }
+}
+
+// exp(x) for x <= 0, 16 at a time: vector_math.h's exp_nonpositive, step for step (2^n by
+// vscalefps, exact where its exponent bits are: n >= -126 after the clamp).
+SPLITSERVE_BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row of silu_and_mul (fused_decode.cpp): out = bf16(bf16(silu(g)) * u). silu(g) = g *
+// sigmoid(g) with e = exp(-|g|) (squared from half the argument, so that it reaches below
+// float's normal range): sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e) below, the reciprocal
+// from vrcp14ps and one Newton step, the quotient corrected once by its residual (so it is
+// torch's g / (1 + exp(-g)) but where the two exps differ in their last bit; the bf16 results
+// differ now and then at a rounding boundary). Where torch's exp(-g) overflows
+// (g < -88.72) the result is -0, as torch's.
+SPLITSERVE_BF16_TARGET inline void silu_and_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t size) {
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  for (int64_t i = 0; i < size; i += 16) {
+    const __mmask16 m = first_lanes(size - i);
+    const __m512 g = load(gate + i, m);
+    const __m512 half = exp_nonpositive(_mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-0.5f)));
+    const __m512 e = _mm512_mul_ps(half, half);
+    const __m512 d = _mm512_add_ps(one, e);
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  // r (2 - d r)
+    // The quotient n / d with n = g (g >= 0) or g e (below), then one correction by its
+    // residual (an FMA): the quotient rounded as a division would round it, all but always.
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 n = _mm512_mask_mul_ps(g, negative, g, e);
+    const __m512 q = _mm512_mul_ps(n, r);
+    __m512 silu = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, n), r, q);
+    // Below -88.72, torch's exp(-g) is inf and its quotient -0.
+    const __mmask16 overflows = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.7228394f), _CMP_LT_OQ);
+    silu = _mm512_mask_mov_ps(silu, overflows, _mm512_set1_ps(-0.0f));
+    store(out + i, _mm512_mul_ps(round(silu), load(up + i, m)), m);
   }
 }
 

@@ -126,6 +126,14 @@ void rotate_and_store(const bf16* qkv, int64_t qkv_stride, const bf16* cos, cons
 // silu(gate) * up over gate_up [rows, 2 * size] -> out [rows, size]: SiLU in float32 rounded
 // to bf16, then the bf16 product, as F.silu(gate) * up does.
 void silu_and_mul(const bf16* gate_up, bf16* out, int64_t rows, int64_t size) {
+  if (splitserve_cpu::has_avx512_bf16()) {
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        splitserve_cpu::avx512::silu_and_mul_row(gate_up + r * 2 * size, gate_up + r * 2 * size + size,
+                                                 out + r * size, size);
+    });
+    return;
+  }
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> act(size);
     for (int64_t r = begin; r < end; ++r) {

@@ -358,11 +358,8 @@ void prefill_attention_into(at::Tensor& out, const at::Tensor& query, const at::
                 tokens, " rows");
   if (n == 0) return;
   if (amx && splitserve_cpu::has_amx_bf16()) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = s[2 * i], b = a + s[2 * i + 1];
-      out.slice(0, a, b).copy_(prefill_attention(query.slice(0, a, b), key.slice(0, a, b),
-                                                 value.slice(0, a, b), scale, window, true));
-    }
+    auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+    splitserve_cpu::prefill_attention_amx_into(out, rows(query), rows(key), rows(value), s, n, scale, window);
     return;
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();

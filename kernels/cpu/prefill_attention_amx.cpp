@@ -107,19 +107,25 @@ AMX_TARGET void softmax_block(const Problem& p, Scratch& s, int64_t rows, int64_
       std::memset(prob, 0, n * sizeof(uint16_t));
       continue;
     }
-    // Whole vectors inside [lo, hi) need no mask; only the (at most two) at its ends do.
+    // Whole vectors inside [lo, hi) need no mask; only the (at most two) at its ends do. The
+    // vectors wholly outside it are zeros, not computed: on the diagonal block of a causal
+    // task that is about half the block.
     auto keep = [lo, hi](int64_t j) -> __mmask16 {
       return j >= lo && j + kLanes <= hi ? static_cast<__mmask16>(0xFFFF) : lanes(lo - j, hi - j);
     };
+    const int64_t begin = std::max<int64_t>(lo, 0) / kLanes * kLanes;
+    const int64_t end = std::min<int64_t>(n, (hi + kLanes - 1) / kLanes * kLanes);
+    std::memset(prob, 0, begin * sizeof(uint16_t));
+    std::memset(prob + end, 0, (n - end) * sizeof(uint16_t));
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += kLanes) {
+    for (int64_t j = begin; j < end; j += kLanes) {
       vmax = _mm512_mask_max_ps(vmax, keep(j), vmax, _mm512_loadu_ps(row + j));
     }
     // scale > 0, so the scaled scores' max is the max scaled.
     const float new_max = std::max(s.max[m], _mm512_reduce_max_ps(vmax) * p.scale_log2);
     const __m512 shift = _mm512_set1_ps(new_max);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += kLanes) {
+    for (int64_t j = begin; j < end; j += kLanes) {
       const __m512 e = _mm512_maskz_mov_ps(
           keep(j), exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), c, shift)));
       sum = _mm512_add_ps(sum, e);
@@ -130,7 +136,8 @@ AMX_TARGET void softmax_block(const Problem& p, Scratch& s, int64_t rows, int64_
                               ? 0.0f : exp2f(s.max[m] - new_max);
       s.sum[m] *= alpha;
       float* acc = s.acc.data() + m * p.dim;
-      for (int64_t d = 0; d < p.dim; ++d) acc[d] *= alpha;
+      const __m512 a = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < p.dim; d += kLanes) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), a));
     }
     s.sum[m] += _mm512_reduce_add_ps(sum);
     s.max[m] = new_max;
@@ -138,7 +145,7 @@ AMX_TARGET void softmax_block(const Problem& p, Scratch& s, int64_t rows, int64_
 }
 
 // Positions [i0, i0 + rows) of query head `head`.
-void attend_task(const Problem& p, Scratch& s, int64_t head, int64_t i0, int64_t rows) {
+AMX_TARGET void attend_task(const Problem& p, Scratch& s, int64_t head, int64_t i0, int64_t rows) {
   namespace blas = at::native::cpublas;
   const int64_t D = p.dim, h = head / p.group, offset = p.ctx - p.q_len;
   const int64_t pos0 = offset + i0, last = pos0 + rows - 1;
@@ -177,10 +184,13 @@ void attend_task(const Problem& p, Scratch& s, int64_t head, int64_t i0, int64_t
     first = false;
   }
   for (int64_t m = 0; m < rows; ++m) {
-    const float inv = 1.0f / s.sum[m];
+    const __m512 inv = _mm512_set1_ps(1.0f / s.sum[m]);
     const float* acc = s.acc.data() + m * D;
     at::BFloat16* o = p.out + ((i0 + m) * p.heads + head) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(acc[d] * inv);
+    for (int64_t d = 0; d < D; d += kLanes) {  // rounded to nearest even, as at::BFloat16 does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), inv)));
+    }
   }
 }
 
@@ -229,22 +239,70 @@ void attend_problems(const std::vector<Problem>& problems) {
   });
 }
 
-// K^T and V in the GEMMs' order (see the top of this file), read once from key/value rows of
-// any row and head strides; the keys past ctx up to `padded` are zeros.
-void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t padded, uint32_t* kt, uint16_t* vv) {
-  const int64_t ctx = k.size(0), kv_heads = k.size(1), D = k.size(2), pairs = D / 2;
-  const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
-  const int64_t spans = padded / kLanes;  // tasks of 16 keys per KV head
-  at::parallel_for(0, kv_heads * spans, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / spans, n0 = (task % spans) * kLanes;
-      for (int64_t n = n0; n < n0 + kLanes; ++n) {
-        const bool key = n < ctx;
-        pack_slot(key ? kb + n * k_row + h * k_head : nullptr, key ? vb + n * v_row + h * v_head : nullptr,
-                  kt + h * pairs * padded, vv + h * padded * D, n, padded, D);
+// Keys and values as the GEMMs read them (see the top of this file), from rows at any row and
+// head strides: `keys` keys of one sequence, packed `padded` slots per KV head (the slots past
+// its keys are zeros).
+struct Packing {
+  const uint16_t *k, *v;
+  int64_t k_row, k_head, v_row, v_head, keys, padded;
+  uint32_t* kt;  // [kv_heads][D/2][padded]
+  uint16_t* vv;  // [kv_heads][padded/2][D][2]
+
+  Packing(const at::Tensor& key, const at::Tensor& value, int64_t first, int64_t count, int64_t slots,
+          uint32_t* kt_out, uint16_t* vv_out)
+      : k(reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>()) + first * key.stride(0)),
+        v(reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>()) + first * value.stride(0)),
+        k_row(key.stride(0)), k_head(key.stride(1)), v_row(value.stride(0)), v_head(value.stride(1)),
+        keys(count), padded(slots), kt(kt_out), vv(vv_out) {}
+
+  // Tasks of 16 slots of one KV head: kv_heads * padded / 16 of them.
+  int64_t tasks(int64_t kv_heads) const { return kv_heads * (padded / kLanes); }
+
+  AMX_TARGET void pack(int64_t task, int64_t D) const {
+    const int64_t h = task / (padded / kLanes), n0 = (task % (padded / kLanes)) * kLanes;
+    if (k_row % 2 == 0 && k_head % 2 == 0 && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
+      // K^T: pair d2 of the 16 keys is one gather of 32-bit words (key n0 + j's to lane j), one
+      // store; V: a key pair's rows interleaved 16 dims at a time by one permute.
+      const __mmask16 present = lanes(0, keys - n0);
+      const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int32_t>(k_row / 2)));
+      const auto* first = reinterpret_cast<const int32_t*>(k + std::min(n0, keys - 1) * k_row + h * k_head);
+      uint32_t* kdst = kt + h * (D / 2) * padded + n0;
+      for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+        _mm512_storeu_si512(kdst + d2 * padded,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, first + d2, 4));
       }
+      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      for (int64_t t0 = n0; t0 < n0 + kLanes; t0 += 2) {
+        uint16_t* vdst = vv + h * padded * D + (t0 / 2) * D * 2;
+        const uint16_t* a = t0 < keys ? v + t0 * v_row + h * v_head : nullptr;
+        const uint16_t* b = t0 + 1 < keys ? v + (t0 + 1) * v_row + h * v_head : nullptr;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const __m256i x = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)) : _mm256_setzero_si256();
+          const __m256i y = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)) : _mm256_setzero_si256();
+          _mm512_storeu_si512(vdst + d * 2, _mm512_permutexvar_epi16(
+                                                interleave, _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1)));
+        }
+      }
+      return;
+    }
+    for (int64_t n = n0; n < n0 + kLanes; ++n) {
+      const bool key = n < keys;
+      pack_slot(key ? k + n * k_row + h * k_head : nullptr, key ? v + n * v_row + h * v_head : nullptr,
+                kt + h * (D / 2) * padded, vv + h * padded * D, n, padded, D);
+    }
+  }
+};
+
+// The sequences' packings, one parallel pass over all their tasks.
+void pack_all(const std::vector<Packing>& packings, int64_t kv_heads, int64_t D) {
+  std::vector<int64_t> tasks_at(packings.size() + 1, 0);
+  for (size_t i = 0; i < packings.size(); ++i) tasks_at[i + 1] = tasks_at[i] + packings[i].tasks(kv_heads);
+  at::parallel_for(0, tasks_at.back(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t i = std::upper_bound(tasks_at.begin(), tasks_at.end(), u) - tasks_at.begin() - 1;
+      packings[i].pack(u - tasks_at[i], D);
     }
   });
 }
@@ -259,8 +317,8 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const
   const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;
   at::Tensor kt = at::empty({kv_heads, D / 2, padded}, at::kInt);
   at::Tensor vv = at::empty({kv_heads, padded / 2, D, 2}, at::kBFloat16);
-  pack_kv(k, v, padded, reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()),
-          reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>()));
+  pack_all({Packing(k, v, 0, ctx, padded, reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()),
+                   reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>()))}, kv_heads, D);
   at::Tensor out = at::empty({q_len, heads, D}, q.options());
   const Run whole{0, 0, ctx};
   attend_problems({Problem{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), out.data_ptr<at::BFloat16>(),
@@ -268,6 +326,43 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const
                            vv.data_ptr<at::BFloat16>(), q_len, ctx, heads, heads / kv_heads, D, padded,
                            static_cast<float>(scale * 1.44269504088896341), window, &whole, 1}});
   return out;
+}
+
+// Fresh prompts of one step in one call (see the header): their keys packed in one parallel
+// pass, their tasks in one more; each prompt's arithmetic is that of prefill_attention_amx on
+// its own rows. One call per prompt forked and joined the threads twice per prompt and split a
+// prompt's few tasks unevenly over them: a step of 16 prompts of 128 tokens spent 2 ms per
+// layer in it (`python bench/prefill.py --many 16x128`).
+void prefill_attention_amx_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const int64_t* spans, int64_t n, double scale, int64_t window) {
+  const int64_t heads = q.size(1), D = q.size(2), kv_heads = k.size(1);
+  std::vector<int64_t> at_slot(n + 1, 0);  // where each prompt's packing starts, in bf16 elements
+  for (int64_t i = 0; i < n; ++i)
+    at_slot[i + 1] = at_slot[i] + kv_heads * ((spans[2 * i + 1] + kLanes - 1) / kLanes * kLanes) * D;
+  at::Tensor kt = at::empty({at_slot[n] / 2}, at::kInt);
+  at::Tensor vv = at::empty({at_slot[n]}, at::kBFloat16);
+  auto* kp = reinterpret_cast<uint16_t*>(kt.data_ptr<int32_t>());
+  auto* vp = reinterpret_cast<uint16_t*>(vv.data_ptr<at::BFloat16>());
+  std::vector<Packing> packings;
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = spans[2 * i + 1], padded = (len + kLanes - 1) / kLanes * kLanes;
+    packings.emplace_back(k, v, spans[2 * i], len, padded, reinterpret_cast<uint32_t*>(kp + at_slot[i]),
+                          vp + at_slot[i]);
+    runs.push_back(Run{0, 0, len});
+  }
+  pack_all(packings, kv_heads, D);
+  std::vector<Problem> problems;
+  const float scale_log2 = static_cast<float>(scale * 1.44269504088896341);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = spans[2 * i], len = spans[2 * i + 1];
+    problems.push_back(Problem{q.data_ptr<at::BFloat16>() + start * q.stride(0), q.stride(0), q.stride(1),
+                               out.data_ptr<at::BFloat16>() + start * heads * D,
+                               reinterpret_cast<const at::BFloat16*>(kp + at_slot[i]),
+                               reinterpret_cast<const at::BFloat16*>(vp + at_slot[i]), len, len, heads,
+                               heads / kv_heads, D, packings[i].padded, scale_log2, window, &runs[i], 1});
+  }
+  attend_problems(problems);
 }
 
 // Prompts after a cached prefix, all of a step's in one call (see the header). Each physical

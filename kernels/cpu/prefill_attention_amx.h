@@ -13,6 +13,13 @@ bool has_amx_bf16();
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, int64_t window);
 
+// Several fresh prompts of one step, all in one call: prompt i is rows [spans[2i], spans[2i] +
+// spans[2i + 1]) of q, k and v (each row's D values contiguous), causal over its own rows (the
+// last `window` keys when window > 0), written to the same rows of out [tokens, heads, D]
+// (contiguous); other rows of out are left as they are. Spans checked by the caller.
+void prefill_attention_amx_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const int64_t* spans, int64_t n, double scale, int64_t window);
+
 // Prompts whose context begins with cached blocks, all of a step's in one call, reading K/V
 // from the paged cache [blocks, block_size, kv_heads, D] (block_size a multiple of 16). seqs: int64 [n, 4]
 // (query start, query length, context length, row of block_tables [*, blocks] int64); query

@@ -276,6 +276,28 @@ def test_engine_attends_a_steps_fresh_prompts_in_one_call_as_it_did_one_by_one(t
 AMX_ONLY = pytest.mark.skipif(not _has_amx(), reason="needs AMX (bf16)")
 
 
+@AMX_ONLY
+@pytest.mark.parametrize("window", [0, 9])
+def test_prefill_attention_into_reads_keys_off_a_word_boundary_as_on_one(window):
+    """Keys and values are packed by 32-bit gathers where their rows start on a 32-bit word,
+    element by element where they do not (rows one bf16 off): the same output either way."""
+    query, key, value, spans = _packed_prompts([5, 40, 17, 128], 9, 3, 64)
+    seqs = torch.tensor(spans, dtype=torch.long)
+
+    def attend(k, v):
+        out = torch.zeros(query.shape, dtype=torch.bfloat16)
+        torch.ops.splitserve_cpu.prefill_attention_into(out, query, k, v, seqs, 0.125, window, True)
+        return out
+
+    def off_a_word(t):  # the same values, stored one element past a 4-byte boundary
+        shifted = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+        shifted.copy_(t)
+        assert shifted.data_ptr() % 4 == 2
+        return shifted
+
+    assert torch.equal(attend(off_a_word(key), off_a_word(value)), attend(key.contiguous(), value.contiguous()))
+
+
 def _paged_case(heads, kv_heads, head_dim, block_size=16, seed=0):
     """A random paged cache and prompts over it: (query, caches, seqs, tables). The prompts
     share blocks as prefix hits do (a system prompt's three blocks, one prompt's whole context
