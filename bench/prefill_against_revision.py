@@ -8,7 +8,9 @@ what the shape caches on purpose):
   --cached 12x30+1100    one step of COUNT prompts of NEW own tokens after a cached prefix of
                          PREFIX tokens (a system prompt, computed and cached first);
   --sets 13x8x42         one step of SETS x COPIES identical prompts of LENGTH tokens (the
-                         choices of n-choice chats: each choice is a request of its own).
+                         choices of n-choice chats: each choice is a request of its own);
+  --many 16x128          one step of COUNT different prompts of LENGTH tokens (a wave of a
+                         burst: 16 of 128 fill the default 2,048-token step).
 
 The revision is checked out into a temporary `git worktree` (its kernels build on first use,
 about 40 s, then load from torch's extension cache); the model folder is this checkout's. Each
@@ -19,6 +21,7 @@ VM's speed falls on both.
 
     python bench/prefill_against_revision.py --revision HEAD~1
     python bench/prefill_against_revision.py --revision 595b780 --lengths 2048 --cached 12x30+1100 --sets 13x8x42
+    python bench/prefill_against_revision.py --revision 7502c8e --lengths 2048 --many 16x128,4x512
 """
 
 from __future__ import annotations
@@ -79,7 +82,16 @@ def sets_ms():  # SETSxCOPIESxLENGTH identical prompts, one step
     elapsed = time.perf_counter() - start
     run_out()
     return elapsed * 1e3
-work = {"prompt": prompt_ms, "cached": cached_ms, "sets": sets_ms}[kind]
+def many_ms():  # COUNTxLENGTH different prompts, one step
+    count, length = (int(x) for x in shape.split("x"))
+    for _ in range(count):
+        add(tokens(length))
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    run_out()
+    return elapsed * 1e3
+work = {"prompt": prompt_ms, "cached": cached_ms, "sets": sets_ms, "many": many_ms}[kind]
 for _ in range(2):
     work()
 print(json.dumps({"ms": [work() for _ in range(repeats)]}))
@@ -100,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="256,1024,2048", help="one prompt alone ('' none)")
     parser.add_argument("--cached", default="", help="COUNTxNEW+PREFIX,...: a step after a cached prefix")
     parser.add_argument("--sets", default="", help="SETSxCOPIESxLENGTH,...: a step of identical prompts")
+    parser.add_argument("--many", default="", help="COUNTxLENGTH,...: a step of different prompts")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             work = [("prompt", x) for x in args.lengths.split(",") if x]
             work += [("cached", x) for x in args.cached.split(",") if x]
             work += [("sets", x) for x in args.sets.split(",") if x]
+            work += [("many", x) for x in args.many.split(",") if x]
             for kind, shape in work:
                 runs: dict[str, list[float]] = {"this": [], "other": []}
                 for round_ in range(args.rounds):
