@@ -4,6 +4,7 @@ and a graceful drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -202,6 +203,13 @@ class Worker:
             kv_endpoint or "-", self.engine.kv.num_blocks, self.engine.runner.dtype,
             self.startup.describe(),
         )
+        # What start-up allocated (the model's modules, torch's, gRPC's and the tokenizer's
+        # objects: about 200,000 the collector tracks) lives as long as the process. Out of the
+        # collector's sight, a full collection no longer walks it in the middle of a step: one
+        # took 81 ms, once in 15 prompts of 2,048 tokens through an aggregated worker.
+        gc.freeze()
+        log.info("start-up objects out of the garbage collector's sight (gc.freeze): %d",
+                 gc.get_freeze_count())
         # A line launchers and tests wait for.
         ranks = f" tp_pids={','.join(map(str, self.rank_pids))}" if self.rank_pids else ""
         standby = " standby=1" if cfg.standby else ""

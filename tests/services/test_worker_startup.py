@@ -3,6 +3,7 @@ the wall time from its process start to that line."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -56,5 +57,16 @@ def test_the_memory_profile_step_is_its_own_phase(tiny_llama_dir):
         profiled = next(line for line in worker.lines if "requests/" in line and "s (weights" in line)
         seconds = float(profiled.split("requests/")[1].split("s (weights")[0])
         assert phases["memory_profile"] == pytest.approx(seconds, abs=0.006), (phases, profiled)
+    finally:
+        worker.kill()
+
+
+def test_a_worker_freezes_what_start_up_allocated(tiny_llama_dir):
+    """Start-up's objects (modules, torch's, gRPC's) live as long as the process; frozen at
+    ready (gc.freeze), a full collection no longer walks them in the middle of a step."""
+    worker = start_worker("both", tiny_llama_dir, "--num-kv-blocks", "32")
+    try:
+        line = next(line for line in worker.lines if "gc.freeze" in line)
+        assert int(re.search(r"\(gc\.freeze\): (\d+)", line).group(1)) > 10_000, line
     finally:
         worker.kill()
