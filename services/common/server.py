@@ -204,9 +204,8 @@ class Worker:
             self.startup.describe(),
         )
         # What start-up allocated (the model's modules, torch's, gRPC's and the tokenizer's
-        # objects: about 200,000 the collector tracks) lives as long as the process. Out of the
-        # collector's sight, a full collection no longer walks it in the middle of a step: one
-        # took 81 ms, once in 15 prompts of 2,048 tokens through an aggregated worker.
+        # objects) lives as long as the process. Out of the collector's sight, a full
+        # collection no longer walks it in the middle of a step (tens of milliseconds).
         gc.freeze()
         log.info("start-up objects out of the garbage collector's sight (gc.freeze): %d",
                  gc.get_freeze_count())
