@@ -93,7 +93,8 @@ SPLITSERVE_BF16_TARGET inline void rotate_head(const bf16* x, const bf16* c, con
 }
 
 // exp(x) for x <= 0, 16 at a time: vector_math.h's exp_nonpositive, step for step (2^n by
-// vscalefps, exact where its exponent bits are: n >= -126 after the clamp).
+// vscalefps, exact where its exponent bits are: n >= -126 after the clamp). Also the softmax's
+// of the dot-product prefill attention (prefill_attention.cpp).
 SPLITSERVE_BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));

@@ -32,6 +32,7 @@
 
 #include <immintrin.h>
 
+#include "elementwise_avx512.h"
 #include "prefill_attention_amx.h"
 #include "vector_math.h"
 
@@ -103,22 +104,6 @@ BF16_TARGET void pack_block(const Problem& p, uint16_t* kp, uint16_t* vp, int64_
 
 // Packing tasks of a problem: one per KV head and 16 keys.
 int64_t pack_tasks(const Problem& p) { return p.kv_heads * (p.padded / kLanes); }
-
-// exp(x) for x <= 0, 16 at a time: exp_nonpositive's method, 2^n by vscalefps.
-BF16_TARGET inline __m512 exp512_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // acc_out[m][dv.., dv + NV vectors) = acc_out * rescale[m] + the chunk's probabilities of row m
 // times V. Key pair outer, output vector inner: kRows x NV independent accumulators (16 for
@@ -213,7 +198,7 @@ BF16_TARGET void attend_tile(const Problem& p, int64_t h, int64_t row0, int64_t 
       const __m512 shift = _mm512_set1_ps(new_max);
       __m512 sum = _mm512_setzero_ps();
       for (int v = 0; v < kVecs; ++v) {
-        const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512_nonpositive(_mm512_sub_ps(s[m][v], shift)));
+        const __m512 e = _mm512_maskz_mov_ps(keep[v], splitserve_cpu::avx512::exp_nonpositive(_mm512_sub_ps(s[m][v], shift)));
         sum = _mm512_add_ps(sum, e);
         // 16 keys' probabilities as bf16, in key order: 8 (key 2k, key 2k + 1) pairs.
         _mm256_store_si256(reinterpret_cast<__m256i*>(probs[m] + v * kLanes / 2),
