@@ -53,6 +53,12 @@ def run_out():
         engine.step()
 def add(prompt, max_tokens=1):
     engine.add_request(f"r{rng.random()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.8))
+def step_ms():  # the next step (what was added), then the rest run out untimed
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    run_out()
+    return elapsed * 1e3
 def prompt_ms():  # one prompt alone, to its first token
     add(tokens(int(shape)))
     start = time.perf_counter()
@@ -66,31 +72,19 @@ def cached_ms():  # COUNTxNEW+PREFIX: one step after the prefix is cached
     run_out()
     for _ in range(count):
         add(prefix + tokens(new))
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
-    run_out()
-    return elapsed * 1e3
+    return step_ms()
 def sets_ms():  # SETSxCOPIESxLENGTH identical prompts, one step
     sets, copies, length = (int(x) for x in shape.split("x"))
     for _ in range(sets):
         prompt = tokens(length)
         for _ in range(copies):
             add(prompt)
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
-    run_out()
-    return elapsed * 1e3
+    return step_ms()
 def many_ms():  # COUNTxLENGTH different prompts, one step
     count, length = (int(x) for x in shape.split("x"))
     for _ in range(count):
         add(tokens(length))
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
-    run_out()
-    return elapsed * 1e3
+    return step_ms()
 work = {"prompt": prompt_ms, "cached": cached_ms, "sets": sets_ms, "many": many_ms}[kind]
 for _ in range(2):
     work()

@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).parent / "cpu" / name for name in (
     "sample_draw.cpp")]
 _HEADERS = [Path(__file__).parent / "cpu" / name for name in (
     "vector_math.h", "prefill_attention_amx.h", "amx_linear.h", "decode_attention_parts.h",
-    "per_row_decode.h", "shared_prefix_decode.h", "elementwise_avx512.h")]
+    "per_row_decode.h", "shared_prefix_decode.h", "elementwise_avx512.h", "kv_pack_avx512.h")]
 # A build lock older than this was left by a process killed mid-build (torch's own lock has no
 # owner check, so every later load would wait on it forever); builds take about a minute.
 STALE_LOCK_SECONDS = 15 * 60

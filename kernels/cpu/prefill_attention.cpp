@@ -33,11 +33,13 @@
 #include <immintrin.h>
 
 #include "elementwise_avx512.h"
+#include "kv_pack_avx512.h"
 #include "prefill_attention_amx.h"
 #include "vector_math.h"
 
 namespace {
 
+namespace kv_pack = splitserve_cpu::kv_pack;
 using splitserve_cpu::exp_nonpositive;
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -68,37 +70,22 @@ struct Problem {
 // past ctx pack as zeros. (Element by element, packing a cached context of 1,300 tokens took
 // about as long as attending 44 new queries over it.)
 BF16_TARGET void pack_block(const Problem& p, uint16_t* kp, uint16_t* vp, int64_t task) {
-  const c10::BFloat16 *k = p.k, *v = p.v;
-  const int64_t D = p.dim, pairs = D / 2, dvecs = D / kLanes, kv = p.kv_heads;
+  const int64_t D = p.dim, pairs = D / 2, kv = p.kv_heads;
   const int64_t h = task / (p.padded / kLanes), block = task % (p.padded / kLanes);
   const int64_t first = block * kLanes, present = std::clamp<int64_t>(p.ctx - first, 0, kLanes);
   const __mmask16 keys = static_cast<__mmask16>((1u << present) - 1u);
   uint16_t* kdst = kp + (h * (p.padded / kLanes) + block) * pairs * 2 * kLanes;
-  const int32_t stride = static_cast<int32_t>(kv * D / 2);  // one key to the next, in pairs
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(stride));
-  const auto* krow = reinterpret_cast<const int32_t*>(k + (std::min(first, p.ctx - 1) * kv + h) * D);
-  for (int64_t dp = 0; dp < pairs; ++dp) {
-    const __m512i pair = present == 0 ? _mm512_setzero_si512()
-        : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys, lanes, krow + dp, 4);
-    _mm512_storeu_si512(kdst + dp * 2 * kLanes, pair);
+  const auto* krow = reinterpret_cast<const int32_t*>(p.k + (std::min(first, p.ctx - 1) * kv + h) * D);
+  for (int64_t dp = 0; dp < pairs; ++dp) {  // one key to the next: kv * D / 2 pairs
+    _mm512_storeu_si512(kdst + dp * 2 * kLanes,
+                        kv_pack::gather_pairs(krow, static_cast<int32_t>(kv * D / 2), keys, dp));
   }
   // The same 16 keys are 8 key pairs of packed V: lane 2i takes key 0's dim i, 2i + 1 key 1's.
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t pair = first / 2; pair < (first + kLanes) / 2; ++pair) {
-    uint16_t* vdst = vp + (h * (p.padded / 2) + pair) * dvecs * 2 * kLanes;
-    const int64_t t0 = pair * 2, t1 = t0 + 1;
-    for (int64_t dv = 0; dv < dvecs; ++dv) {
-      const __m256i a = t0 < p.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         v + (t0 * kv + h) * D + dv * kLanes))
-                                   : _mm256_setzero_si256();
-      const __m256i b = t1 < p.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         v + (t1 * kv + h) * D + dv * kLanes))
-                                   : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(vdst + dv * 2 * kLanes, _mm512_permutexvar_epi16(interleave, both));
-    }
+  const auto* v = reinterpret_cast<const uint16_t*>(p.v);
+  for (int64_t t0 = first; t0 < first + kLanes; t0 += 2) {
+    kv_pack::interleave_pair(t0 < p.ctx ? v + (t0 * kv + h) * D : nullptr,
+                             t0 + 1 < p.ctx ? v + ((t0 + 1) * kv + h) * D : nullptr,
+                             vp + (h * (p.padded / 2) + t0 / 2) * D * 2, D);
   }
 }
 
@@ -302,14 +289,18 @@ void attend_all(std::vector<Problem>& problems) {
   });
 }
 
+// t itself where each row's D values are contiguous (the AMX path reads rows at any row and
+// head strides), else a contiguous copy.
+at::Tensor with_contiguous_rows(const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              double scale, int64_t window, bool amx) {
   check_inputs(query, key, value, window);
   const int64_t q_len = query.size(0), ctx = key.size(0);
   TORCH_CHECK(q_len >= 1 && ctx >= q_len, "need 1 <= q_len <= ctx");
   if (amx && splitserve_cpu::has_amx_bf16()) {
-    auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
-    return splitserve_cpu::prefill_attention_amx(rows(query), rows(key), rows(value), scale, window);
+    return splitserve_cpu::prefill_attention_amx(with_contiguous_rows(query), with_contiguous_rows(key),
+                                                 with_contiguous_rows(value), scale, window);
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   at::Tensor out = at::empty_like(q);
@@ -343,8 +334,8 @@ void prefill_attention_into(at::Tensor& out, const at::Tensor& query, const at::
                 tokens, " rows");
   if (n == 0) return;
   if (amx && splitserve_cpu::has_amx_bf16()) {
-    auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
-    splitserve_cpu::prefill_attention_amx_into(out, rows(query), rows(key), rows(value), s, n, scale, window);
+    splitserve_cpu::prefill_attention_amx_into(out, with_contiguous_rows(query), with_contiguous_rows(key),
+                                               with_contiguous_rows(value), s, n, scale, window);
     return;
   }
   const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();

@@ -27,11 +27,14 @@
 
 #include <immintrin.h>
 
+#include "kv_pack_avx512.h"
 #include "prefill_attention_amx.h"
 #include "vector_math.h"
 
 namespace splitserve_cpu {
 namespace {
+
+namespace kv_pack = splitserve_cpu::kv_pack;
 
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -263,27 +266,16 @@ struct Packing {
     if (k_row % 2 == 0 && k_head % 2 == 0 && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
       // K^T: pair d2 of the 16 keys is one gather of 32-bit words (key n0 + j's to lane j), one
       // store; V: a key pair's rows interleaved 16 dims at a time by one permute.
-      const __mmask16 present = lanes(0, keys - n0);
-      const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int32_t>(k_row / 2)));
       const auto* first = reinterpret_cast<const int32_t*>(k + std::min(n0, keys - 1) * k_row + h * k_head);
       uint32_t* kdst = kt + h * (D / 2) * padded + n0;
       for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-        _mm512_storeu_si512(kdst + d2 * padded,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, first + d2, 4));
+        _mm512_storeu_si512(kdst + d2 * padded, kv_pack::gather_pairs(first, static_cast<int32_t>(k_row / 2),
+                                                                      lanes(0, keys - n0), d2));
       }
-      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
       for (int64_t t0 = n0; t0 < n0 + kLanes; t0 += 2) {
-        uint16_t* vdst = vv + h * padded * D + (t0 / 2) * D * 2;
-        const uint16_t* a = t0 < keys ? v + t0 * v_row + h * v_head : nullptr;
-        const uint16_t* b = t0 + 1 < keys ? v + (t0 + 1) * v_row + h * v_head : nullptr;
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const __m256i x = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)) : _mm256_setzero_si256();
-          const __m256i y = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)) : _mm256_setzero_si256();
-          _mm512_storeu_si512(vdst + d * 2, _mm512_permutexvar_epi16(
-                                                interleave, _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1)));
-        }
+        kv_pack::interleave_pair(t0 < keys ? v + t0 * v_row + h * v_head : nullptr,
+                                 t0 + 1 < keys ? v + (t0 + 1) * v_row + h * v_head : nullptr,
+                                 vv + h * padded * D + (t0 / 2) * D * 2, D);
       }
       return;
     }
