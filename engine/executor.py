@@ -190,14 +190,16 @@ class TensorParallelExecutor:
 
     # -- KV endpoints of ranks 1..N-1 (any thread) -----------------------------------------
 
-    def open_kv_receivers(self, host: str, layout: dict, timeout_s: float) -> list[str]:
+    def open_kv_receivers(self, host: str, layout: dict, timeout_s: float,
+                          shared_memory: bool) -> list[str]:
         """Each rank hosts a KV receiver; returns their endpoints in rank order."""
         replies = [self._expect(KVReceiverOpened, rank) for rank in range(1, self.size)]
-        self._broadcast(OpenKVReceiver(host, layout, timeout_s))
+        self._broadcast(OpenKVReceiver(host, layout, timeout_s, shared_memory))
         return [self._result(f, timeout_s).endpoint for f in replies]
 
-    def open_kv_senders(self, layout: dict, timeout_s: float) -> None:
-        self._broadcast(OpenKVSenders(layout, timeout_s))
+    def open_kv_senders(self, layout: dict, timeout_s: float,
+                        shared_memory_bytes: int) -> None:
+        self._broadcast(OpenKVSenders(layout, timeout_s, shared_memory_bytes))
 
     def send_kv(self, kv: ShardedKV, endpoint: str, request_key: str, first_token: int,
                 num_tokens: int) -> None:

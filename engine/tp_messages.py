@@ -79,12 +79,14 @@ class OpenKVReceiver:
     host: str
     layout: dict
     timeout_s: float
+    shared_memory: bool  # map a co-located sender's region (kv_transfer.shared_memory)
 
 
 @dataclass(frozen=True)
 class OpenKVSenders:
     layout: dict
     timeout_s: float
+    shared_memory_bytes: int  # each channel's region offer (kv_transfer.shared_memory); 0: none
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ class Rank:
             self.senders = KVSenderPool(
                 KVLayout.from_dict(message.layout), self.runner.kv_cache.device, message.timeout_s,
                 tp_rank=self.rank, tp_size=self.size,
+                shared_memory_bytes=message.shared_memory_bytes,
             )
         else:
             raise TypeError(f"unknown tensor-parallel command {type(message).__name__}")
@@ -186,7 +187,7 @@ class Rank:
             host=message.host, port=0, layout=KVLayout.from_dict(message.layout),
             device=self.runner.kv_cache.device, on_kv=self._on_kv, timeout_s=message.timeout_s,
             on_channel_error=lambda peer, exc: self._emit(KVChannelFailed(self.rank, peer, str(exc))),
-            tp_rank=self.rank, tp_size=self.size,
+            tp_rank=self.rank, tp_size=self.size, shared_memory=message.shared_memory,
         )
         self._emit(KVReceiverOpened(self.rank, self.receiver.endpoint))
 

@@ -21,6 +21,7 @@ from kv_transfer.layout import LayoutMismatchError
 
 if TYPE_CHECKING:
     from kv_transfer.receiver import KVReceiver
+    from kv_transfer.shared_memory import SharedRegion
 
 logger = logging.getLogger("kv_transfer.receiver")
 
@@ -32,8 +33,10 @@ class InboundChannel:
     """Receiver side of one channel. Everything here is owned by `self.thread`, except
     `stopping`, which close() sets (a plain bool flip, read between frames)."""
 
-    def __init__(self, receiver: KVReceiver, index: int, peer_id: str, store: dist.Store):
+    def __init__(self, receiver: KVReceiver, index: int, peer_id: str, store: dist.Store,
+                 region: SharedRegion | None = None):
         self.receiver = receiver
+        self.region = region  # mapped by the accept thread when the sender offered one
         self.store = store
         self.index = index
         self.peer_id = peer_id
@@ -52,7 +55,8 @@ class InboundChannel:
         try:
             if self.nonces is not None and not self._authenticate(store):
                 return
-            channel = KVChannel(store, self.index, RECEIVER_RANK, r.device, r.timeout_s)
+            channel = KVChannel(store, self.index, RECEIVER_RANK, r.device, r.timeout_s,
+                                self.region)
             r.stats.add(channels_opened=1)
             self._read_frames(store, channel)
         except Exception as exc:
@@ -61,6 +65,7 @@ class InboundChannel:
                     exc = _wrap(exc, self.peer_id)
                 r._report(self.peer_id, exc)
         finally:
+            self.region = None
             if channel is not None:
                 channel.close()
                 r.stats.add(channels_closed=1)
@@ -176,7 +181,8 @@ class InboundChannel:
             r._pool.release(payload)
             r.stats.add(dropped=1)
             return
-        r.stats.add(transfers=1, bytes=payload.nbytes, seconds=seconds)
+        shared = payload.nbytes if channel.uses_region(payload) else 0
+        r.stats.add(transfers=1, bytes=payload.nbytes, shared_bytes=shared, seconds=seconds)
         r._call(r._on_kv, header, payload)
 
     def _refuse(self, header: KVHeader, reason: str, channel: KVChannel) -> None:

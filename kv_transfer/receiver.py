@@ -29,6 +29,7 @@ from kv_transfer.frame_check import FrameRefused, check_hello
 from kv_transfer.header import KVHeader
 from kv_transfer.inbound_channel import WAKE, InboundChannel
 from kv_transfer.layout import KVLayout, LayoutMismatchError
+from kv_transfer.shared_memory import SharedRegion
 from kv_transfer.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,11 @@ class KVReceiver:
         check_frame: Callable[[KVHeader], str | None] | None = None,
         on_refused: Callable[[KVHeader, str], None] | None = None,
         max_channels: int = DEFAULT_MAX_CHANNELS,
+        shared_memory: bool = True,
     ):
         self.layout = layout
+        # Map a region a sender on this host offers (CPU only); False keeps every payload on gloo.
+        self.shared_memory = shared_memory
         self.secret = secret or None
         self.max_blocks = max_blocks
         self.max_channels = max_channels
@@ -256,8 +260,14 @@ class KVReceiver:
             return
         # Cloned here, not in the channel thread: close() may drop the master store any time
         # after it has joined this (accept) thread.
-        channel = InboundChannel(self, index, peer_id, self._clone_store())
         verdict = {"ok": True, "heartbeat_s": self.timeout_s / 4}
+        region = None
+        if "shared_memory" in hello:
+            region, declined = self._map_region(hello["shared_memory"])
+            verdict["shared_memory"] = region is not None
+            if region is None:
+                verdict["shared_memory_declined"] = declined
+        channel = InboundChannel(self, index, peer_id, self._clone_store(), region)
         if self.secret is not None:
             channel.nonces = (sender_nonce, auth.new_nonce())
             verdict["nonce"] = channel.nonces[1]
@@ -268,7 +278,15 @@ class KVReceiver:
             self._channels[index] = channel
         store.set(verdict_key, json.dumps(verdict))
         channel.thread.start()
-        logger.info("kv receiver %s: channel %d from %s", self.endpoint, index, peer_id)
+        logger.info("kv receiver %s: channel %d from %s%s", self.endpoint, index, peer_id,
+                    " (shared memory)" if region is not None else "")
+
+    def _map_region(self, offer: object) -> tuple[SharedRegion | None, str]:
+        if not self.shared_memory:
+            return None, "the receiver takes payloads over gloo only"
+        if self.device.type != "cpu":
+            return None, f"the receiver's KV is on {self.device}"
+        return SharedRegion.attach(offer)
 
     def _clone_store(self) -> dist.Store:
         """A new client of the master store. Its connect is bounded by the store's timeout,

@@ -31,6 +31,7 @@ from kv_transfer.channel import (
 )
 from kv_transfer.header import HeaderFlag, KVHeader, encode_header, header_to_bytes
 from kv_transfer.layout import KVLayout, LayoutMismatchError
+from kv_transfer.shared_memory import DEFAULT_SHARED_MEMORY_BYTES, SharedRegion, region_bytes_ok
 from kv_transfer.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,13 @@ class KVSender:
         tp_rank: int = 0,
         tp_size: int = 1,
         secret: bytes | None = None,
+        shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
     ):
         self.host, self.port = parse_endpoint(endpoint)
+        # Offered to the receiver on CPU; used when it can map it (same host), else gloo. 0: never.
+        if shared_memory_bytes > 0 and (reason := region_bytes_ok(shared_memory_bytes)):
+            raise ValueError(reason)
+        self.shared_memory_bytes = shared_memory_bytes
         self.secret = secret or None  # with it, both ends prove it before the group is built
         self.tp_rank = tp_rank  # told to the receiver, which refuses another degree or rank
         self.tp_size = tp_size
@@ -174,6 +180,12 @@ class KVSender:
     def error(self) -> BaseException | None:
         """Why this sender is broken, or None while it is usable."""
         return self._error
+
+    @property
+    def transport(self) -> str | None:
+        """How payloads travel once connected ("shared memory", "gloo", "nccl"); None before."""
+        channel = self._channel
+        return channel.transport if channel is not None else None
 
     @property
     def usable(self) -> bool:
@@ -271,18 +283,26 @@ class KVSender:
         )
         self._store = store
         self._index = store.add(PEERS_COUNTER, 1)
-        hello = {
-            "index": self._index,
-            "peer_id": self.peer_id,
-            "layout": self.layout.to_dict(),
-            "backend": backend_name(self.device),
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-        }
-        if self.secret is not None:
-            hello["nonce"] = auth.new_nonce()
-        store.queue_push(ARRIVALS_QUEUE, json.dumps(hello))
-        verdict = json.loads(store.get(channel_key(self._index, "verdict")))
+        region = (SharedRegion.create_or_none(self.shared_memory_bytes, self.peer_id)
+                  if self.device.type == "cpu" else None)
+        try:
+            hello = {
+                "index": self._index,
+                "peer_id": self.peer_id,
+                "layout": self.layout.to_dict(),
+                "backend": backend_name(self.device),
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
+            }
+            if region is not None:
+                hello["shared_memory"] = region.offer()
+            if self.secret is not None:
+                hello["nonce"] = auth.new_nonce()
+            store.queue_push(ARRIVALS_QUEUE, json.dumps(hello))
+            verdict = json.loads(store.get(channel_key(self._index, "verdict")))
+        finally:
+            if region is not None:
+                region.unlink()  # the receiver has mapped it by now, or never will
         if not verdict["ok"]:
             error_type = (
                 LayoutMismatchError
@@ -290,12 +310,20 @@ class KVSender:
                 else KVChannelError
             )
             raise error_type(f"KV receiver {self.endpoint} refused this sender: {verdict['error']}")
+        if region is not None and verdict.get("shared_memory") is not True:
+            logger.info("kv sender %s: %s does not share memory with this process (%s); "
+                        "payloads go over %s", self.peer_id, self.endpoint,
+                        verdict.get("shared_memory_declined", "no answer"),
+                        backend_name(self.device))
+            region = None
         self._heartbeat_s = float(verdict["heartbeat_s"])
         if self.secret is not None:
             self._authenticate(store, hello["nonce"], verdict)
-        self._channel = KVChannel(store, self._index, SENDER_RANK, self.device, self.timeout_s)
+        self._channel = KVChannel(store, self._index, SENDER_RANK, self.device, self.timeout_s,
+                                  region)
         self.stats.add(channels_opened=1)
-        logger.info("kv sender %s: channel %d to %s", self.peer_id, self._index, self.endpoint)
+        logger.info("kv sender %s: channel %d to %s (%s)", self.peer_id, self._index,
+                    self.endpoint, self._channel.transport)
 
     def _authenticate(self, store: dist.Store, nonce: str, verdict: dict) -> None:
         """The receiver proved the secret in its verdict; now this end proves it in turn."""
@@ -354,7 +382,8 @@ class KVSender:
         if item.flags & HeaderFlag.ABORT:
             self.stats.add(aborts=1)
         else:
-            self.stats.add(transfers=1, bytes=nbytes, seconds=seconds)
+            shared = nbytes if self._channel.uses_region(item.payload) else 0
+            self.stats.add(transfers=1, bytes=nbytes, shared_bytes=shared, seconds=seconds)
         item.future.set_result(TransferResult(nbytes, seconds, start - item.enqueued))
 
     def _fail(self, exc: BaseException, current: _Item | None = None) -> None:

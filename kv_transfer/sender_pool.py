@@ -10,6 +10,7 @@ import torch
 from kv_transfer.channel import split_endpoints, tensor_parallel_mismatch
 from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.sender import KVSender
+from kv_transfer.shared_memory import DEFAULT_SHARED_MEMORY_BYTES
 from kv_transfer.stats import KVStats
 
 # Each sender is a thread and a process group; a prefill worker needs one per decode worker
@@ -44,12 +45,14 @@ class KVSenderPool:
         tp_size: int = 1,
         secret: bytes | None = None,
         max_senders: int = DEFAULT_MAX_SENDERS,
+        shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
     ):
         if max_senders < 1:
             raise ValueError(f"max_senders must be >= 1, got {max_senders}")
         self.layout = layout
         self.secret = secret
         self.max_senders = max_senders
+        self.shared_memory_bytes = shared_memory_bytes  # each sender's region offer (KVSender)
         # Rank tp_rank of a TP-tp_size prefill worker sends to the same rank of the decode worker.
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -98,6 +101,7 @@ class KVSenderPool:
                     tp_rank=self.tp_rank,
                     tp_size=self.tp_size,
                     secret=self.secret,
+                    shared_memory_bytes=self.shared_memory_bytes,
                 )
                 self._senders[endpoint] = sender
         if stale is not None:

@@ -12,6 +12,7 @@ class KVStatsSnapshot:
 
     transfers: int = 0  # DATA payloads completed (sent, or received and handed to on_kv)
     bytes: int = 0  # payload bytes of those transfers
+    shared_bytes: int = 0  # of those, the bytes that crossed a shared-memory region (one host)
     seconds: float = 0.0  # wall time spent moving them (sum over transfers)
     dropped: int = 0  # received in full but unwanted (is_wanted said no), then discarded
     aborts: int = 0  # ABORT frames sent or received

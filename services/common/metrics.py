@@ -181,6 +181,9 @@ class _StatsCollector:
             snaps = [s.snapshot() for s in m.kv_stats]
             yield _counter("splitserve_kv_transfer_bytes", "KV bytes moved.", labels,
                            sum(s.bytes for s in snaps))
+            yield _counter("splitserve_kv_transfer_shared_memory_bytes", "KV bytes that crossed "
+                           "a shared-memory region (prefill and decode on one host); the rest "
+                           "went over gloo or NCCL.", labels, sum(s.shared_bytes for s in snaps))
             yield _counter("splitserve_kv_transfers", "KV transfers completed.", labels,
                            sum(s.transfers for s in snaps))
             yield _counter("splitserve_kv_transfer_failures", "KV transfers that failed.", labels,

@@ -126,6 +126,7 @@ class Worker:
                 secret=self.cluster_secret, max_blocks=self.engine.kv.num_blocks,
                 check_frame=self.kv_keys.check_frame,
                 on_refused=lambda header, reason: self._on_kv_abort(header),
+                shared_memory=cfg.kv_shared_memory_mib > 0,
             )
             # One endpoint per tensor-parallel rank, in rank order.
             kv_endpoint = ",".join(f"{cfg.public_host}:{endpoint.rsplit(':', 1)[1]}"
@@ -136,7 +137,8 @@ class Worker:
                                            timeout_s=cfg.kv_transfer_timeout_s,
                                            secret=self.cluster_secret,
                                            max_senders=cfg.max_kv_senders,
-                                           max_queued=cfg.max_queued_kv_transfers)
+                                           max_queued=cfg.max_queued_kv_transfers,
+                                           shared_memory_bytes=cfg.kv_shared_memory_bytes)
             self.metrics.kv_stats.append(self.senders.stats)
 
         from services.decode.servicer import DecodeServicer

@@ -19,6 +19,7 @@ from engine.executor import ShardedKV, TensorParallelExecutor
 from engine.llm_engine import LLMEngine
 from engine.tp_messages import received_handle
 from kv_transfer import KVChannelError, KVHeader, KVLayout, KVReceiver, KVSenderPool
+from kv_transfer.shared_memory import DEFAULT_SHARED_MEMORY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class ShardedKVSenderPool:
         self.executor = executor
         self.local = KVSenderPool(layout=layout, device=device, timeout_s=timeout_s,
                                   tp_rank=0, tp_size=executor.size, **limits)
-        executor.open_kv_senders(layout.to_dict(), timeout_s)
+        executor.open_kv_senders(layout.to_dict(), timeout_s,
+                                 limits.get("shared_memory_bytes", DEFAULT_SHARED_MEMORY_BYTES))
         self.stats = self.local.stats
 
     def send(self, endpoint: str, request_key: str, first_token: int, num_tokens: int,
@@ -105,7 +107,8 @@ class ShardedKVReceiver:
                                 tp_rank=0, tp_size=executor.size, **checks)
         executor.on_kv_arrived = self._arrived_on_rank
         executor.on_kv_channel_error = self._channel_failed_on_rank
-        others = executor.open_kv_receivers(host, layout.to_dict(), timeout_s)
+        others = executor.open_kv_receivers(host, layout.to_dict(), timeout_s,
+                                            shared_memory=checks.get("shared_memory", True))
         self.endpoint = ",".join([self.local.endpoint, *others])
         self.stats = self.local.stats
 

@@ -191,6 +191,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
                         default=int(_env("max_queued_kv_transfers", 64)),
                         help="prefill: KV transfers queued per decode endpoint; a prompt's KV "
                              "waits for room (up to 10 s, then RESOURCE_EXHAUSTED)")
+    parser.add_argument("--kv-shared-memory-mib", type=int,
+                        default=int(_env("kv_shared_memory_mib", 64)),
+                        help="KV between a prefill and a decode worker on one host goes through "
+                             "a shared-memory region of this many MiB per channel (in /dev/shm) "
+                             "instead of gloo over loopback; 0: gloo only")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
     parser.add_argument("--log-format", choices=("json", "text"), default=_env("log_format", "json"))
 
@@ -264,4 +269,5 @@ def _build(args: argparse.Namespace, role: str | None) -> WorkerConfig:
         kv_allowed_endpoints=args.kv_allowed_endpoints,
         max_kv_senders=args.max_kv_senders,
         max_queued_kv_transfers=args.max_queued_kv_transfers,
+        kv_shared_memory_mib=args.kv_shared_memory_mib,
     )

@@ -13,6 +13,7 @@ from engine.scheduler import SchedulerConfig
 from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.attention import ATTENTION_BACKENDS
+from kv_transfer.shared_memory import region_bytes_ok
 from services.common.core_share import DEFAULT_YIELD_BURST_S, DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
@@ -149,6 +150,9 @@ class WorkerConfig:
     max_kv_senders: int = 128
     # Prefill role: KV transfers queued per decode endpoint; a prompt's KV waits for room.
     max_queued_kv_transfers: int = 64
+    # KV between a prefill and a decode worker on one host crosses a shared-memory region of
+    # this size per channel instead of gloo's TCP pair; 0 keeps every payload on gloo.
+    kv_shared_memory_mib: int = 64
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -201,6 +205,9 @@ class WorkerConfig:
             raise ValueError("--max-kv-senders must be >= 1")
         if self.max_queued_kv_transfers < 1:
             raise ValueError("--max-queued-kv-transfers must be >= 1")
+        if self.kv_shared_memory_mib and (reason := region_bytes_ok(self.kv_shared_memory_bytes)):
+            raise ValueError(f"--kv-shared-memory-mib {self.kv_shared_memory_mib}: {reason} "
+                             "(0 turns it off)")
         if self.standby and not self.redis_url:
             raise ValueError("--standby waits for an activation in Redis: it needs --redis-url")
         self._check_openai_port()
@@ -253,6 +260,10 @@ class WorkerConfig:
             draft_model=self.draft_model or None,
             max_batch_size=self.speculative_max_batch_size,
         )
+
+    @property
+    def kv_shared_memory_bytes(self) -> int:
+        return self.kv_shared_memory_mib << 20
 
     @property
     def tls(self) -> TLSFiles:

@@ -75,14 +75,17 @@ class PeerProcess:
                 raise AssertionError(f"peer {self.pid} exited; events: {self._unclaimed}")
             self._unclaimed.append(event)
 
-    def connect(self, name: str, endpoint: str, layout: KVLayout) -> None:
+    def connect(self, name: str, endpoint: str, layout: KVLayout, **options: object) -> dict:
+        """Open sender `name` (`options` go to KVSender); returns the "connected" event."""
         self.command(
-            "connect", name=name, endpoint=endpoint, layout=layout.to_dict(), timeout_s=TIMEOUT_S
+            "connect", name=name, endpoint=endpoint, layout=layout.to_dict(), timeout_s=TIMEOUT_S,
+            **options,
         )
         event = self.expect(
             lambda e: e.get("name") == name and e["event"] in ("connected", "error")
         )
         assert event["event"] == "connected", event
+        return event
 
     def kill(self) -> None:
         """SIGKILL, like an OOM kill or a node loss: no cleanup runs in the peer."""

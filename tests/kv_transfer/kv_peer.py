@@ -51,16 +51,19 @@ class Peer:
     # ---- sender side ----
 
     def op_connect(
-        self, name: str, endpoint: str, layout: dict, timeout_s: float, device: str = "cpu"
+        self, name: str, endpoint: str, layout: dict, timeout_s: float, device: str = "cpu",
+        shared_memory_bytes: int | None = None,
     ) -> None:
-        sender = KVSender(endpoint, KVLayout.from_dict(layout), device, timeout_s, peer_id=name)
+        options = {} if shared_memory_bytes is None else {"shared_memory_bytes": shared_memory_bytes}
+        sender = KVSender(endpoint, KVLayout.from_dict(layout), device, timeout_s, peer_id=name,
+                          **options)
         self.senders[name] = sender
         try:
             sender.wait_ready()
         except Exception as exc:
             self.emit(event="error", name=name, type=type(exc).__name__, message=str(exc))
             return
-        self.emit(event="connected", name=name)
+        self.emit(event="connected", name=name, transport=sender.transport)
 
     def op_send(
         self, name: str, key: str, num_blocks: int, num_tokens: int, first_token: int

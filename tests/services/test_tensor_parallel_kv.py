@@ -75,7 +75,7 @@ class FakeExecutor:
         self.on_kv_arrived = None
         self.on_kv_channel_error = None
 
-    def open_kv_receivers(self, host, layout, timeout_s):
+    def open_kv_receivers(self, host, layout, timeout_s, shared_memory=True):
         return [f"{host}:1"]
 
     def drop_kv(self, handle: str) -> None:

@@ -35,6 +35,8 @@ def test_worker_metrics_follow_served_requests(tiny_llama_dir):
         after = scrape(decode)
         assert after['splitserve_kv_transfers_total{role="decode"}'] == 3
         assert after['splitserve_kv_transfer_bytes_total{role="decode"}'] > 0
+        # Every payload here is under kv_transfer's 2 MiB threshold for the shared region.
+        assert after['splitserve_kv_transfer_shared_memory_bytes_total{role="decode"}'] == 0
         assert after['splitserve_kv_blocks_used{role="decode"}'] == 0
         assert after['splitserve_worker_step_seconds_count{role="decode"}'] > 0
         sent = scrape(prefill)
