@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import queue
@@ -19,19 +18,16 @@ import torch.distributed as dist
 
 from kv_transfer import auth
 from kv_transfer.channel import (
-    ARRIVALS_QUEUE,
-    PEERS_COUNTER,
-    SENDER_RANK,
     KVChannel,
     KVChannelError,
-    backend_name,
     channel_key,
     parse_endpoint,
     timedelta,
 )
 from kv_transfer.header import HeaderFlag, KVHeader, encode_header, header_to_bytes
 from kv_transfer.layout import KVLayout, LayoutMismatchError
-from kv_transfer.shared_memory import DEFAULT_SHARED_MEMORY_BYTES, SharedRegion, region_bytes_ok
+from kv_transfer.sender_handshake import open_channel
+from kv_transfer.shared_memory import DEFAULT_SHARED_MEMORY_BYTES, region_bytes_ok
 from kv_transfer.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -282,68 +278,12 @@ class KVSender:
             self.host, self.port, is_master=False, timeout=timedelta(self.timeout_s)
         )
         self._store = store
-        self._index = store.add(PEERS_COUNTER, 1)
-        region = (SharedRegion.create_or_none(self.shared_memory_bytes, self.peer_id)
-                  if self.device.type == "cpu" else None)
-        try:
-            hello = {
-                "index": self._index,
-                "peer_id": self.peer_id,
-                "layout": self.layout.to_dict(),
-                "backend": backend_name(self.device),
-                "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size,
-            }
-            if region is not None:
-                hello["shared_memory"] = region.offer()
-            if self.secret is not None:
-                hello["nonce"] = auth.new_nonce()
-            store.queue_push(ARRIVALS_QUEUE, json.dumps(hello))
-            verdict = json.loads(store.get(channel_key(self._index, "verdict")))
-        finally:
-            if region is not None:
-                region.unlink()  # the receiver has mapped it by now, or never will
-        if not verdict["ok"]:
-            error_type = (
-                LayoutMismatchError
-                if verdict.get("kind") == "LayoutMismatchError"
-                else KVChannelError
-            )
-            raise error_type(f"KV receiver {self.endpoint} refused this sender: {verdict['error']}")
-        if region is not None and verdict.get("shared_memory") is not True:
-            logger.info("kv sender %s: %s does not share memory with this process (%s); "
-                        "payloads go over %s", self.peer_id, self.endpoint,
-                        verdict.get("shared_memory_declined", "no answer"),
-                        backend_name(self.device))
-            region = None
-        self._heartbeat_s = float(verdict["heartbeat_s"])
-        if self.secret is not None:
-            self._authenticate(store, hello["nonce"], verdict)
-        self._channel = KVChannel(store, self._index, SENDER_RANK, self.device, self.timeout_s,
-                                  region)
+        opened = open_channel(self, store)
+        self._index, self._channel = opened.index, opened.channel
+        self._heartbeat_s, self._frame_key = opened.heartbeat_s, opened.frame_key
         self.stats.add(channels_opened=1)
         logger.info("kv sender %s: channel %d to %s (%s)", self.peer_id, self._index,
                     self.endpoint, self._channel.transport)
-
-    def _authenticate(self, store: dist.Store, nonce: str, verdict: dict) -> None:
-        """The receiver proved the secret in its verdict; now this end proves it in turn."""
-        theirs = verdict.get("nonce")
-        if not auth.is_nonce(theirs) or not auth.proof_ok(
-            auth.receiver_proof(self.secret, self._index, nonce, theirs), verdict.get("proof")
-        ):
-            if auth.is_nonce(theirs):  # a receiver waiting for our answer: end its wait now
-                store.set(channel_key(self._index, "auth"), b"")
-            raise auth.KVAuthError(
-                f"KV receiver {self.endpoint} did not prove the cluster secret (is the decode "
-                "worker started with the same --cluster-secret-file?)", peer_id=self.peer_id
-            )
-        proof = auth.sender_proof(self.secret, self._index, nonce, theirs, self.peer_id)
-        store.set(channel_key(self._index, "auth"), proof)
-        if store.get(channel_key(self._index, "auth_verdict")) != b"ok":
-            raise auth.KVAuthError(
-                f"KV receiver {self.endpoint} refused this sender's proof", peer_id=self.peer_id
-            )
-        self._frame_key = auth.session_key(self.secret, self._index, nonce, theirs)
 
     def _push(self, header: KVHeader) -> None:
         """Ring the doorbell with the next frame's header (the receiver pops it from the store)."""

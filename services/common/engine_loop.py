@@ -18,6 +18,7 @@ from typing import Any
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from services.common.core_share import CoreShare
+from services.common.request_stream import RequestStream, hand_over
 from services.common.step_watchdog import StepWatchdog
 from services.common.token_pace import TokenPace
 
@@ -30,62 +31,6 @@ DEFAULT_MAX_UNREAD_OUTPUTS = 1024
 # A reservation whose KV never arrives is settled by the engine loop after this long, whatever
 # the servicer's own timer does (see EngineLoop._expire_reservations).
 DEFAULT_KV_RESERVATION_TTL_S = 120.0
-
-
-class RequestStream:
-    """Outputs of one request: the engine thread puts, the event loop that opened it gets.
-
-    Bounded by `max_unread` outputs put but not yet got; the engine loop cuts the request off
-    before it would exceed that (one final error output may follow). Each side counts only its
-    own operations, so the bound needs no lock.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_unread: int) -> None:
-        self.loop = loop
-        self.max_unread = max_unread
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.num_put = 0  # engine thread
-        self.num_got = 0  # event loop
-
-    @property
-    def num_unread(self) -> int:
-        return self.num_put - self.num_got
-
-    async def get(self) -> RequestOutput:
-        out = await self.queue.get()
-        self.num_got += 1
-        return out
-
-    def get_ready(self) -> list[RequestOutput]:
-        """The outputs already queued, without waiting (a reader that fell behind catches
-        up by sending them as one message)."""
-        outs = []
-        while not self.queue.empty():
-            outs.append(self.queue.get_nowait())
-        self.num_got += len(outs)
-        return outs
-
-    def put(self, out: RequestOutput) -> None:
-        """Engine thread. An event loop that has closed has no reader left: drop the output."""
-        _hand_over(self.loop, [(self, out)])
-
-
-def _hand_over(loop: asyncio.AbstractEventLoop,
-               batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    """Engine thread: put a step's outputs for streams of one event loop onto their queues with
-    one wake-up of that loop (a call_soon_threadsafe writes to the loop's self-pipe; one per
-    request per step was a system call and a callback per token at batch 32)."""
-    for stream, _ in batch:
-        stream.num_put += 1
-    try:
-        loop.call_soon_threadsafe(_put_all, batch)
-    except RuntimeError:
-        log.debug("%d outputs dropped: their event loop is closed", len(batch))
-
-
-def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in batch:
-        stream.queue.put_nowait(out)
 
 
 class EngineLoop:
@@ -273,7 +218,7 @@ class EngineLoop:
                 continue
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in by_loop.items():
-            _hand_over(loop, batch)
+            hand_over(loop, batch)
 
     def _cut_off(self, request_id: str, stream: RequestStream) -> None:
         """The reader stopped reading: free the request's blocks and end its stream."""
