@@ -3,7 +3,8 @@ gateway's fair queue, the decode worker's KV reservation (which the gateway wait
 sends the prompt to the prefill worker), the prefill worker's queue and forward pass, the KV
 send, and the decode worker's first step. Starts `splitserve up` with the per-process trace
 file (SPLITSERVE_TRACE_FILE), drives it with `python -m bench.loadgen`, stops it, and prints
-the percentiles of each phase over the requests, from their spans.
+the percentiles of each phase over the requests, from their spans, and the prefill steps that
+took them (how a burst split into waves, and when each ran).
 
     python bench/ttft_phases.py                         # disaggregated, chat at 3 req/s, 60 s
     python bench/ttft_phases.py --rate 6 --duration 30 --workload chat --out /tmp/phases
@@ -57,6 +58,32 @@ def phases(trace_file: Path) -> dict[str, list[float]]:
             out["decode reservation"].append(
                 (spans["decode.kv_wait"]["start_ns"] - released[key]) / 1e6)
     return out
+
+
+def prefill_waves(trace_file: Path, gap_ms: float = 10.0) -> list[tuple[int, float, float]]:
+    """The prefill steps that started requests, as (requests, start ms, last end ms) from the
+    arrival at the gateway of the first request that was prefilled: requests whose prefill forward began within
+    `gap_ms` of the previous one's share a step. Shows a burst's waves: a first step that took
+    only the earliest arrivals, or a wave that ran long (on one core, say)."""
+    traces: dict[str, dict] = collections.defaultdict(dict)
+    for line in trace_file.read_text().splitlines():
+        span = json.loads(line)
+        traces[span["trace_id"]][span["name"]] = span
+    rows = sorted((spans["prefill.forward"]["start_ns"], spans["prefill.forward"]["end_ns"],
+                   spans["gateway.request"]["start_ns"]) for spans in traces.values()
+                  if "prefill.forward" in spans and "gateway.request" in spans)
+    if not rows:
+        return []
+    origin = min(arrived for _, _, arrived in rows)
+    waves: list[list[int]] = []  # [count, start_ns, last end_ns]
+    for start, end, _ in rows:
+        if waves and (start - waves[-1][1]) / 1e6 <= gap_ms:
+            waves[-1][0] += 1
+            waves[-1][2] = max(waves[-1][2], end)
+        else:
+            waves.append([1, start, end])
+    return [(count, (start - origin) / 1e6, (end - origin) / 1e6)
+            for count, start, end in waves]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -128,6 +155,10 @@ def main() -> int:
             print(f"{label:<22}{len(values):>9}" + "".join(
                 f"{percentile(values, q):>9.0f}" for q in (0.5, 0.9, 0.99)) +
                 f"{max(values):>9.0f}")
+    waves = prefill_waves(trace)
+    if waves:
+        print("\nprefill steps (ms after the first request reached the gateway): " + ", ".join(
+            f"{count} from {start:.0f} to {end:.0f}" for count, start, end in waves))
     (work / "phases.json").write_text(json.dumps(measured))
     print(f"\nwrote {work / 'phases.json'}")
     return 0
