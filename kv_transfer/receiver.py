@@ -258,8 +258,6 @@ class KVReceiver:
             )
             logger.warning("kv receiver %s: refused %s: %s", self.endpoint, peer_id, exc)
             return
-        # Cloned here, not in the channel thread: close() may drop the master store any time
-        # after it has joined this (accept) thread.
         verdict = {"ok": True, "heartbeat_s": self.timeout_s / 4}
         region = None
         if "shared_memory" in hello:
@@ -267,6 +265,8 @@ class KVReceiver:
             verdict["shared_memory"] = region is not None
             if region is None:
                 verdict["shared_memory_declined"] = declined
+        # Cloned here, not in the channel thread: close() may drop the master store any time
+        # after it has joined this (accept) thread.
         channel = InboundChannel(self, index, peer_id, self._clone_store(), region)
         if self.secret is not None:
             channel.nonces = (sender_nonce, auth.new_nonce())
