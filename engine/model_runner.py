@@ -36,6 +36,7 @@ from kernels.attention import (
     uses_triton,
 )
 from kernels.kernel_paths import KernelPaths
+from kv_transfer.buffer_pool import KVBufferPool
 
 if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
     from engine.structured.masks import GrammarMasks, StepMasks
@@ -138,6 +139,11 @@ class ModelRunner:
                                 self.num_kv_heads, model_config.head_dim), self.dtype,
                                self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        # On CPU a prompt's KV leaves (gather_kv) in buffers that come back once its transfer
+        # is done (LLMEngine.release_kv): inside a 2,048-token prefill step, gathering its 47
+        # MB took 11.3-13.1 ms into new memory (page faults) against 4.3-5.1 ms reused. CUDA's
+        # caching allocator reuses memory by itself.
+        self.kv_staging = KVBufferPool(self.device) if self.device.type == "cpu" else None
         self.graphs = capture_decode_graphs(config, model_config, self.model, self.kv_caches,
                                             triton=self.triton)
 
@@ -145,7 +151,11 @@ class ModelRunner:
 
     def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache.index_select(2, index)
+        if self.kv_staging is None:
+            return self.kv_cache.index_select(2, index)
+        shape = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        out = self.kv_staging.acquire(shape, self.kv_cache.dtype)
+        return torch.index_select(self.kv_cache, 2, index, out=out)
 
     def scatter_kv(self, block_ids: list[int], payload: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)

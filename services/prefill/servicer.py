@@ -64,7 +64,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         while True:
             try:
                 self.kv_handoff.send(endpoint, rid, first, num_sent, kv,
-                                     on_done=lambda error, s=send_span: _finish_send(s, error))
+                                     on_done=lambda error, s=send_span: self._sent(s, kv, error))
                 return
             except KVQueueFullError:
                 if asyncio.get_running_loop().time() + delay > deadline:
@@ -75,6 +75,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 send_span.end()
                 raise
             delay = min(2 * delay, 0.05)
+
+    def _sent(self, span, kv, error: BaseException | None) -> None:
+        """Sender thread, once the transfer has settled: nothing reads `kv` any more."""
+        _finish_send(span, error)
+        self.engine_loop.engine.release_kv(kv)
 
     async def _prefill(self, request, context, span) -> prefill_pb2.PrefillResponse:
         if self.worker.draining:

@@ -350,3 +350,23 @@ def test_held_kv_skip_that_is_not_whole_blocks_before_the_end_is_refused(tiny_ll
         engine.add_request("r", prompt, GREEDY, kv_reused_tokens=4)
     assert engine.scheduler.num_unfinished == 0
     assert_no_leak(engine)
+
+
+def test_released_kv_is_refilled_by_the_next_prompt_and_unreleased_kv_is_left_alone(
+        tiny_llama_dir):
+    """A prefill worker hands a prompt's KV back once its transfer is done (release_kv); the
+    next prompt's KV is gathered into that buffer. KV never handed back stays its owner's."""
+    engine = make_engine(tiny_llama_dir, enable_prefix_caching=False)
+    prompts = random_prompts([10, 10, 10], seed=5)
+    _, first = prefill(engine, "first", prompts[0], GREEDY)
+    kept = first.clone()
+    engine.release_kv(first)
+    _, second = prefill(engine, "second", prompts[1], GREEDY)
+    assert second.data_ptr() == first.data_ptr()  # the same memory, refilled
+    assert not torch.equal(second, kept)  # with the second prompt's KV
+
+    _, third = prefill(engine, "third", prompts[2], GREEDY)  # `second` is still out
+    assert third.data_ptr() != second.data_ptr()
+    again = make_engine(tiny_llama_dir, enable_prefix_caching=False)
+    for rid, prompt, kv in (("second", prompts[1], second), ("third", prompts[2], third)):
+        assert torch.equal(kv, prefill(again, rid, prompt, GREEDY)[1])  # nothing overwritten
