@@ -141,8 +141,8 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         # On CPU a prompt's KV leaves (gather_kv) in buffers that come back once its transfer
         # is done (LLMEngine.release_kv): inside a 2,048-token prefill step, gathering its 47
-        # MB took 11.3-13.1 ms into new memory (page faults) against 4.3-5.1 ms reused. CUDA's
-        # caching allocator reuses memory by itself.
+        # MB takes about 11 ms into new memory (page faults) against 4 ms reused
+        # (bench/kv_gather.py). CUDA's caching allocator reuses memory by itself.
         self.kv_staging = KVBufferPool(self.device) if self.device.type == "cpu" else None
         self.graphs = capture_decode_graphs(config, model_config, self.model, self.kv_caches,
                                             triton=self.triton)

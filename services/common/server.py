@@ -194,7 +194,7 @@ class Worker:
                 self.standby = StandbyWatcher(cfg.redis_url, self.describe, self._join,
                                               ttl_s=cfg.heartbeat_ttl_s,
                                               secret=self.cluster_secret)
-                self.standby.start()
+                await self.standby.start()
             else:
                 await self._join()
         self.startup.end_phase("serving")

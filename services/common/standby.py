@@ -105,21 +105,33 @@ class StandbyWatcher:
         self.secret = secret
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
+    async def start(self) -> None:
+        """Announce once, then watch in the background: a worker that says it is ready is in
+        the pool already (a launcher that looked right after the ready line found the pool
+        empty while the first announcement was still on its way)."""
         last_announce = 0.0
+        try:
+            await self._announce()
+            last_announce = time.monotonic()
+        except Exception as exc:  # Redis down: the watch loop keeps trying
+            log.warning("standby announcement failed: %s", exc)
+        self._task = asyncio.ensure_future(self._run(last_announce))
+
+    async def _announce(self) -> None:
+        info = self.describe()
+        entry = replace(info, updated=time.time())
+        await self.redis.set(STANDBY_KEY + info.worker_id,
+                             entry.to_json(self.secret, prefix=STANDBY_KEY),
+                             px=int(self.ttl_s * 1000))
+
+    async def _run(self, last_announce: float) -> None:
         while True:
             try:
                 info = self.describe()
                 key = ACTIVATE_KEY + info.worker_id
                 now = time.monotonic()
                 if now - last_announce >= self.ttl_s / 5:
-                    entry = replace(info, updated=time.time())
-                    await self.redis.set(STANDBY_KEY + info.worker_id,
-                                         entry.to_json(self.secret, prefix=STANDBY_KEY),
-                                         px=int(self.ttl_s * 1000))
+                    await self._announce()
                     last_announce = now
                 raw = await self.redis.get(key)
                 if raw is not None:
