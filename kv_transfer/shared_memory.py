@@ -1,11 +1,12 @@
 """SharedRegion: a memory-mapped file under /dev/shm that a sender and a receiver on one host
 both map, so a KV payload crosses as two memory copies instead of through TCP on loopback.
 
-The sender creates the file (mode 0600, a random name) and offers it in its hello; the receiver
-maps it only if the name has our form and the file begins with the offer's random token, which
-is what proves both ends see the same /dev/shm (the same host, the same container or pod). The
-sender unlinks the file as soon as the receiver has answered, so nothing is left behind when
-either process dies; the mappings live until both ends drop them.
+The sender creates the file (mode 0600, a random name with its pid) and offers it in its hello;
+the receiver maps it only if the name has our form and the file begins with the offer's random
+token, which is what proves both ends see the same /dev/shm (the same host, the same container
+or pod). The sender unlinks the file as soon as the receiver has answered; the mappings live
+until both ends drop them. A sender killed before that leaves its file, and the next region
+created on the host removes every file whose pid is gone.
 
 The region holds `SLOTS` equal slots after a one-page head: a payload larger than a slot crosses
 in slot-sized chunks, the sender filling one slot while the receiver empties the other.
@@ -26,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"splitserve-kv-[0-9a-f]{32}")
+_NAME = re.compile(r"splitserve-kv-([0-9]{1,10})-[0-9a-f]{32}")
 _TOKEN_BYTES = 32
 HEAD_BYTES = 4096  # the token, then zeros; slots start page-aligned after it
 SLOTS = 2
@@ -67,7 +68,8 @@ class SharedRegion:
         reason = region_bytes_ok(nbytes)
         if reason is not None:
             raise ValueError(reason)
-        path = os.path.join(SHM_DIR, f"splitserve-kv-{secrets.token_hex(16)}")
+        _remove_stale()
+        path = os.path.join(SHM_DIR, f"splitserve-kv-{os.getpid()}-{secrets.token_hex(16)}")
         token = secrets.token_bytes(_TOKEN_BYTES)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -156,6 +158,29 @@ class SharedRegion:
 
     def slot(self, index: int) -> torch.Tensor:
         return self._slots[index]
+
+
+def _remove_stale() -> None:
+    """Remove the regions of senders that died before their receiver answered (SIGKILL during
+    a connect): a name whose pid no longer runs."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                logger.info("removed %s, left by a sender that is gone", name)
+            except OSError:
+                pass
+        except (PermissionError, OverflowError):
+            pass  # alive, another user's; or not a pid at all
 
 
 def _touch_pages(tensor: torch.Tensor) -> None:

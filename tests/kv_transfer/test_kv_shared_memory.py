@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,7 +130,7 @@ def test_the_receiver_maps_only_a_region_that_holds_the_offered_token(tmp_path):
         region.slot(1)[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         assert mapped.slot(1)[:4].tolist() == [1, 2, 3, 4]  # one memory, two mappings
 
-        link = f"/dev/shm/splitserve-kv-{'0' * 32}"
+        link = f"/dev/shm/splitserve-kv-{os.getpid()}-{'0' * 32}"
         os.symlink(region.path, link)
         try:
             refused = [
@@ -169,3 +171,21 @@ def test_a_sender_without_a_usable_shm_folder_falls_back_to_gloo(inbox, monkeypa
         inbox.wait(lambda box: len(box.kv) == 1)
         assert_exact(*inbox.kv[0], THRESHOLD_BLOCKS)
         assert receiver.stats.snapshot().shared_bytes == 0
+
+
+def test_a_new_region_removes_those_that_senders_killed_mid_connect_left(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid, live_pid = int(gone.stdout), os.getppid()
+    left = [f"/dev/shm/splitserve-kv-{pid}-{'ab' * 16}" for pid in (dead_pid, live_pid)]
+    for path in left:
+        open(path, "wb").close()
+    try:
+        region = SharedRegion.create(SMALL_REGION)
+        region.unlink()
+        assert not os.path.exists(left[0])  # its sender is gone
+        assert os.path.exists(left[1])  # its sender may still be connecting
+    finally:
+        for path in left:
+            if os.path.exists(path):
+                os.unlink(path)
