@@ -182,6 +182,10 @@ class TensorParallelExecutor:
         weakref.finalize(kv, self._dropped.append, handle)
         return kv
 
+    def release_kv(self, kv: ShardedKV) -> None:
+        """Rank 0's shard back to its pool; the other ranks' shards were never pooled."""
+        self.runner.release_kv(kv.local)
+
     def scatter_kv(self, block_ids: list[int], payload: ShardedKV) -> None:
         if not isinstance(payload, ShardedKV):
             raise TypeError("a tensor-parallel engine takes KV as ShardedKV (one shard per rank)")

@@ -417,9 +417,7 @@ class LLMEngine:
         """Hand back a prompt's KV from its output (`out.kv`) once nothing reads it any more
         (its transfer is done), for the next gather to fill. Any thread may call it; KV that
         never comes back is freed as usual."""
-        runner = self.runner.runner if isinstance(self.runner, TensorParallelExecutor) else self.runner
-        if runner.kv_staging is not None:
-            runner.kv_staging.release(getattr(kv, "local", kv))
+        self.runner.release_kv(kv)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any; a one-rank engine holds nothing."""

@@ -50,7 +50,7 @@ class RequestStream:
 
 
 def hand_over(loop: asyncio.AbstractEventLoop,
-               batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+              batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     """Engine thread: put a step's outputs for streams of one event loop onto their queues with
     one wake-up of that loop (a call_soon_threadsafe writes to the loop's self-pipe; one per
     request per step was a system call and a callback per token at batch 32)."""
