@@ -20,6 +20,7 @@ from engine.executor import TensorParallelExecutor, create_model_runner
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_prefault import KVPrefault
 from engine.outputs import Logprobs, RequestOutput, SchedulerOutput
+from engine.remote_prefill import RemotePrefill
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -31,10 +32,6 @@ from engine.step_threads import StepThreads, default_small_threads, set_team_thr
 log = logging.getLogger(__name__)
 
 
-class KVCacheFull(RuntimeError):
-    """Not enough free KV blocks right now to reserve room for a prompt (retryable)."""
-
-
 @dataclass
 class GenerationResult:
     request_id: str
@@ -43,15 +40,6 @@ class GenerationResult:
     finish_reason: str | None
     logprobs: list[Logprobs]
     text: str | None = None
-
-
-@dataclass(frozen=True)
-class RemoteReservation:
-    """What reserve_remote set aside: the blocks to receive KV into, after the first
-    `num_cached_tokens` prompt tokens, whose KV this worker already held."""
-
-    block_ids: list[int]
-    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -68,6 +56,9 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # Decode role: prompts whose KV a prefill worker sends (reserve, receive, fallbacks).
+        self.remote = RemotePrefill(config.block_size, self.scheduler, self.kv, self.runner,
+                                    self._make_request)
         self.kv_prefault = self._build_kv_prefault()
         self._structured_warm_done = False
         self.speculator: Speculator | None = None
@@ -236,73 +227,6 @@ class LLMEngine:
                 f"(decode_cached_tokens) must be a multiple of the block size "
                 f"({bs}) and fewer than the prompt's {num_prompt_tokens} tokens")
 
-    def reserve_remote(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str = "", reuse_cached_prefix: bool = False,
-    ) -> RemoteReservation:
-        """Decode role: reserve blocks for a prompt whose KV a prefill worker will send;
-        raises KVCacheFull at once if they don't fit. `reuse_cached_prefix`: the prompt's
-        prefix this worker caches (whole blocks, never the whole prompt) is adopted, and the KV
-        to come is the rest's only."""
-        request = self._make_request(request_id, prompt_token_ids, params, priority, False, None,
-                                     cache_salt)
-        block_ids = self.scheduler.reserve_for_remote_kv(request, reuse_cached_prefix)
-        if block_ids is None:
-            raise KVCacheFull(
-                f"{cdiv(len(prompt_token_ids), self.config.block_size)} KV blocks needed, "
-                f"{self.kv.num_free_blocks} free"
-            )
-        return RemoteReservation(block_ids, request.kv_reused_tokens)
-
-    def receive_remote_kv(self, request_id: str, first_token: int, payload) -> RequestOutput | None:
-        """Write a prompt's received KV (`payload`, [layers, 2, blocks, block_size, kv_heads,
-        head_dim], one block per reserved block: the prompt's after any it reused) into its
-        reserved blocks and start decoding it. Returns an output only when the first token
-        already finished the request. A missing or misshapen payload raises ValueError and
-        changes nothing."""
-        if payload is None:
-            raise ValueError(
-                f"receive_remote_kv({request_id!r}) got no KV payload: the blocks would be "
-                "marked computed and cached with nothing written (the profiler, which wants "
-                "exactly that, calls start_decode_for_profiling)"
-            )
-        request = self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            return None  # aborted meanwhile: the payload is dropped
-        if request.kv_lost:  # blocks it adopted will never get their KV: recomputed here
-            return self._remote_kv_arrived(request, first_token)
-        reused_blocks = request.kv_reused_tokens // self.config.block_size
-        block_ids = self.kv.block_ids(request_id)[reused_blocks:]
-        shape = tuple(payload.shape)
-        if len(shape) != 6 or shape[2] != len(block_ids):
-            raise ValueError(
-                f"KV payload for {request_id!r} has shape {shape}; expected 6 dims with "
-                f"{len(block_ids)} blocks on axis 2 (the blocks reserved for its prompt)"
-            )
-        copy_started = time.perf_counter()
-        self.runner.scatter_kv(block_ids, payload)
-        request.transfer_seconds += time.perf_counter() - copy_started
-        return self._remote_kv_arrived(request, first_token)
-
-    def start_decode_for_profiling(self, request_id: str, first_token: int) -> RequestOutput | None:
-        """Profiler only (services/autoscaler/profiler.py): start decoding a reserved request
-        as if its KV had arrived, writing none, because the values do not change a step's
-        time. Its blocks hold whatever was there, so they never enter the prefix cache."""
-        request = self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            return None
-        self.kv.exclude_from_prefix_cache(request)
-        return self._remote_kv_arrived(request, first_token)
-
-    def _remote_kv_arrived(self, request: Request, first_token: int) -> RequestOutput | None:
-        self.scheduler.remote_kv_arrived(request.request_id, first_token)
-        if request.is_finished:
-            return self._final_output(request)
-        return None
-
-    def recompute_locally(self, request_id: str) -> bool:
-        return self.scheduler.recompute_locally(request_id)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; a no-op for unknown or finished requests."""
         held = self._held.pop(request_id, None)
@@ -387,14 +311,6 @@ class LLMEngine:
                 if request is not None:
                     out.compute = request.compute_seconds
         return outputs
-
-    def _final_output(self, request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=[], finished=True,
-            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens, compute=request.compute_seconds,
-        )
 
     def stats(self) -> dict[str, float]:
         return {

@@ -216,8 +216,8 @@ def _time_decode(engine, rng, batch_size: int, context_len: int,
     ids = []
     for i in range(batch_size):
         rid = f"decode-{batch_size}-{context_len}-{i}"
-        engine.reserve_remote(rid, _prompt(rng, engine, context_len - 1), params)
-        engine.start_decode_for_profiling(rid, 100)
+        engine.remote.reserve(rid, _prompt(rng, engine, context_len - 1), params)
+        engine.remote.start_for_profiling(rid, 100)
         ids.append(rid)
     engine.step()  # first step of this batch shape
     times = []

@@ -132,7 +132,7 @@ class EngineLoop:
 
         def command(engine: LLMEngine) -> None:
             try:
-                out = engine.receive_remote_kv(request_id, first_token, payload)
+                out = engine.remote.receive(request_id, first_token, payload)
             finally:
                 if release is not None:
                     release(payload)
@@ -240,7 +240,7 @@ class EngineLoop:
         for rid in self.engine.scheduler.remote_kv_overdue(now - ttl):
             if rid in self._streams:
                 log.warning("KV for %.80s not here after %.1fs; recomputing locally", rid, ttl)
-                self.engine.recompute_locally(rid)
+                self.engine.remote.recompute_locally(rid)
             else:
                 log.warning("reservation of %.80s unclaimed after %.1fs; freeing it", rid, ttl)
                 self.engine.abort(rid)

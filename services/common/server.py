@@ -257,7 +257,7 @@ class Worker:
     def _on_kv_abort(self, header) -> None:
         # kv_transfer receiver thread: the prefill worker says this KV will not come.
         rid = self.kv_keys.request_id(header.request_key)
-        self.engine_loop.submit(lambda engine: engine.recompute_locally(rid))
+        self.engine_loop.submit(lambda engine: engine.remote.recompute_locally(rid))
 
     def _on_channel_error(self, peer, exc) -> None:
         # A prefill peer died. Requests still waiting for KV may have been on it: recompute
@@ -266,7 +266,7 @@ class Worker:
 
         def recompute_all(engine: LLMEngine) -> None:
             for rid in list(engine.scheduler.waiting_for_kv):
-                engine.recompute_locally(rid)
+                engine.remote.recompute_locally(rid)
 
         self.engine_loop.submit(recompute_all)
 

@@ -17,8 +17,9 @@ from opentelemetry.trace import SpanKind, Status
 from opentelemetry.trace import StatusCode as SpanStatus
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
-from engine.llm_engine import KVCacheFull, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.remote_prefill import KVCacheFull
 from services.common import convert, tracing
 from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState, health_response
@@ -101,7 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         def start(engine: LLMEngine):
             if remote:
-                return engine.reserve_remote(rid, prompt, params, priority=request.priority,
+                return engine.remote.reserve(rid, prompt, params, priority=request.priority,
                                              cache_salt=request.cache_salt,
                                              reuse_cached_prefix=request.reuse_cached_prefix)
             engine.add_request(rid, prompt, params, priority=request.priority,
@@ -184,7 +185,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _kv_timed_out(self, request_id: str) -> None:
         log.warning("KV for %s did not arrive in %.1fs; recomputing locally",
                     request_id, self.kv_wait_timeout_s)
-        self.engine_loop.submit(lambda engine: engine.recompute_locally(request_id))
+        self.engine_loop.submit(lambda engine: engine.remote.recompute_locally(request_id))
 
     async def Health(self, request, context) -> common_pb2.HealthResponse:
         await refuse_malformed(request, context)

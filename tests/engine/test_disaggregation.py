@@ -9,7 +9,7 @@ import torch
 from engine_harness import assert_no_leak, drive, make_engine, random_prompts
 
 from engine.kv_cache_manager import cdiv
-from engine.llm_engine import KVCacheFull
+from engine.remote_prefill import KVCacheFull
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -89,11 +89,11 @@ def test_prefill_on_one_engine_and_decode_on_another_equals_one_engine(tiny_llam
     decode_engine.step()
     results = {}
     for rid, prompt in prompts.items():
-        reservation = decode_engine.reserve_remote(rid, prompt, params)
+        reservation = decode_engine.remote.reserve(rid, prompt, params)
         assert len(reservation.block_ids) == cdiv(len(prompt), BLOCK)
         assert reservation.num_cached_tokens == 0
         first, kv = prefill(prefill_engine, rid, prompt, params)
-        assert decode_engine.receive_remote_kv(rid, first, kv) is None  # not finished yet
+        assert decode_engine.remote.receive(rid, first, kv) is None  # not finished yet
         results[rid] = [first]
         # Interleave: decode steps run while other requests are still being prefilled.
         for out in decode_engine.step():
@@ -113,20 +113,20 @@ def test_prefill_from_the_prefix_cache_ships_the_whole_prompt_kv(tiny_llama_dir)
     prefill_engine = make_engine(tiny_llama_dir)
     prefill(prefill_engine, "warm", prompt, GREEDY)
     decode_engine = make_engine(tiny_llama_dir)
-    decode_engine.reserve_remote("r", prompt, GREEDY)
+    decode_engine.remote.reserve("r", prompt, GREEDY)
     first, kv = prefill(prefill_engine, "r", prompt, GREEDY)
     assert prefill_engine.kv.prefix_hits == 12  # three of its four blocks came from the cache
-    decode_engine.receive_remote_kv("r", first, kv)
+    decode_engine.remote.receive("r", first, kv)
     assert [first] + drive(decode_engine)["r"].token_ids == expected
     assert_no_leak(decode_engine)
 
 
-def test_first_token_that_finishes_the_request_is_reported_by_receive_remote_kv(tiny_llama_dir):
+def test_first_token_that_finishes_the_request_is_reported_by_remote_receive(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([6], seed=4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    engine.reserve_remote("r", prompt, params)
-    out = engine.receive_remote_kv("r", 42, blank_kv(engine, 2))
+    engine.remote.reserve("r", prompt, params)
+    out = engine.remote.receive("r", 42, blank_kv(engine, 2))
     assert out is not None and out.finished and out.finish_reason == "length"
     assert out.num_output_tokens == 1
     assert_no_leak(engine)
@@ -135,25 +135,25 @@ def test_first_token_that_finishes_the_request_is_reported_by_receive_remote_kv(
 def test_eos_as_first_token_finishes_with_stop(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([6], seed=4)
-    engine.reserve_remote("r", prompt, GREEDY)
+    engine.remote.reserve("r", prompt, GREEDY)
     eos = engine.model_config.eos_token_ids[0]
-    out = engine.receive_remote_kv("r", eos, blank_kv(engine, 2))
+    out = engine.remote.receive("r", eos, blank_kv(engine, 2))
     assert out is not None and out.finish_reason == "stop"
     assert_no_leak(engine)
 
 
-def test_reserve_remote_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir):
+def test_remote_reserve_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_kv_blocks=6)
     a, b = random_prompts([16, 12], seed=5)
-    assert engine.reserve_remote("a", a, GREEDY).block_ids == [0, 1, 2, 3]
+    assert engine.remote.reserve("a", a, GREEDY).block_ids == [0, 1, 2, 3]
     with pytest.raises(KVCacheFull, match="3 KV blocks needed, 2 free"):
-        engine.reserve_remote("b", b, GREEDY)
+        engine.remote.reserve("b", b, GREEDY)
     assert engine.kv.num_free_blocks == 2
     assert "b" not in engine.scheduler.requests
     engine.abort("a")
     # Retryable: the same id is accepted once there is room.
     # Free queue: never-used 4, 5, then a's blocks tail first.
-    assert engine.reserve_remote("b", b, GREEDY).block_ids == [4, 5, 3]
+    assert engine.remote.reserve("b", b, GREEDY).block_ids == [4, 5, 3]
     engine.abort("b")
     assert_no_leak(engine)
 
@@ -161,12 +161,12 @@ def test_reserve_remote_raises_kv_cache_full_and_changes_nothing(tiny_llama_dir)
 def test_abort_while_waiting_for_kv_frees_the_blocks_and_drops_late_kv(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=6)
-    engine.reserve_remote("r", prompt, GREEDY)
+    engine.remote.reserve("r", prompt, GREEDY)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks - 3
     assert engine.abort("r") is True
     assert_no_leak(engine)
     kv = torch.ones(2, 2, 3, BLOCK, 4, 8)
-    assert engine.receive_remote_kv("r", 7, kv) is None
+    assert engine.remote.receive("r", 7, kv) is None
     assert not engine.runner.kv_cache.any(), "late KV of an aborted request was written"
     assert engine.abort("r") is False
     assert_no_leak(engine)
@@ -177,10 +177,10 @@ def test_recompute_locally_after_a_failed_transfer_gives_the_same_output(tiny_ll
     expected = single_engine_tokens(tiny_llama_dir, prompts, SEEDED)
     engine = make_engine(tiny_llama_dir)
     for rid, prompt in prompts.items():
-        engine.reserve_remote(rid, prompt, SEEDED)
-    assert engine.recompute_locally("a") is True
-    assert engine.recompute_locally("a") is False  # no longer waiting for KV
-    assert engine.recompute_locally("ghost") is False
+        engine.remote.reserve(rid, prompt, SEEDED)
+    assert engine.remote.recompute_locally("a") is True
+    assert engine.remote.recompute_locally("a") is False  # no longer waiting for KV
+    assert engine.remote.recompute_locally("ghost") is False
     assert engine.scheduler.requests["a"].status == RequestStatus.WAITING
     results = {}
     for _ in range(50):
@@ -204,19 +204,19 @@ def test_abort_of_a_held_prefill_request_frees_its_blocks(tiny_llama_dir):
     assert_no_leak(engine)
 
 
-def test_receive_remote_kv_without_a_payload_is_refused_and_changes_nothing(tiny_llama_dir):
+def test_remote_receive_without_a_payload_is_refused_and_changes_nothing(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=9)
-    engine.reserve_remote("r", prompt, GREEDY)
-    with pytest.raises(ValueError, match=r"got no KV payload.*start_decode_for_profiling"):
-        engine.receive_remote_kv("r", 7, None)
+    engine.remote.reserve("r", prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"got no KV payload.*start_for_profiling"):
+        engine.remote.receive("r", 7, None)
     # Still waiting for its KV, nothing marked computed, nothing in the prefix cache.
     assert "r" in engine.scheduler.waiting_for_kv and engine.scheduler.running == []
     assert engine.scheduler.requests["r"].num_computed_tokens == 0
     assert engine.kv.pool.num_cached_blocks == 0
     # The real KV, when it comes, is taken as usual.
     first, kv = prefill(make_engine(tiny_llama_dir), "r", prompt, GREEDY)
-    assert engine.receive_remote_kv("r", first, kv) is None
+    assert engine.remote.receive("r", first, kv) is None
     expected = single_engine_tokens(tiny_llama_dir, {"r": prompt}, GREEDY)["r"]
     assert [first] + drive(engine)["r"].token_ids == expected
     assert_no_leak(engine)
@@ -226,9 +226,9 @@ def test_receive_remote_kv_without_a_payload_is_refused_and_changes_nothing(tiny
 def test_a_payload_of_the_wrong_block_count_is_refused_and_changes_nothing(tiny_llama_dir, num_blocks):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=10)  # three blocks reserved
-    engine.reserve_remote("r", prompt, GREEDY)
+    engine.remote.reserve("r", prompt, GREEDY)
     with pytest.raises(ValueError, match=r"expected 6 dims with 3 blocks on axis 2"):
-        engine.receive_remote_kv("r", 7, torch.ones_like(engine.runner.kv_cache[:, :, :num_blocks]))
+        engine.remote.receive("r", 7, torch.ones_like(engine.runner.kv_cache[:, :, :num_blocks]))
     assert "r" in engine.scheduler.waiting_for_kv and engine.kv.pool.num_cached_blocks == 0
     assert not engine.runner.kv_cache.any(), "a refused payload was written"
     engine.abort("r")
@@ -238,14 +238,14 @@ def test_a_payload_of_the_wrong_block_count_is_refused_and_changes_nothing(tiny_
 def test_the_profiler_entry_point_decodes_without_kv_and_caches_none_of_it(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([13], seed=11)  # three full blocks
-    engine.reserve_remote("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    assert engine.start_decode_for_profiling("r", 100) is None
+    engine.remote.reserve("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert engine.remote.start_for_profiling("r", 100) is None
     assert engine.scheduler.requests["r"] in engine.scheduler.running
     collected = drive(engine)["r"]
     assert len(collected.token_ids) == 7 and collected.finish_reason == "length"
     # Blocks that never held the request's KV (nor KV computed from them) are not findable.
     assert engine.kv.pool.num_cached_blocks == 0
-    assert engine.start_decode_for_profiling("ghost", 100) is None
+    assert engine.remote.start_for_profiling("ghost", 100) is None
     assert_no_leak(engine)
 
 
@@ -255,8 +255,8 @@ def test_the_profiler_entry_point_decodes_without_kv_and_caches_none_of_it(tiny_
 def hold(engine, prompt):
     """Leave `prompt`'s full blocks in the decode engine's prefix cache: a request whose
     (blank) KV arrived from a prefill worker and that ran to its end."""
-    engine.reserve_remote("warm", prompt, GREEDY)
-    engine.receive_remote_kv("warm", 7, blank_kv(engine, cdiv(len(prompt), BLOCK)))
+    engine.remote.reserve("warm", prompt, GREEDY)
+    engine.remote.receive("warm", 7, blank_kv(engine, cdiv(len(prompt), BLOCK)))
     drive(engine)
 
 
@@ -271,13 +271,13 @@ def test_a_prefix_the_decode_engine_holds_is_reused_and_only_the_rest_is_shipped
     decode_engine = make_engine(tiny_llama_dir)
     results = {}
     for rid, prompt in prompts.items():
-        reservation = decode_engine.reserve_remote(rid, prompt, GREEDY, reuse_cached_prefix=True)
+        reservation = decode_engine.remote.reserve(rid, prompt, GREEDY, reuse_cached_prefix=True)
         held = 0 if rid == "a" else 12
         assert reservation.num_cached_tokens == held
         assert len(reservation.block_ids) == cdiv(len(prompt), BLOCK) - held // BLOCK
         first, kv = prefill(prefill_engine, rid, prompt, GREEDY, kv_reused_tokens=held)
         assert kv.shape[2] == len(reservation.block_ids)
-        decode_engine.receive_remote_kv(rid, first, kv)
+        decode_engine.remote.receive(rid, first, kv)
         collected = drive(decode_engine)[rid]
         results[rid] = [first, *collected.token_ids]
         assert collected.num_cached_tokens == 0
@@ -293,7 +293,7 @@ def test_reserve_without_reuse_takes_every_block_fresh(tiny_llama_dir):
     hold(engine, prompt)
     assert engine.kv.pool.num_cached_blocks >= 2  # the prompt's two full blocks, and outputs'
     # The same prompt again, reuse not asked (an older gateway): all three blocks are new.
-    reservation = engine.reserve_remote("r", prompt, GREEDY)
+    reservation = engine.remote.reserve("r", prompt, GREEDY)
     assert reservation.num_cached_tokens == 0 and len(reservation.block_ids) == 3
     engine.abort("r")
     assert_no_leak(engine)
@@ -305,7 +305,7 @@ def test_the_whole_prompt_is_never_reused(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([8], seed=24)
     hold(engine, prompt + [1, 2])
-    reservation = engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
+    reservation = engine.remote.reserve("r", prompt, GREEDY, reuse_cached_prefix=True)
     assert reservation.num_cached_tokens == 4 and len(reservation.block_ids) == 1
     engine.abort("r")
     assert_no_leak(engine)
@@ -315,9 +315,9 @@ def test_a_payload_for_the_whole_prompt_is_refused_after_reuse(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     (prompt,) = random_prompts([10], seed=25)
     hold(engine, prompt)
-    engine.reserve_remote("r", prompt, GREEDY, reuse_cached_prefix=True)
+    engine.remote.reserve("r", prompt, GREEDY, reuse_cached_prefix=True)
     with pytest.raises(ValueError, match=r"expected 6 dims with 1 blocks on axis 2"):
-        engine.receive_remote_kv("r", 7, blank_kv(engine, 3))
+        engine.remote.receive("r", 7, blank_kv(engine, 3))
     assert "r" in engine.scheduler.waiting_for_kv
     engine.abort("r")
     assert_no_leak(engine)
@@ -329,11 +329,11 @@ def test_recompute_locally_after_reuse_gives_the_same_output(tiny_llama_dir):
     expected = single_engine_tokens(tiny_llama_dir, {"b": b}, SEEDED)["b"]
     engine = make_engine(tiny_llama_dir)
     first, kv = prefill(make_engine(tiny_llama_dir), "a", a, GREEDY)
-    engine.reserve_remote("a", a, GREEDY)
-    engine.receive_remote_kv("a", first, kv)
+    engine.remote.reserve("a", a, GREEDY)
+    engine.remote.receive("a", first, kv)
     drive(engine)
-    assert engine.reserve_remote("b", b, SEEDED, reuse_cached_prefix=True).num_cached_tokens == 8
-    assert engine.recompute_locally("b") is True
+    assert engine.remote.reserve("b", b, SEEDED, reuse_cached_prefix=True).num_cached_tokens == 8
+    assert engine.remote.recompute_locally("b") is True
     assert engine.scheduler.requests["b"].kv_reused_tokens == 0
     assert drive(engine)["b"].token_ids == expected
     assert_no_leak(engine)

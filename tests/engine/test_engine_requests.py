@@ -65,7 +65,7 @@ def test_bad_request_is_a_value_error_raised_before_any_state_changes(engine, ca
         engine.add_request("bad", prompt, params)
     assert _state(engine) == before
     with pytest.raises(ValueError, match=message):
-        engine.reserve_remote("bad", prompt, params)
+        engine.remote.reserve("bad", prompt, params)
     assert _state(engine) == before
     drive(engine)
     assert_no_leak(engine)
@@ -100,7 +100,7 @@ def test_a_reused_request_id_is_rejected_while_the_first_is_alive(engine):
     with pytest.raises(ValueError, match=r"request id 'dup' is already in use"):
         engine.add_request("dup", GOOD, SamplingParams())
     with pytest.raises(ValueError, match=r"request id 'dup' is already in use"):
-        engine.reserve_remote("dup", GOOD, SamplingParams())
+        engine.remote.reserve("dup", GOOD, SamplingParams())
     drive(engine)
     engine.add_request("dup", GOOD, SamplingParams(max_tokens=2))  # free again once finished
     drive(engine)

@@ -33,18 +33,18 @@ def test_a_prefix_reserved_but_not_yet_received_is_adopted_not_shipped_again(tin
     decode_engine = make_engine(tiny_llama_dir)
     held = {}
     for rid, prompt in prompts.items():
-        reservation = decode_engine.reserve_remote(rid, prompt, GREEDY, reuse_cached_prefix=True)
+        reservation = decode_engine.remote.reserve(rid, prompt, GREEDY, reuse_cached_prefix=True)
         held[rid] = reservation.num_cached_tokens
     assert held == {"a": 0, "b": 12}
     payloads = {rid: prefill(prefill_engine, rid, prompt, GREEDY, kv_reused_tokens=held[rid])
                 for rid, prompt in prompts.items()}
     assert payloads["b"][1].shape[2] == cdiv(len(prompts["b"]), BLOCK) - 3
     order = ["a", "b"] if landing == "first-prompt-first" else ["b", "a"]
-    decode_engine.receive_remote_kv(order[0], *payloads[order[0]])
+    decode_engine.remote.receive(order[0], *payloads[order[0]])
     if landing == "follower-first":  # b waits for a's KV, holding its first token
         assert "b" in decode_engine.scheduler.waiting_for_kv
         assert not decode_engine.scheduler.running
-    decode_engine.receive_remote_kv(order[1], *payloads[order[1]])
+    decode_engine.remote.receive(order[1], *payloads[order[1]])
     assert not decode_engine.scheduler.waiting_for_kv
     collected = drive(decode_engine)
     results = {rid: [payloads[rid][0], *collected[rid].token_ids] for rid in prompts}
@@ -70,19 +70,19 @@ def test_a_follower_whose_adopted_kv_never_lands_is_recomputed_keeping_its_first
     expected = single_engine_tokens(tiny_llama_dir, {"a": prompts["a"],
                                                      "b": [*prompts["b"], forced]}, GREEDY)
     for rid, prompt in prompts.items():
-        decode_engine.reserve_remote(rid, prompt, GREEDY, reuse_cached_prefix=True)
+        decode_engine.remote.reserve(rid, prompt, GREEDY, reuse_cached_prefix=True)
     b = decode_engine.scheduler.requests["b"]
     own_blocks = cdiv(len(prompts["b"]), BLOCK) - 3
     if own_kv == "landed-before":  # b's KV is in; it waits for a's
-        assert decode_engine.receive_remote_kv("b", forced, blank_kv(decode_engine, own_blocks)) is None
+        assert decode_engine.remote.receive("b", forced, blank_kv(decode_engine, own_blocks)) is None
         assert "b" in decode_engine.scheduler.waiting_for_kv
     if fate == "aborted":
         assert decode_engine.abort("a") is True
     else:
-        assert decode_engine.recompute_locally("a") is True
+        assert decode_engine.remote.recompute_locally("a") is True
     if own_kv == "lands-after":  # b waits for its own first token, then is recomputed
         assert "b" in decode_engine.scheduler.waiting_for_kv and b.kv_lost
-        assert decode_engine.receive_remote_kv("b", forced, blank_kv(decode_engine, own_blocks)) is None
+        assert decode_engine.remote.receive("b", forced, blank_kv(decode_engine, own_blocks)) is None
     assert b.status == RequestStatus.WAITING and b.kv_reused_tokens == 0
     assert b.output_token_ids == [forced]
     collected = drive(decode_engine)
@@ -97,10 +97,10 @@ def test_a_pending_block_is_adopted_only_with_the_same_tokens_and_salt(tiny_llam
     """Another tenant's salt, or a different prefix, adopts nothing of a pending reservation."""
     prompts = shared_prompts(seed=50)
     engine = make_engine(tiny_llama_dir)
-    engine.reserve_remote("a", prompts["a"], GREEDY, reuse_cached_prefix=True)
-    other_tenant = engine.reserve_remote("t", prompts["b"], GREEDY, cache_salt="tenant-2",
+    engine.remote.reserve("a", prompts["a"], GREEDY, reuse_cached_prefix=True)
+    other_tenant = engine.remote.reserve("t", prompts["b"], GREEDY, cache_salt="tenant-2",
                                          reuse_cached_prefix=True)
-    different = engine.reserve_remote("d", random_prompts([18], seed=51)[0], GREEDY,
+    different = engine.remote.reserve("d", random_prompts([18], seed=51)[0], GREEDY,
                                       reuse_cached_prefix=True)
     assert other_tenant.num_cached_tokens == 0 and different.num_cached_tokens == 0
     for rid in ("a", "t", "d"):

@@ -121,13 +121,13 @@ def test_the_grammar_continues_from_a_prefill_engine_to_a_decode_engine(tiny_lla
     decode_engine = make_engine(tiny_llama_dir)
     results = {}
     for rid, prompt in prompts.items():
-        decode_engine.reserve_remote(rid, prompt, sampled(JSON, seed=7))
+        decode_engine.remote.reserve(rid, prompt, sampled(JSON, seed=7))
         prefill_engine.add_request(rid, prompt, sampled(JSON, seed=7), hold_kv=True)
         (out,) = [o for _ in range(20) if prefill_engine.has_unfinished()
                   for o in prefill_engine.step()]
         # The prefill worker's one token is already under the grammar: an object opens.
         assert decode([out.new_token_ids[0]]).startswith("{")
-        decode_engine.receive_remote_kv(rid, out.new_token_ids[0], out.kv)
+        decode_engine.remote.receive(rid, out.new_token_ids[0], out.kv)
         results[rid] = [out.new_token_ids[0]]
     for rid, collected in drive(decode_engine).items():
         results[rid] += collected.token_ids

@@ -76,7 +76,7 @@ def leftovers(stats: dict) -> dict:
 
 
 START = {
-    "decode reservation": lambda rid: lambda e: e.reserve_remote(rid, PROMPT, PARAMS),
+    "decode reservation": lambda rid: lambda e: e.remote.reserve(rid, PROMPT, PARAMS),
     "prefill with held KV": lambda rid: lambda e: e.add_request(
         rid, PROMPT, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True),
     "aggregated request": lambda rid: lambda e: e.add_request(rid, PROMPT, PARAMS),
@@ -130,7 +130,7 @@ def test_unclaimed_reservation_is_freed_after_its_ttl(make_loop):
 
     async def scenario() -> None:
         # Reserved with no stream at all: nobody will read it, nobody recomputes it.
-        await loop.call(lambda e: e.reserve_remote("orphan", PROMPT, PARAMS))
+        await loop.call(lambda e: e.remote.reserve("orphan", PROMPT, PARAMS))
         assert loop.engine.scheduler.waiting_for_kv
         deadline = time.monotonic() + 20
         while leftovers(await loop.call(lambda e: e.stats())):
