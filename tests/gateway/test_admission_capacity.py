@@ -152,6 +152,26 @@ def test_estimate_uses_the_slower_of_requests_and_tokens():
     assert estimator.estimate(0, 0, 5000, room_now=False) == pytest.approx(0.15)
 
 
+def test_a_stalled_backlog_slows_the_estimate_by_requests_not_by_one_token():
+    """A backlog that released nothing for a whole window (the in-flight limit held it) drains
+    at most half a request per busy second, and in tokens at most half an average request's:
+    the wait grows with the stall, it does not jump to minutes."""
+    clock = Clock()
+    estimator = TTFTEstimator(window_s=0.45, alpha=1.0, clock=clock)
+    estimator.backlog(True)
+    for _ in range(10):  # drained 10 requests of 200 tokens a second, two whole windows
+        clock.now += 0.1
+        estimator.released(200)
+    estimator.service_s = 0.1
+    estimator.backlog(False)
+    estimator.backlog(True)  # one request queued, none released for 0.6 s
+    clock.now += 0.6
+    stalled = estimator.estimate(1, 107, 300, room_now=False)
+    # 2 requests at 0.5 / 0.6 s each, or 107 tokens at 100 / 0.6 tokens/s: 2.4 s, plus service.
+    assert stalled == pytest.approx(2 / (0.5 / 0.6) + 0.1)
+    assert stalled < 3.0  # as one token: 107 / (1 / 0.6) = 64 s
+
+
 def test_an_idle_cluster_is_never_predicted_late():
     """After a burst whose first tokens took seconds, a request arriving to an idle cluster is
     admitted (predicted 0): refusing it would also keep the estimate from ever relearning."""

@@ -193,9 +193,13 @@ class TTFTEstimator:
         busy = self._window.busy_s + (self._clock() - self._busy_since
                                       if self._busy_since is not None else 0.0)
         if busy >= self.window_s:
+            if tokens_rate and self.requests_per_s:
+                # Nothing released yet counts as half a request, in tokens too: half an
+                # average request's. (Counted as one token, a queue held 0.6 s by the in-flight
+                # limit drained "1.6 tokens/s", and a 107-token prompt ahead was 65 s of wait.)
+                floor = 0.5 * tokens_rate / self.requests_per_s
+                tokens_rate = min(tokens_rate, max(self._window.tokens, floor) / busy)
             rate = min(rate, max(self._window.requests, 0.5) / busy)
-            if tokens_rate:
-                tokens_rate = min(tokens_rate, max(self._window.tokens, 1) / busy)
         wait = (requests_ahead + 1) / rate
         if tokens_rate and tokens_ahead:
             # Only the prompts ahead: the rate is what was released while backlogged, so it is
