@@ -20,7 +20,7 @@ SENDER_RANK = 1
 PAYLOAD_TAG = 0x4B56  # any constant works; a distinctive one makes gloo error messages greppable
 # Below this a payload goes over gloo even where a shared region exists: the region's token and
 # acknowledgement cost more than the copy saves (1 MiB: 0.72x gloo's rate, 2 MiB: 1.16x, by
-# `python -m bench.kv_transfer --sizes-mib 1 2 4 8`).
+# `python -m bench.kv_transfer_rate --sizes-mib 1 2 4 8`).
 SHARED_MIN_BYTES = 2 << 20
 
 # Store key scheme (the decode worker hosts the store):

@@ -5,7 +5,7 @@ its shared-memory region (what co-located workers use by default) and over gloo'
 (what workers on different hosts use; here a second sender with the region turned off). Each
 mode also reports the CPU time both processes spent per payload.
 
-Run from the repo root:  .venv/bin/python -m bench.kv_transfer  [--sizes-mib 1 16 64] [--reps 15]
+Run from the repo root:  .venv/bin/python -m bench.kv_transfer_rate  [--sizes-mib 1 16 64] [--reps 15]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder would come first on sys.path and `import kv_transfer`
-# would find this very file instead of the package.
+# Run as a script, this file's folder comes first on sys.path; the repository root must come
+# before it (tests/bench/test_bench_layout.py keeps bench/ from shadowing a package).
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
