@@ -308,16 +308,26 @@ def _saturated_point(point: dict, plan: SweepPlan) -> bool:
             or ttft > plan.stop_ttft_s)
 
 
+def point_seed(plan: SweepPlan, wp: WorkloadPlan, rate: float | None, round_: int | None) -> int:
+    """The load generator's seed for one point of one round: the systems of a round get the
+    same prompts, and no point finds another's in a prefix cache. (One seed per round made
+    each workload draw the prompts of the one before it: batch 1's eight prompts were the
+    burst's first eight, a prefix-cache hit wherever the burst had been served, 35 against
+    100 ms to a first token on the AMD host; and a chat rate's prompts were the lower rate's.)"""
+    index = plan.workloads.index(wp) * 50 + (wp.rates.index(rate) if rate in wp.rates else 0)
+    if index >= 1000 or len(wp.rates) > 50:
+        raise ValueError("a plan of more than 20 workloads or 50 rates would reuse seeds")
+    return plan.seed + 1000 * ((round_ or 1) - 1) + index
+
+
 def _run_point(plan: SweepPlan, wp: WorkloadPlan, running: RunningSystem, builder, rate,
                raw_dir: Path, progress: bool, round_: int | None = None) -> dict:
     arrivals = (Burst(wp.burst) if wp.burst else ClosedLoop(wp.concurrency) if wp.concurrency
                 else Poisson(rate))
     target = Target(running.url, running.model_name, wp.endpoint, running.spec.flavor)
     drain = plan.drain_timeout_s if wp.drain_timeout_s is None else wp.drain_timeout_s
-    # Each round its own prompts (the systems of one round the same ones): no round finds the
-    # one before it in a prefix cache.
-    seed = plan.seed + 1000 * ((round_ or 1) - 1)
-    config = RunConfig(target, wp.workload, arrivals, wp.duration_s, seed=seed,
+    config = RunConfig(target, wp.workload, arrivals, wp.duration_s,
+                       seed=point_seed(plan, wp, rate, round_),
                        num_requests=wp.num_requests, slo=plan.slo, drain_timeout_s=drain,
                        progress=progress)
     load_start = round(os.getloadavg()[0], 2)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from bench.compare.machine import ForeignCpu, cores, process_tree
+from bench.compare.sweep import peer_plan, point_seed
 from bench.compare.systems import SYSTEMS, ServeOptions, serve_settings
 from bench.compare.targets import max_sustainable_rate
 
@@ -123,3 +124,18 @@ def test_a_variant_of_a_shipped_deployment_differs_by_one_variable_and_says_so(
     assert variant.env(opts)[variable] == value
     assert variable not in shipped.env(opts)
     assert says in peer_settings_note(opts, (system,))
+
+
+def test_every_point_of_every_round_draws_its_own_prompts():
+    """The systems of one round share a point's prompts; no two points do. With one seed per
+    round, batch 1's prompts were the burst's first eight (a prefix-cache hit wherever the
+    burst was served) and chat at 3 req/s began with the prompts of chat at 1 req/s."""
+    plan = peer_plan("models/x")
+    points = [(wp, rate) for wp in plan.workloads for rate in (wp.rates or (None,))]
+    seeds = [point_seed(plan, wp, rate, round_) for round_ in (1, 2, 3) for wp, rate in points]
+    assert len(set(seeds)) == len(seeds) == 3 * len(points)
+    # Without rounds (one system after another) the points are round 1's.
+    assert [point_seed(plan, wp, rate, None) for wp, rate in points] == seeds[:len(points)]
+    burst, batch1 = plan.workloads[0], plan.workloads[1]
+    assert point_seed(plan, burst, None, 1) == plan.seed  # the first point as before
+    assert point_seed(plan, batch1, None, 1) != point_seed(plan, burst, None, 1)
