@@ -36,7 +36,7 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads,
                                     num_kv_blocks=max(2048, 4 * args.tokens // 16)))
     runner = engine.runner
-    if runner.kv_staging is None:
+    if runner.kv_payloads.staging is None:
         raise SystemExit("this device gathers without a buffer pool (CUDA); nothing to compare")
     gather = runner.gather_kv
     gathered_ms: list[float] = []
@@ -50,11 +50,11 @@ def main() -> int:
     runner.gather_kv = timed_gather
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    pool = runner.kv_staging
+    pool = runner.kv_payloads.staging
     summary: dict[str, list[float]] = {"reused": [], "new": []}
     for run in range(2 * args.runs):
         way = ("reused", "new")[run % 2]
-        runner.kv_staging = pool if way == "reused" else None  # None: index_select, new memory
+        runner.kv_payloads.staging = pool if way == "reused" else None  # None: index_select, new memory
         gathered_ms.clear()
         steps = []
         for i in range(args.prompts):
@@ -73,7 +73,7 @@ def main() -> int:
         summary[way].extend(gathered_ms[1:])
         print(f"run {run + 1} ({way}): gather " + " ".join(f"{ms:.1f}" for ms in gathered_ms)
               + f" ms; step median {statistics.median(steps[1:]):.1f} ms", flush=True)
-    runner.kv_staging = pool
+    runner.kv_payloads.staging = pool
     reused, new = (statistics.median(summary[way]) for way in ("reused", "new"))
     print(f"\n{args.tokens}-token prompts: gather median {reused:.1f} ms into reused buffers "
           f"against {new:.1f} ms into new memory ({new / reused:.2f}x)")

@@ -1,7 +1,7 @@
 """Faulting the CPU KV pool's pages in ahead of the blocks the engine will write next, while
 the engine is idle, so that no step pays for them.
 
-The CPU pool is an anonymous memory mapping (model_runner.zeroed): start-up takes no time
+The CPU pool is an anonymous memory mapping (kv_tensor.zeroed): start-up takes no time
 for it and its unused blocks take no memory, but the first write to each 4 KiB page is a
 page fault, and the kernel zeroes the page inside the step that writes it. A burst of 32
 prompts of 128 tokens writes about 23,000 new pages of SmolLM2's cache (23 KiB per token

@@ -7,8 +7,6 @@ updated from the scheduler's diffs, so the same code runs on every tensor-parall
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraph, DecodeGraphs, capture_decode_graphs
 from engine.distributed import get_tp
 from engine.host_allocator import keep_freed_memory
+from engine.kv_tensor import KVPayloads, kv_cache_bytes_per_block, zeroed
 from engine.layers.linear import use_packed_weights, use_small_m_linear
 from engine.memory_profile import size_kv_pool
 from engine.models.loader import load_model
@@ -36,25 +35,10 @@ from kernels.attention import (
     uses_triton,
 )
 from kernels.kernel_paths import KernelPaths
-from kv_transfer.buffer_pool import KVBufferPool
 
 if TYPE_CHECKING:  # engine/structured needs llguidance, imported with the first grammar
     from engine.structured.masks import GrammarMasks, StepMasks
     from engine.structured.state import GrammarState
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU it lies in an anonymous memory mapping: the kernel's zero pages,
-    each taken when first written, so a 1 GiB KV pool costs nothing at start (torch.zeros
-    writes every page: 0.4-2.5 s here, with the VM's memory in its slower states) and its
-    unused blocks take no RAM. Elsewhere torch.zeros."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # The tensor's storage keeps the mapping alive (frombuffer holds a reference to it).
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @dataclass
@@ -68,10 +52,6 @@ class CachedRequestState:
     prompt_logprobs: list[Logprobs | None] | None = None
     penalty_counts: TokenCounts = field(default_factory=TokenCounts)  # over token_ids
     grammar: GrammarState | None = None  # structured output: follows the output tokens
-
-
-def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
-    return model.num_layers * 2 * block_size * kv_heads * model.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -133,36 +113,27 @@ class ModelRunner:
                                            self.num_kv_heads),
             min_over_ranks=get_tp().min_over_ranks, tp_size=get_tp().size)
         self.num_blocks = self.memory.num_blocks
-        # One tensor for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
-        # This is also the layout kv_transfer ships, so a request's KV is one index_select.
+        # One tensor for all layers, in the layout kv_transfer ships (engine/kv_tensor.py).
         self.kv_cache = zeroed((model_config.num_layers, 2, self.num_blocks, self.block_size,
                                 self.num_kv_heads, model_config.head_dim), self.dtype,
                                self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        # On CPU gather_kv fills buffers handed back after their transfer (release_kv): 4 ms
-        # for 47 MB against 11 ms into new memory (bench/kv_gather.py). CUDA's allocator reuses.
-        self.kv_staging = KVBufferPool(self.device) if self.device.type == "cpu" else None
+        self.kv_payloads = KVPayloads(self.kv_cache)
         self.graphs = capture_decode_graphs(config, model_config, self.model, self.kv_caches,
                                             triton=self.triton)
 
     # -- KV movement (prefill -> decode) -------------------------------------------------
 
+    # The executor's interface (engine/executor.py has the tensor-parallel one).
     def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        if self.kv_staging is None:
-            return self.kv_cache.index_select(2, index)
-        shape = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
-        out = self.kv_staging.acquire(shape, self.kv_cache.dtype)
-        return torch.index_select(self.kv_cache, 2, index, out=out)
+        return self.kv_payloads.gather(block_ids)
 
     def release_kv(self, kv: torch.Tensor) -> None:
         """A gathered payload back to the pool (thread-safe); see LLMEngine.release_kv."""
-        if self.kv_staging is not None:
-            self.kv_staging.release(kv)
+        self.kv_payloads.release(kv)
 
     def scatter_kv(self, block_ids: list[int], payload: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(2, index, payload.to(self.kv_cache.device, self.kv_cache.dtype))
+        self.kv_payloads.scatter(block_ids, payload)
 
     # -- one step -----------------------------------------------------------------------
 

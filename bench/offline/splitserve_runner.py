@@ -11,8 +11,8 @@ import torch
 
 from bench.offline.workload import Workload
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_tensor import kv_cache_bytes_per_block
 from engine.llm_engine import LLMEngine
-from engine.model_runner import kv_cache_bytes_per_block
 from engine.sampling_params import SamplingParams
 
 

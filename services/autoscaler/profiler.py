@@ -112,7 +112,7 @@ def _measure_points(engine, rng, settings: ProfileSettings, load_s: float, progr
     worker_start_s = _time_worker_start(settings) if settings.measure_worker_start else 0.0
     if worker_start_s:
         progress(f"worker start (process to READY) {worker_start_s:.2f}s")
-    from engine.model_runner import kv_cache_bytes_per_block
+    from engine.kv_tensor import kv_cache_bytes_per_block
 
     return HardwareProfile(
         model=engine.model_config.path.rstrip("/").rsplit("/", 1)[-1],

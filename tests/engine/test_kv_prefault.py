@@ -15,8 +15,8 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
 from engine.kv_prefault import KVPrefault
+from engine.kv_tensor import zeroed
 from engine.llm_engine import LLMEngine
-from engine.model_runner import zeroed
 from engine.sampling_params import SamplingParams
 from services.common.engine_loop import EngineLoop
 
