@@ -355,19 +355,44 @@ def parse_body(model: type[Body], body: bytes) -> Body:
 
 
 def _as_api_error(exc: ValidationError) -> APIError:
-    error = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    part = _unsupported_content_part(errors)
+    if part is not None:
+        return part
+    error = errors[0]
     if error["type"] == "json_invalid":
         return APIError.invalid(f"The body is not valid JSON: {error.get('msg')}", code="invalid_json")
     if error["type"] in ("model_type", "model_attributes_type") and not error["loc"]:
         return APIError.invalid("The body must be a JSON object.", code="invalid_json")
-    # For unions pydantic reports a path through the member it tried, e.g.
-    # ('prompt', 'list[int]', 0); keep the real field names and indices.
-    loc = [part for part in error["loc"]
-           if isinstance(part, int) or ("[" not in part and part not in ("str", "int"))]
-    param = ".".join(str(part) for part in loc) or None
+    param = _param(error)
     if error["type"] == "missing":
         return APIError.invalid(f"Missing required parameter: '{param}'.", param=param,
                                 code="missing_required_parameter")
     detail = error.get("msg", "invalid value")
     return APIError.invalid(f"Invalid value for '{param}': {detail}.", param=param,
                             code="invalid_type")
+
+
+def _param(error: dict) -> str | None:
+    # For unions pydantic reports a path through the member it tried, e.g.
+    # ('prompt', 'list[int]', 0) or ('input', 0, 'ResponsesMessage', 'content'); keep the
+    # real field names (lower case) and indices.
+    loc = [part for part in error["loc"] if isinstance(part, int)
+           or ("[" not in part and part not in ("str", "int") and not part[:1].isupper())]
+    return ".".join(str(part) for part in loc) or None
+
+
+def _unsupported_content_part(errors: list[dict]) -> APIError | None:
+    """An image, audio or file part in a message: pydantic would report that the content is
+    not a string (the union's first member); say instead which part this text-only server
+    cannot take."""
+    for error in errors:
+        loc = error["loc"]
+        if (error["type"] == "literal_error" and "content" in loc and loc[-1] == "type"
+                and isinstance(error.get("input"), str)):
+            param = _param(error)
+            return APIError.invalid(
+                f"Content parts of type '{error['input']}' are not supported: the served model "
+                f"reads text only (at '{param}').",
+                param=param, code="unsupported_content_type")
+    return None
