@@ -40,6 +40,7 @@ class GenerationResult:
     finish_reason: str | None
     logprobs: list[Logprobs]
     text: str | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None  # with params.prompt_logprobs
 
 
 class LLMEngine:
@@ -370,6 +371,8 @@ class LLMEngine:
                 result = results[out.request_id]
                 result.token_ids.extend(out.new_token_ids)
                 result.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
         if self._tokenizer is not None or any(isinstance(p, str) for p in prompts):

@@ -367,3 +367,50 @@ def test_return_token_ids_gives_the_tokens_beside_the_text(stack, engine, tiny_l
     without = httpx.post(url + "/v1/completions", timeout=30, json={**body,
                                                                   "return_token_ids": False})
     assert "token_ids" not in without.json()["choices"][0]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(stack, engine, tiny_llama_dir):
+    """vLLM's prompt_logprobs: each prompt token after the first with its logprob, rank and
+    text, then the k likeliest tokens in its place, equal to the engine's own; beside each
+    completion choice (streamed: on its first chunk), and once beside a chat's choices."""
+    from engine.sampling_params import SamplingParams
+
+    url, model = stack.url, tiny_llama_dir.name
+    [expected] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1,
+                                                          prompt_logprobs=2))
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    plain = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    got = plain["prompt_logprobs"]
+    assert len(got) == len(expected.prompt_token_ids) and got[0] is None
+    for token_id, entry, want in zip(expected.prompt_token_ids[1:], got[1:],
+                                     expected.prompt_logprobs[1:], strict=True):
+        assert list(entry)[0] == str(token_id)  # the prompt's own token first
+        assert entry[str(token_id)]["rank"] == want.rank
+        assert entry[str(token_id)]["logprob"] == pytest.approx(want.logprob, abs=1e-3)
+        top = sorted(want.top.items(), key=lambda kv: -kv[1])
+        for rank, (other, value) in enumerate(top, start=1):
+            assert entry[str(other)]["logprob"] == pytest.approx(value, abs=1e-3)
+            if other != token_id:
+                assert entry[str(other)]["rank"] == rank
+        assert set(entry) == {str(token_id)} | {str(t) for t in want.top}
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    streamed = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True, "n": 2},
+                      timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if "prompt_logprobs" in choice:
+                    streamed.append((choice["index"], choice["prompt_logprobs"]))
+    assert sorted(index for index, _ in streamed) == [0, 1]
+    assert all(lps == got for _, lps in streamed)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": messages, "max_tokens": 2, "n": 2, "prompt_logprobs": 0,
+    }).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # k = 0: its own only
+    without = httpx.post(url + "/v1/completions", timeout=30,
+                         json={**body, "prompt_logprobs": None}).json()["choices"][0]
+    assert "prompt_logprobs" not in without

@@ -91,7 +91,8 @@ class Preprocessor:
             self._check_prompt(prompt_ids, limits)
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             params = self._params(req, max_tokens, len(prompt_ids), limits, logprobs=req.logprobs,
-                                  prompt_logprobs=req.logprobs if req.echo else None)
+                                  prompt_logprobs=_most(req.logprobs if req.echo else None,
+                                                        req.prompt_logprobs))
             echo = self.tokenizer.decode(prompt_ids) if req.echo else None
             specs += self._choices(request_id, p, prompt_ids, params, req, echo)
         return specs
@@ -145,7 +146,8 @@ class Preprocessor:
         if max_tokens is None:
             max_tokens = max(1, limits.max_model_len - len(prompt_ids))
         params = self._params(req, max_tokens, len(prompt_ids), limits,
-                              logprobs=top if req.logprobs else None, prompt_logprobs=None)
+                              logprobs=top if req.logprobs else None,
+                              prompt_logprobs=req.prompt_logprobs)
         if plan is not None:
             params = self._tool_constraint(plan, params, limits)
         return self._choices(request_id, 0, prompt_ids, params, req, None), plan
@@ -294,9 +296,16 @@ class Preprocessor:
                 include_stop_str=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 return_token_ids=req.return_token_ids,
+                return_prompt_logprobs=req.prompt_logprobs is not None,
             )
             for i in range(req.n)
         ]
+
+
+def _most(*counts: int | None) -> int | None:
+    """The larger of the logprob counts asked for (echo's and prompt_logprobs'), None for none."""
+    asked = [count for count in counts if count is not None]
+    return max(asked) if asked else None
 
 
 def _logit_processing(req: _SamplingFields) -> dict:

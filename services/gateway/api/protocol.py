@@ -81,6 +81,9 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     # vLLM's: token ids beside the text (the prompt's once, each choice's output).
     return_token_ids: bool = False
+    # vLLM's: each prompt token's logprob, rank and the k likeliest tokens in its place
+    # (`prompt_logprobs` beside the choice; a chat's once, beside the choices).
+    prompt_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = _doc(minimum=-1)
     bad_words: JsonValue = Field(default=None, json_schema_extra={

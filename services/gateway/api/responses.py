@@ -145,6 +145,31 @@ class BodyFormat:
         spec = self.specs[index]
         return {"prompt_token_ids": list(spec.prompt_token_ids)} if spec.return_token_ids else {}
 
+    def _prompt_logprobs(self, index: int, logprobs: tuple[Logprobs | None, ...] | None) -> dict:
+        """vLLM's prompt_logprobs: per prompt token (the first has none), its id -> logprob,
+        rank and text, then the same for the likeliest tokens in its place. Empty unless
+        asked for; a migrated request's resumed attempt computes none (null entries)."""
+        spec = self.specs[index]
+        if not spec.return_prompt_logprobs:
+            return {}
+        prompt = spec.prompt_token_ids
+        logprobs = logprobs or (None,) * len(prompt)
+        out: list[dict | None] = []
+        for token_id, lp in zip(prompt, logprobs, strict=False):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token_id): self._ranked(token_id, lp.logprob, lp.rank)}
+            ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])
+            for rank, (other, value) in enumerate(ranked, start=1):
+                entry.setdefault(str(other), self._ranked(other, value, rank))
+            out.append(entry)
+        return {"prompt_logprobs": out}
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": self._lp(logprob), "rank": rank,
+                "decoded_token": self.tokenizer.token_text(token_id)}
+
 
 class ChatFormat(BodyFormat):
     """With a ToolPlan, tool calls are parsed out of each choice's text (api/tool_output)."""
@@ -157,10 +182,20 @@ class ChatFormat(BodyFormat):
         super().__init__(*args, **kwargs)
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
+        self._prompt_logprobs_sent = False  # one prompt for every choice: sent once
 
     def chunks(self, delta: TextDelta) -> list[dict]:
-        if self.tools is None:
-            return super().chunks(delta)
+        out = self._tool_chunks(delta) if self.tools is not None else super().chunks(delta)
+        prompt = self._prompt_logprobs(delta.index, delta.prompt_logprobs)
+        if prompt and not self._prompt_logprobs_sent and delta.prompt_logprobs is not None:
+            self._prompt_logprobs_sent = True
+            if not out:  # a first token without text still carries the prompt's logprobs
+                out = [self._envelope([{"index": delta.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": None}], chunk=True)]
+            out[0].update(prompt)
+        return out
+
+    def _tool_chunks(self, delta: TextDelta) -> list[dict]:
         stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self.tools))
         deltas = stream.deltas(delta.text, final=delta.finish_reason is not None)
         finish = finish_reason(delta.finish_reason, stream.num_calls)
@@ -198,6 +233,7 @@ class ChatFormat(BodyFormat):
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
         body = self._envelope([self._choice(c) for c in choices], chunk=False)
         body.update(self._prompt_ids(choices[0].index))  # one prompt for every choice
+        body.update(self._prompt_logprobs(choices[0].index, choices[0].prompt_logprobs))
         body["usage"] = usage_body
         return body
 
@@ -247,13 +283,14 @@ class CompletionFormat(BodyFormat):
             if spec.echo_text is not None:
                 text = spec.echo_text + text
                 prompt_part = (spec.prompt_token_ids, delta.prompt_logprobs)
+        prompt = self._prompt_logprobs(delta.index, delta.prompt_logprobs) if first else {}
         if (not text and not logprobs and delta.finish_reason is None
-                and not self._wants_ids(delta)):
+                and not self._wants_ids(delta) and not prompt):
             return None
         choice = {"index": delta.index, "text": text,
                   "logprobs": self._logprobs(spec, token_ids, logprobs, prompt_part),
                   "finish_reason": delta.finish_reason, **self._ids(delta.index, token_ids),
-                  **(self._prompt_ids(delta.index) if first else {})}
+                  **(self._prompt_ids(delta.index) if first else {}), **prompt}
         return self._envelope([choice], chunk=True)
 
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
@@ -268,7 +305,8 @@ class CompletionFormat(BodyFormat):
             out.append({"index": c.index, "text": text,
                         "logprobs": self._logprobs(spec, c.token_ids, c.logprobs, prompt_part),
                         "finish_reason": c.finish_reason, **self._ids(c.index, c.token_ids),
-                        **self._prompt_ids(c.index)})
+                        **self._prompt_ids(c.index),
+                        **self._prompt_logprobs(c.index, c.prompt_logprobs)})
         body = self._envelope(out, chunk=False)
         body["usage"] = usage_body
         return body
