@@ -28,6 +28,7 @@ class GenerationSpec:
     # Prefix-cache salt of the tenant (admission sets it): the workers and the router hash the
     # prompt's blocks from it, so tenants never share cached KV unless their group says so.
     cache_salt: str = ""
+    client_cache_salt: str = ""  # vLLM's cache_salt from the body: narrows the tenant's salt
 
     @property
     def logprobs(self) -> int | None:

@@ -54,6 +54,25 @@ def test_with_the_cluster_secret_salts_are_keyed_and_agree_across_gateways(tmp_p
     hash_prompt_blocks(SYSTEM, 16, keyed)  # a salt the workers accept
 
 
+def test_a_requests_own_cache_salt_splits_its_tenants_cache_and_joins_no_other(tmp_path):
+    path = tenants_file(tmp_path, {"a": {}, "b": {}})
+    for key in (None, b"s" * 32):
+        directory = load_tenants(path, salt_key=key)
+        a, b = (directory.authenticate(f"Bearer sk-{name}") for name in ("a", "b"))
+        salts = {directory.cache_salt(a), directory.cache_salt(a, "x"),
+                 directory.cache_salt(a, "y"), directory.cache_salt(b, "x")}
+        assert len(salts) == 4
+        assert directory.cache_salt(a, "x") == directory.cache_salt(a, "x")
+        anonymous = load_tenants(salt_key=key)
+        assert anonymous.cache_salt(Tenant(), "x") not in ("", directory.cache_salt(a))
+        assert anonymous.cache_salt(Tenant(), "\ud800")  # any string the JSON can carry
+    # No tenant or group name can spell a tenant's salt with a request's salt after it.
+    plain = load_tenants(path)
+    assert "/" in plain.cache_salt(plain.authenticate("Bearer sk-a"), "x")
+    with pytest.raises(ValueError):
+        Tenant("a/salt:x")
+
+
 @pytest.mark.parametrize("group, message", [("no spaces", "cache_group"), (7, "must be a string"),
                                             ("x" * 65, "cache_group")])
 def test_a_bad_cache_group_is_refused_at_start_up(tmp_path, group, message):
@@ -95,11 +114,11 @@ def cache_gateway(request, gateway_factory, disagg_workers, tmp_path):
                            "--tenants-file", path, *extra)
 
 
-def _cached_tokens(gateway, model: str, tenant: str, prompt: list[int]) -> int:
+def _cached_tokens(gateway, model: str, tenant: str, prompt: list[int], **body) -> int:
     response = httpx.post(
         f"http://{gateway.address}/v1/completions", timeout=60,
         headers={"Authorization": f"Bearer sk-{tenant}"},
-        json={"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True})
+        json={"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True, **body})
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["prompt_tokens"] == len(prompt)
@@ -128,6 +147,23 @@ def test_another_tenants_cached_prefix_gives_no_cached_tokens_and_no_hits(
     # A shared cache group shares: g2 reuses what g1 cached, a's stays apart from both.
     assert _cached_tokens(cache_gateway, model, "g1", prompt) == 0
     assert _cached_tokens(cache_gateway, model, "g2", prompt) == 80
+
+
+def test_a_cache_salt_in_the_body_shares_blocks_only_with_the_same_salt(
+        cache_gateway, disagg_workers, tiny_llama_dir):
+    """vLLM's cache_salt, end to end: within one tenant, only requests with the same salt
+    read each other's cached blocks; another tenant with that salt reads none of them."""
+    model = tiny_llama_dir.name
+    prompt = random.Random().sample(range(100, 400), 83)
+    assert _cached_tokens(cache_gateway, model, "a", prompt, cache_salt="x") == 0
+    assert _cached_tokens(cache_gateway, model, "a", prompt, cache_salt="x") == 80
+    assert _cached_tokens(cache_gateway, model, "a", prompt, cache_salt="y") == 0
+    assert _cached_tokens(cache_gateway, model, "a", prompt) == 0  # the unsalted tenant cache
+    assert _cached_tokens(cache_gateway, model, "b", prompt, cache_salt="x") == 0
+    refused = httpx.post(f"http://{cache_gateway.address}/v1/completions", timeout=60,
+                         headers={"Authorization": "Bearer sk-a"},
+                         json={"model": model, "prompt": prompt, "cache_salt": ""})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
 
 
 def _kv_bytes_sent(prefill, before: float | None = None) -> float:

@@ -151,7 +151,8 @@ class Admission:
         """Waits in the fair queue until released. Raises APIError: 400 (over the tenant's
         prompt limit), 429 (quota, queue full), 503 (cannot meet the TTFT target, or the
         quota service is down under fail-closed). Cancelling it leaves nothing behind."""
-        specs = [dataclasses.replace(s, cache_salt=self.directory.cache_salt(tenant))
+        specs = [dataclasses.replace(s, cache_salt=self.directory.cache_salt(tenant,
+                                                                            s.client_cache_salt))
                  for s in self._within_limits(tenant, specs)]
         block_size = self.room.pool.block_size()
         now = time.monotonic()

@@ -115,11 +115,16 @@ class TenantDirectory:
             raise APIError.unauthorized()
         return self.tenants[name]
 
-    def cache_salt(self, tenant: Tenant) -> str:
+    def cache_salt(self, tenant: Tenant, client_salt: str = "") -> str:
         """The salt the workers seed `tenant`'s block hashes with. Keyed by the cluster secret
         when there is one, so whoever reads the prefix events in Redis cannot recompute a
-        tenant's chain to test a guessed prompt; every gateway with the secret agrees."""
+        tenant's chain to test a guessed prompt; every gateway with the secret agrees.
+        `client_salt` (a request's own cache_salt, as vLLM takes it) splits the tenant's cache
+        further, never joins another's: its digest goes after the tenant's salt, behind a '/'
+        that no tenant or group name holds."""
         salt = tenant.cache_salt
+        if client_salt:
+            salt += "/salt:" + hashlib.sha256(client_salt.encode("utf-8", "surrogatepass")).hexdigest()
         if not salt or self._salt_key is None:
             return salt
         return hmac.new(self._salt_key, _SALT_DOMAIN + salt.encode(), hashlib.sha256).hexdigest()

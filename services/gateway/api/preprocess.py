@@ -297,9 +297,23 @@ class Preprocessor:
                 skip_special_tokens=req.skip_special_tokens,
                 return_token_ids=req.return_token_ids,
                 return_prompt_logprobs=req.prompt_logprobs is not None,
+                client_cache_salt=_client_cache_salt(req.cache_salt),
             )
             for i in range(req.n)
         ]
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _client_cache_salt(salt: str | None) -> str:
+    if salt is None:
+        return ""
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise APIError.invalid(
+            f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
+            f"got {len(salt)}", param="cache_salt")
+    return salt
 
 
 def _most(*counts: int | None) -> int | None:

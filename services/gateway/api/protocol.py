@@ -81,6 +81,11 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     # vLLM's: token ids beside the text (the prompt's once, each choice's output).
     return_token_ids: bool = False
+    # vLLM's: a salt of the caller's own for the prefix cache, within its tenant's cache.
+    cache_salt: str | None = Field(default=None, json_schema_extra={
+        "minLength": 1, "maxLength": 256,
+        "description": "only requests with the same salt (and tenant) share cached prompt "
+                       "blocks"})
     # vLLM's: each prompt token's logprob, rank and the k likeliest tokens in its place
     # (`prompt_logprobs` beside the choice; a chat's once, beside the choices).
     prompt_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
