@@ -99,6 +99,8 @@ class _SamplingFields(_Body):
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
     spaces_between_special_tokens: JsonValue = None
+    logits_processors: JsonValue = None
+    return_tokens_as_token_ids: JsonValue = None
 
     @property
     def include_usage(self) -> bool:
@@ -110,6 +112,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     echo: bool = False
     best_of: JsonValue = None  # refused unless equal to n
+    prompt_embeds: JsonValue = None  # refused
     suffix: JsonValue = None  # refused unless empty
 
 
@@ -162,6 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: JsonValue = None
     chat_template: JsonValue = None
     documents: JsonValue = None
+    echo: JsonValue = None  # vLLM's chat echo (the last message before the answer): refused
 
 
 class ResponsesText(_Body):

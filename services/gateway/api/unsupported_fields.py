@@ -66,11 +66,15 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
     "chat_template": ("a caller-supplied chat template", _ABSENT),
     "documents": ("documents in the chat template", _EMPTY),
+    "echo": ("the last message echoed before the answer", _one_of(False)),
+    "prompt_embeds": ("prompts as embeddings", _ABSENT),
+    "logits_processors": ("caller-named logits processors", _EMPTY),
+    "return_tokens_as_token_ids": ("logprob tokens written as 'token_id:N'", _one_of(False)),
 }
 CHAT_ONLY = frozenset({"functions", "function_call", "reasoning_effort",
                        "web_search_options", "audio", "modalities", "chat_template",
-                       "documents"})
-COMPLETIONS_ONLY = frozenset({"best_of", "suffix"})
+                       "documents", "echo"})
+COMPLETIONS_ONLY = frozenset({"best_of", "suffix", "prompt_embeds"})
 # In a chat message: what it would put into the prompt that the chat template here drops.
 REFUSED_IN_MESSAGES: dict[str, tuple[str, NoOp]] = {
     "function_call": ("function calls in the conversation", _ABSENT),
