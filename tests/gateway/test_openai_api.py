@@ -140,6 +140,21 @@ def test_chat_logprobs_with_top_logprobs(stack, model_name):
         assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
 
 
+def test_completion_top_logprobs_hold_the_chosen_token_and_the_likeliest(stack, model_name):
+    """OpenAI's legacy completions (and vLLM): top_logprobs gives the chosen token as well as
+    the `logprobs` likeliest, so logprobs=0 still names the chosen one (with sampling it is
+    often not among the likeliest)."""
+    client = openai_client(stack.url)
+    for k in (0, 2):
+        response = client.completions.create(model=model_name, prompt="A small cat", max_tokens=8,
+                                             temperature=1.5, seed=5, logprobs=k)
+        lp = response.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                       strict=True):
+            assert top[token] == pytest.approx(logprob)
+            assert 1 <= len(top) <= k + 1  # fewer where two tokens share a text
+
+
 def test_completion_echo_with_logprobs_includes_prompt_tokens(stack, model_name):
     prompt = "The river follows the quiet road"
     response = openai_client(stack.url).completions.create(

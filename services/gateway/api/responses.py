@@ -311,6 +311,15 @@ class CompletionFormat(BodyFormat):
         body["usage"] = usage_body
         return body
 
+    def _top_logprobs(self, token_id: int, lp: Logprobs) -> dict[str, float]:
+        """OpenAI's legacy completions (and vLLM): the chosen token, then the `logprobs`
+        likeliest, so up to logprobs + 1 entries (logprobs=0: the chosen one alone). Keyed by
+        text: a likelier token with the chosen one's text does not replace it."""
+        top = {self.tokenizer.token_text(token_id): self._lp(lp.logprob)}
+        for other, value in sorted(lp.top.items(), key=lambda kv: -kv[1]):
+            top.setdefault(self.tokenizer.token_text(other), self._lp(value))
+        return top
+
     def _logprobs(self, spec, token_ids, logprobs, prompt_part) -> dict | None:
         if spec.logprobs is None:
             return None
@@ -328,9 +337,7 @@ class CompletionFormat(BodyFormat):
             offsets.append(offset)
             offset += len(token)
             token_logprobs.append(None if lp is None else self._lp(lp.logprob))
-            tops.append(None if lp is None else {
-                self.tokenizer.token_text(t): self._lp(v)
-                for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])})
+            tops.append(None if lp is None else self._top_logprobs(token_id, lp))
         self._text_offset[spec.index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
