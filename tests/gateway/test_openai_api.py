@@ -199,6 +199,8 @@ def test_models_lists_the_served_model_with_its_context(stack, model_name):
 
 def test_health_and_ready(stack):
     assert httpx.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+    for method in ("GET", "POST"):  # vLLM's /ping, as load balancers probe it
+        assert httpx.request(method, f"{stack.url}/ping", timeout=10).json() == {"status": "ok"}
     ready = httpx.get(f"{stack.admin_url}/ready", timeout=10)
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 

@@ -62,6 +62,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}
 
+    # vLLM's (and SageMaker's) liveness path, GET or POST: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gateway.admission.authenticate(request.headers.get("authorization"))
