@@ -47,6 +47,26 @@ def test_chat_stream_has_role_first_content_then_finish_then_usage(stack, model_
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(disagg_stack, model_name):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each content chunk
+    carries the usage so far, counting up to the final usage chunk's; without include_usage
+    it changes nothing."""
+    client = openai_client(disagg_stack.url)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=model_name, prompt="The old library",
+                                            max_tokens=6, n=2, stream=True,
+                                            stream_options=options,
+                                            extra_body={"ignore_eos": True}))
+    content = [c for c in chunks if c.choices]
+    assert content and all(c.usage is not None for c in content)
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 12 == chunks[-1].usage.completion_tokens
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in content)
+    plain = list(_chat(client, model_name, max_tokens=4, stream=True,
+                       stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(disagg_stack, model_name):
     chunks = list(_chat(openai_client(disagg_stack.url), model_name, max_tokens=4, stream=True))
     assert all(c.usage is None for c in chunks)

@@ -233,6 +233,7 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
             gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
                           **format_options)
+        fmt.continuous_usage = getattr(req, "continuous_usage", False)
         return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
                             deadline)
     except BaseException as exc:

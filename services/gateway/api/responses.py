@@ -95,6 +95,7 @@ class BodyFormat:
         self.tokenizer = tokenizer
         self.specs = {spec.index: spec for spec in specs}
         self.include_usage = include_usage
+        self.continuous_usage = False  # vLLM's continuous_usage_stats: usage on every chunk
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,

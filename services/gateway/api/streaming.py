@@ -89,6 +89,7 @@ async def sse_events(
         await buffer.put(_END)  # not when cancelled: nobody would read it
 
     pumps = [asyncio.create_task(pump(f, s)) for f, s in zip(firsts, streams, strict=True)]
+    latest: dict[int, TextDelta] = {}  # each choice's last delta, for continuous usage
     completion_tokens = cached_tokens = 0
     compute = ComputeSeconds()
     try:
@@ -100,7 +101,10 @@ async def sse_events(
             if item is _END:
                 remaining -= 1
                 continue
+            latest[item.index] = item
             for chunk in fmt.chunks(item):
+                if fmt.continuous_usage:
+                    chunk["usage"] = _usage_so_far(prompt_tokens, latest.values())
                 yield fmt.encode(chunk)
             if item.finish_reason is not None:
                 completion_tokens += item.num_output_tokens
@@ -118,6 +122,13 @@ async def sse_events(
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _usage_so_far(prompt_tokens: int, deltas) -> dict:
+    deltas = list(deltas)
+    return usage(prompt_tokens, sum(d.num_output_tokens for d in deltas),
+                 max((d.num_cached_tokens for d in deltas), default=0),
+                 sum((d.compute for d in deltas), ComputeSeconds()))
 
 
 class SSEResponse(Response):
