@@ -187,8 +187,10 @@ class ChatFormat(BodyFormat):
 
     def chunks(self, delta: TextDelta) -> list[dict]:
         out = self._tool_chunks(delta) if self.tools is not None else super().chunks(delta)
+        if self._prompt_logprobs_sent or delta.prompt_logprobs is None:
+            return out
         prompt = self._prompt_logprobs(delta.index, delta.prompt_logprobs)
-        if prompt and not self._prompt_logprobs_sent and delta.prompt_logprobs is not None:
+        if prompt:
             self._prompt_logprobs_sent = True
             if not out:  # a first token without text still carries the prompt's logprobs
                 out = [self._envelope([{"index": delta.index, "delta": {}, "logprobs": None,
