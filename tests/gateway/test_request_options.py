@@ -148,6 +148,43 @@ def test_stop_text_and_special_tokens_as_vllm_options_say(stack, engine, tiny_ll
     assert complete(**forced, skip_special_tokens=False).choices[0].text == "<|endoftext|>" * 3
 
 
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(stack, engine, tiny_llama_dir):
+    """vLLM's stop_reason beside finish_reason: the stop string that matched, the stop token
+    id, or null (EOS, the length limit); streamed, on the finishing chunk."""
+    from engine.sampling_params import SamplingParams
+
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    url, model = stack.url, tiny_llama_dir.name
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    stop = plain.text[len(plain.text) // 2:][:3]
+
+    def choice(**extra) -> dict:
+        return httpx.post(url + "/v1/completions", json={**body, **extra},
+                          timeout=30).json()["choices"][0]
+
+    assert choice(stop=["never appears", stop])["stop_reason"] == stop
+    by_token = choice(stop_token_ids=[plain.token_ids[1]])
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", plain.token_ids[1])
+    assert choice()["stop_reason"] is None  # the length limit
+    chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "stop_token_ids": [plain.token_ids[0]], "logit_bias": {str(plain.token_ids[0]): 100},
+    }).json()["choices"][0]
+    assert (chat["finish_reason"], chat["stop_reason"]) == ("stop", plain.token_ids[0])
+    finishing = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={**body, "stop": [stop], "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed = json.loads(line[6:])["choices"][0]
+                assert ("stop_reason" in streamed) == (streamed["finish_reason"] is not None)
+                if streamed["finish_reason"] is not None:
+                    finishing.append(streamed["stop_reason"])
+    assert finishing == [stop]
+
+
 def test_chat_template_options_match_transformers(stack, engine, tiny_llama_dir):
     """add_generation_prompt=false and continue_final_message (an answer begun by the caller)
     give the prompt transformers' apply_chat_template gives, and the engine's greedy output."""

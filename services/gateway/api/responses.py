@@ -42,6 +42,7 @@ class ChoiceResult:
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None
     num_output_tokens: int = 0
@@ -55,6 +56,7 @@ class ChoiceResult:
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         self.error = delta.error or self.error
         self.error_code = delta.error_code or self.error_code
         self.num_output_tokens = delta.num_output_tokens
@@ -142,6 +144,11 @@ class BodyFormat:
         """A chunk carrying no text still goes out when it carries asked-for token ids."""
         return bool(delta.token_ids) and self.specs[delta.index].return_token_ids
 
+    @staticmethod
+    def _stop_reason(delta: TextDelta) -> dict:
+        """vLLM's stop_reason, on a stream's finishing chunk (with its finish_reason)."""
+        return {"stop_reason": delta.stop_reason} if delta.finish_reason is not None else {}
+
     def _prompt_ids(self, index: int) -> dict:
         spec = self.specs[index]
         return {"prompt_token_ids": list(spec.prompt_token_ids)} if spec.return_token_ids else {}
@@ -211,6 +218,7 @@ class ChatFormat(BodyFormat):
         return [self._envelope([{"index": delta.index, "delta": d,
                                  "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": finish if k == len(deltas) - 1 else None,
+                                 **(self._stop_reason(delta) if k == len(deltas) - 1 else {}),
                                  **(ids if k == 0 else {})}],
                                chunk=True)
                 for k, d in enumerate(deltas)]
@@ -230,7 +238,8 @@ class ChatFormat(BodyFormat):
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         choice = {"index": delta.index, "delta": content,
                   "logprobs": self._logprobs(delta.token_ids, delta.logprobs, delta.index),
-                  "finish_reason": delta.finish_reason, **self._ids(delta.index, delta.token_ids)}
+                  "finish_reason": delta.finish_reason, **self._stop_reason(delta),
+                  **self._ids(delta.index, delta.token_ids)}
         return self._envelope([choice], chunk=True)
 
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
@@ -249,7 +258,8 @@ class ChatFormat(BodyFormat):
             finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())))
         return {"index": c.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
-                "finish_reason": finish, **self._ids(c.index, c.token_ids)}
+                "finish_reason": finish, "stop_reason": c.stop_reason,
+                **self._ids(c.index, c.token_ids)}
 
     def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
         if self.specs[index].logprobs is None:
@@ -292,7 +302,8 @@ class CompletionFormat(BodyFormat):
             return None
         choice = {"index": delta.index, "text": text,
                   "logprobs": self._logprobs(spec, token_ids, logprobs, prompt_part),
-                  "finish_reason": delta.finish_reason, **self._ids(delta.index, token_ids),
+                  "finish_reason": delta.finish_reason, **self._stop_reason(delta),
+                  **self._ids(delta.index, token_ids),
                   **(self._prompt_ids(delta.index) if first else {}), **prompt}
         return self._envelope([choice], chunk=True)
 
@@ -307,8 +318,8 @@ class CompletionFormat(BodyFormat):
                 prompt_part = (spec.prompt_token_ids, c.prompt_logprobs)
             out.append({"index": c.index, "text": text,
                         "logprobs": self._logprobs(spec, c.token_ids, c.logprobs, prompt_part),
-                        "finish_reason": c.finish_reason, **self._ids(c.index, c.token_ids),
-                        **self._prompt_ids(c.index),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        **self._ids(c.index, c.token_ids), **self._prompt_ids(c.index),
                         **self._prompt_logprobs(c.index, c.prompt_logprobs)})
         body = self._envelope(out, chunk=False)
         body["usage"] = usage_body

@@ -15,6 +15,7 @@ class StopStringMatcher:
         self.include_stop = include_stop
         self._held = ""  # text not yet released; never contains a whole stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def push(self, text: str) -> str:
         """Add text; return what may be released now. Sets `stopped` on a match, after which
@@ -27,6 +28,7 @@ class StopStringMatcher:
         match = self._earliest_match(buffer)
         if match is not None:
             self.stopped = True
+            self.matched = buffer[match[0]:match[1]]
             self._held = ""
             return buffer[:match[1] if self.include_stop else match[0]]
         hold = self._longest_partial_suffix(buffer)

@@ -28,6 +28,9 @@ class TextDelta:
     # With finish_reason "error": OpenAI-style code of what ended it (None: a worker failed).
     error_code: str | None = None
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    # vLLM's stop_reason, with finish_reason "stop": the stop string or stop token id that
+    # ended the output; None for EOS (and for every other finish).
+    stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     # Engine time charged to this choice so far, all its workers and attempts together.
     compute: ComputeSeconds = ComputeSeconds()
@@ -80,6 +83,7 @@ async def stream_text(
                 finish_reason=finish,
                 error=event.error if finish == "error" else None,
                 prompt_logprobs=event.prompt_logprobs,
+                stop_reason=_stop_reason(spec, matcher, finish, event.token_ids),
                 num_cached_tokens=num_cached,
                 compute=compute,
             )
@@ -87,3 +91,13 @@ async def stream_text(
                 return
     finally:
         await events.aclose()  # cancels the worker RPCs if they are still open
+
+
+def _stop_reason(spec: GenerationSpec, matcher: StopStringMatcher, finish: str | None,
+                 token_ids) -> str | int | None:
+    if finish != "stop":
+        return None
+    if matcher.stopped:
+        return matcher.matched
+    last = token_ids[-1] if token_ids else None
+    return last if last in spec.params.stop_token_ids else None  # else EOS
