@@ -95,10 +95,13 @@ def cases() -> list[Case]:
 
 def shape(value, path: str = "") -> set[str]:
     """The key paths of a JSON value: a dict's keys under `path`, a list's items as `path[]`
-    (the union of its items' shapes). Values are left out."""
+    (the union of its items' shapes). Values are left out, and so are keys whose value is null
+    (vLLM writes every optional field; a client reads null and absent alike)."""
     out: set[str] = set()
     if isinstance(value, dict):
         for key, item in value.items():
+            if item is None:
+                continue
             # Keys that are data (token ids of prompt_logprobs' entries, logit maps) vary.
             name = "<id>" if key.isdigit() else key
             out.add(f"{path}.{name}")
@@ -129,6 +132,7 @@ class Answer:
     status: int
     keys: set[str] = field(default_factory=set)
     text: str = ""
+    error: str = ""  # the error message of a 4xx/5xx
 
 
 def _text(body: dict | list[dict]) -> str:
@@ -160,7 +164,9 @@ def ask(client: httpx.Client, url: str, model: str, case: Case) -> Answer:
         body = response.json()
     except ValueError:
         return Answer(response.status_code, {"<not json>"})
-    return Answer(response.status_code, shape(body), _text(body))
+    error = body.get("error") if isinstance(body, dict) else None
+    message = str(error.get("message", "")) if isinstance(error, dict) else ""
+    return Answer(response.status_code, shape(body), _text(body), message[:300])
 
 
 def serve_and_ask(name: str, model_dir: str, log_dir: Path) -> dict[str, Answer]:
@@ -190,6 +196,7 @@ def compare(peer: dict[str, Answer], ours: dict[str, Answer]) -> list[dict]:
             "only_peer": sorted(theirs.keys - mine.keys),
             "only_ours": sorted(mine.keys - theirs.keys),
             "text": [theirs.text, mine.text],
+            "error": [theirs.error, mine.error],
         })
     return rows
 
@@ -222,6 +229,9 @@ def main() -> int:
         report[name] = rows
         print(f"\nvLLM against {name}:\n" + markdown(rows, "vLLM", name))
         for row in rows:
+            if not row["same_status_class"]:
+                print(f"  status differs, {row['case']}: {row['error'][0] or '(no error)'!r} / "
+                      f"{row['error'][1] or '(no error)'!r}")
             if row["text"][0] != row["text"][1] and row["text"][0]:
                 print(f"  greedy text differs, {row['case']}: {row['text'][0]!r} / "
                       f"{row['text'][1]!r}")

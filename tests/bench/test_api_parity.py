@@ -8,13 +8,15 @@ from bench.api_parity import Answer, cases, compare, shape, sse_shapes
 
 def test_shape_names_every_key_path_and_not_the_values():
     body = {"choices": [{"index": 0, "message": {"content": "x"}},
-                        {"index": 1, "logprobs": None}],
+                        {"index": 1, "logprobs": {"content": []}}],
             "prompt_logprobs": [None, {"9690": {"logprob": -1.0}}]}
     assert shape(body) == {".choices", ".choices[].index", ".choices[].message",
                            ".choices[].message.content", ".choices[].logprobs",
+                           ".choices[].logprobs.content",
                            ".prompt_logprobs", ".prompt_logprobs[].<id>",
                            ".prompt_logprobs[].<id>.logprob"}
     assert shape({"a": 1}) == shape({"a": "two"})
+    assert shape({"a": 1, "b": None}) == {".a"}  # null reads as absent
 
 
 def test_a_stream_is_the_union_of_its_events_and_done_is_no_event():
