@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable
@@ -135,7 +137,27 @@ class Gateway:
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started,
                 "owned_by": "splitserve", "root": self.config.model, "parent": None,
-                "max_model_len": self.limits().max_model_len}
+                "max_model_len": self.limits().max_model_len,
+                # OpenAI's legacy permission object, as vLLM serves it: what the key may do.
+                "permission": [{
+                    "id": f"modelperm-{self.model_name}", "object": "model_permission",
+                    "created": self.started, "allow_create_engine": False,
+                    "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True,
+                    "allow_fine_tuning": False, "organization": "*", "group": None,
+                    "is_blocking": False}]}
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: changes with what serves the model (its name, the
+        weights' path, splitserve's version), so a client can tell when a seed's output
+        may have changed."""
+        try:
+            version = importlib.metadata.version("splitserve")
+        except importlib.metadata.PackageNotFoundError:
+            version = "dev"
+        what = f"{self.model_name}\0{self.config.model}\0{version}"
+        return "fp_" + hashlib.sha256(what.encode()).hexdigest()[:10]
 
 
 __all__ = ["Gateway", "TextDelta"]

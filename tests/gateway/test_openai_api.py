@@ -215,6 +215,17 @@ def test_models_lists_the_served_model_with_its_context(stack, model_name):
     card = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]
     assert {"id", "object", "created", "owned_by", "root", "max_model_len"} <= card.keys()
     assert card["max_model_len"] == 512  # the tiny model's max_position_embeddings
+    [permission] = card["permission"]  # OpenAI's legacy object, as vLLM serves it
+    assert permission["object"] == "model_permission" and permission["allow_sampling"]
+
+
+def test_every_answer_carries_one_system_fingerprint(stack, model_name):
+    client = openai_client(stack.url)
+    whole = _chat(client, model_name, max_tokens=2)
+    chunks = list(client.completions.create(model=model_name, prompt="hi", max_tokens=2,
+                                            stream=True))
+    assert whole.system_fingerprint.startswith("fp_") and len(whole.system_fingerprint) == 13
+    assert {c.system_fingerprint for c in chunks} == {whole.system_fingerprint}
 
 
 def test_health_and_ready(stack):

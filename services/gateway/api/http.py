@@ -234,6 +234,7 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
                           **format_options)
         fmt.continuous_usage = getattr(req, "continuous_usage", False)
+        fmt.system_fingerprint = gateway.system_fingerprint
         return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
                             deadline)
     except BaseException as exc:

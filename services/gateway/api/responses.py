@@ -98,10 +98,12 @@ class BodyFormat:
         self.specs = {spec.index: spec for spec in specs}
         self.include_usage = include_usage
         self.continuous_usage = False  # vLLM's continuous_usage_stats: usage on every chunk
+        self.system_fingerprint: str | None = None  # Gateway.system_fingerprint
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
-                "created": self.created, "model": self.model, "choices": choices}
+                "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
         if chunk and self.include_usage:
             body["usage"] = None
         return body
