@@ -145,6 +145,8 @@ def endpoint_app(gateway, metrics_url: str):
         error = APIError.overloaded("This worker is not serving (starting or draining).", 1)
         return JSONResponse(error.body(), 503, headers=error.headers())
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's name for it
+
     @app.get("/metrics")
     async def metrics() -> Response:
         if not metrics_url:

@@ -88,6 +88,8 @@ def test_openai_sdk_gets_a_completion_and_a_streamed_chat(endpoint):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text and finish in (["stop"], ["length"])
     assert chunks[-1].usage.completion_tokens >= 1
+    # vLLM's /ping is this worker's /health (503 while it starts or drains), not the gateway's.
+    assert httpx.post(f"{url}/ping", timeout=5).json() == {"status": "ok"}
 
 
 @pytest.mark.parametrize("body, param", [
