@@ -94,3 +94,13 @@ def cluster(tiny_llama_dir, redis_server):
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    """The tiny model in this process (float32): what the stacks' answers are held to."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
+                                  num_threads=1))

@@ -17,15 +17,6 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
-                                  num_threads=1))
-
-
-@pytest.fixture(scope="module")
 def engine_greedy(engine):
     from engine.sampling_params import SamplingParams
 

@@ -24,7 +24,6 @@ from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeRequest,
     parse_body,
@@ -37,6 +36,7 @@ from services.gateway.api.responses import (
     usage,
 )
 from services.gateway.api.responses_api import ResponsesFormat
+from services.gateway.api.responses_protocol import ResponsesRequest
 from services.gateway.api.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -232,9 +232,8 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
             len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
             gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
-                          **format_options)
-        fmt.continuous_usage = getattr(req, "continuous_usage", False)
-        fmt.system_fingerprint = gateway.system_fingerprint
+                          continuous_usage=getattr(req, "continuous_usage", False),
+                          system_fingerprint=gateway.system_fingerprint, **format_options)
         return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
                             deadline)
     except BaseException as exc:

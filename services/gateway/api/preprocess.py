@@ -17,7 +17,7 @@ from services.gateway.api.protocol import (
     TokenizeChatRequest,
     _SamplingFields,
 )
-from services.gateway.api.request_limits import RequestLimits
+from services.gateway.api.request_limits import MAX_CACHE_SALT_CHARS, RequestLimits
 from services.gateway.api.structured import StructuredOutputChecker, structured_output_field
 from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
 from services.gateway.api.tool_parsers.base import ToolFormat
@@ -301,9 +301,6 @@ class Preprocessor:
             )
             for i in range(req.n)
         ]
-
-
-MAX_CACHE_SALT_CHARS = 256
 
 
 def _client_cache_salt(salt: str | None) -> str:

@@ -64,6 +64,11 @@ class ChoiceResult:
         self.compute = delta.compute  # the choice's running total
 
 
+def _likeliest(lp: Logprobs) -> list[tuple[int, float]]:
+    """A position's top alternatives, likeliest first."""
+    return sorted(lp.top.items(), key=lambda kv: -kv[1])
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
           compute: ComputeSeconds | None = None) -> dict:
     """OpenAI's usage object; `splitserve` is our extension: the engine seconds the workers
@@ -90,15 +95,18 @@ class BodyFormat:
     id_prefix = ""
 
     def __init__(self, model: str, tokenizer: ModelTokenizer, specs: list[GenerationSpec],
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False,
+                 system_fingerprint: str | None = None) -> None:
+        """`continuous_usage`: vLLM's continuous_usage_stats, the usage on every chunk;
+        `system_fingerprint`: Gateway.system_fingerprint."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
         self.specs = {spec.index: spec for spec in specs}
         self.include_usage = include_usage
-        self.continuous_usage = False  # vLLM's continuous_usage_stats: usage on every chunk
-        self.system_fingerprint: str | None = None  # Gateway.system_fingerprint
+        self.continuous_usage = continuous_usage
+        self.system_fingerprint = system_fingerprint
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
@@ -170,8 +178,7 @@ class BodyFormat:
                 out.append(None)
                 continue
             entry = {str(token_id): self._ranked(token_id, lp.logprob, lp.rank)}
-            ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])
-            for rank, (other, value) in enumerate(ranked, start=1):
+            for rank, (other, value) in enumerate(_likeliest(lp), start=1):
                 entry.setdefault(str(other), self._ranked(other, value, rank))
             out.append(entry)
         return {"prompt_logprobs": out}
@@ -270,8 +277,7 @@ class ChatFormat(BodyFormat):
 
     def _entry(self, token_id: int, lp: Logprobs) -> dict:
         entry = self._top(token_id, lp.logprob)
-        entry["top_logprobs"] = [self._top(t, v) for t, v in
-                                 sorted(lp.top.items(), key=lambda kv: -kv[1])]
+        entry["top_logprobs"] = [self._top(t, v) for t, v in _likeliest(lp)]
         return entry
 
     def _top(self, token_id: int, logprob: float) -> dict:
@@ -332,7 +338,7 @@ class CompletionFormat(BodyFormat):
         likeliest, so up to logprobs + 1 entries (logprobs=0: the chosen one alone). Keyed by
         text: a likelier token with the chosen one's text does not replace it."""
         top = {self.tokenizer.token_text(token_id): self._lp(lp.logprob)}
-        for other, value in sorted(lp.top.items(), key=lambda kv: -kv[1]):
+        for other, value in _likeliest(lp):
             top.setdefault(self.tokenizer.token_text(other), self._lp(value))
         return top
 

@@ -14,8 +14,11 @@ class StopStringMatcher:
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
         self._held = ""  # text not yet released; never contains a whole stop string
-        self.stopped = False
         self.matched: str | None = None  # the stop string that ended the output
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def push(self, text: str) -> str:
         """Add text; return what may be released now. Sets `stopped` on a match, after which
@@ -27,7 +30,6 @@ class StopStringMatcher:
         buffer = self._held + text
         match = self._earliest_match(buffer)
         if match is not None:
-            self.stopped = True
             self.matched = buffer[match[0]:match[1]]
             self._held = ""
             return buffer[:match[1] if self.include_stop else match[0]]

@@ -101,10 +101,12 @@ async def sse_events(
             if item is _END:
                 remaining -= 1
                 continue
-            latest[item.index] = item
-            for chunk in fmt.chunks(item):
-                if fmt.continuous_usage:
+            chunks = fmt.chunks(item)
+            if fmt.continuous_usage:
+                latest[item.index] = item
+                for chunk in chunks:
                     chunk["usage"] = _usage_so_far(prompt_tokens, latest.values())
+            for chunk in chunks:
                 yield fmt.encode(chunk)
             if item.finish_reason is not None:
                 completion_tokens += item.num_output_tokens
