@@ -22,7 +22,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare.systems import SYSTEMS, RunningSystem, start_system
+from bench.compare.__main__ import shipped_dtype
+from bench.compare.systems import (
+    SYSTEMS,
+    RunningSystem,
+    ServeOptions,
+    peer_settings_note,
+    serve_settings,
+    start_system,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "placeholder"  # replaced by each system's served name
@@ -169,11 +177,13 @@ def ask(client: httpx.Client, url: str, model: str, case: Case) -> Answer:
     return Answer(response.status_code, shape(body), _text(body), message[:300])
 
 
-def serve_and_ask(name: str, model_dir: str, log_dir: Path) -> dict[str, Answer]:
+def serve_and_ask(name: str, model_dir: str, log_dir: Path, opts: ServeOptions,
+                  commands: dict[str, str]) -> dict[str, Answer]:
     print(f"starting {name} ...", flush=True)
     started = time.monotonic()
-    system: RunningSystem = start_system(SYSTEMS[name], model_dir, log_dir)
-    print(f"  ready in {time.monotonic() - started:.0f} s", flush=True)
+    system: RunningSystem = start_system(SYSTEMS[name], model_dir, log_dir, opts)
+    commands[name] = " ".join(system.command)  # environment overrides first
+    print(f"  ready in {time.monotonic() - started:.0f} s: {commands[name]}", flush=True)
     answers = {}
     try:
         with httpx.Client(timeout=120) as client:
@@ -222,10 +232,19 @@ def main() -> int:
     if not SYSTEMS["vllm"].installed():
         print("vLLM is not installed here: `make peers` installs it", file=sys.stderr)
         return 2
-    peer = serve_and_ask("vllm", args.model, log_dir)
-    report = {}
-    for name in args.systems.split(","):
-        rows = compare(peer, serve_and_ask(name, args.model, log_dir))
+    systems = args.systems.split(",")
+    # What each side runs with: splitserve as shipped (the overrides line says "none"), vLLM in
+    # the best configuration found for it here.
+    # splitserve's dtype "auto"; the peer the dtype that resolves to here, as bench.compare runs it.
+    opts = ServeOptions(peer_dtype=shipped_dtype())
+    settings = (serve_settings(opts, tuple(systems)).text() + "\n"
+                f"  peer: {peer_settings_note(opts, ('vllm',))}")
+    print(settings, flush=True)
+    commands: dict[str, str] = {}
+    peer = serve_and_ask("vllm", args.model, log_dir, opts, commands)
+    report: dict = {"settings": settings, "commands": commands}
+    for name in systems:
+        rows = compare(peer, serve_and_ask(name, args.model, log_dir, opts, commands))
         report[name] = rows
         print(f"\nvLLM against {name}:\n" + markdown(rows, "vLLM", name))
         for row in rows:
@@ -239,9 +258,11 @@ def main() -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=1))
-        (out / "report.md").write_text("".join(
-            f"## vLLM against {name}\n\n" + markdown(rows, "vLLM", name) + "\n"
-            for name, rows in report.items()))
+        (out / "report.md").write_text(
+            "Settings:\n\n" + settings + "\n\nCommands:\n\n"
+            + "".join(f"- {name}: `{command}`\n" for name, command in commands.items())
+            + "".join(f"\n## vLLM against {name}\n\n" + markdown(report[name], "vLLM", name)
+                      for name in systems))
     return 0
 
 
