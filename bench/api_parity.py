@@ -14,6 +14,7 @@ extension (usage.splitserve, ...). Prints a table; --out writes report.json and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -27,7 +28,6 @@ from bench.compare.systems import (
     SYSTEMS,
     RunningSystem,
     ServeOptions,
-    peer_settings_note,
     serve_settings,
     start_system,
 )
@@ -237,8 +237,8 @@ def main() -> int:
     # the best configuration found for it here.
     # splitserve's dtype "auto"; the peer the dtype that resolves to here, as bench.compare runs it.
     opts = ServeOptions(peer_dtype=shipped_dtype())
-    settings = (serve_settings(opts, tuple(systems)).text() + "\n"
-                f"  peer: {peer_settings_note(opts, ('vllm',))}")
+    settings = dataclasses.replace(serve_settings(opts, ("vllm", *systems)),
+                                   bench="bench.api_parity").text()
     print(settings, flush=True)
     commands: dict[str, str] = {}
     peer = serve_and_ask("vllm", args.model, log_dir, opts, commands)
