@@ -244,10 +244,15 @@ class Admission:
         predicted = plain + self.estimator.margin(self.ttft_target_s)
         budget = ticket.deadline - ticket.arrival
         if log.isEnabledFor(logging.DEBUG):
+            drain = self.estimator.requests_per_s
             log.debug("judged: %d prompt tokens (%d to prefill), %d ahead, %d prefilling, "
-                      "%d extra choices, estimate %.3fs + margin %.3fs, budget %.3fs",
+                      "%d extra choices, %d in flight, room %s, a slot in %s, drain %s, "
+                      "service %.3fs, estimate %.3fs + margin %.3fs, budget %.3fs",
                       ticket.prompt_tokens, ticket.prefill_tokens, requests,
-                      self.prefilling_tokens, extra, plain, predicted - plain, budget)
+                      self.prefilling_tokens, extra, self.inflight, room,
+                      "-" if slot_in is None else f"{slot_in:.3f}s",
+                      "-" if drain is None else f"{drain:.2f} req/s", self._service_s(ticket),
+                      plain, predicted - plain, budget)
         if predicted > budget:
             retry = max(1, math.ceil(predicted - budget))
             uncached = ("" if ticket.prefill_tokens == ticket.prompt_tokens

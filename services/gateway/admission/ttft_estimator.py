@@ -109,15 +109,20 @@ class TTFTEstimator:
         self._errors: deque[_Event] = deque(maxlen=200)  # recent events, oldest first
         self._busy_since: float | None = None
         self._window = _Window()
+        # The backlog now, since it began (None: no request waiting): what it released, for
+        # judging a stall while it lasts.
+        self._spell_since: float | None = None
+        self._spell = _Window()
 
     def backlog(self, waiting: bool) -> None:
         """Whether requests are waiting; call when that may have changed."""
         now = self._clock()
         if waiting and self._busy_since is None:
-            self._busy_since = now
+            self._busy_since = self._spell_since = now
+            self._spell = _Window()
         elif not waiting and self._busy_since is not None:
             self._window.busy_s += now - self._busy_since
-            self._busy_since = None
+            self._busy_since = self._spell_since = None
             self._close_window()
 
     def released(self, prompt_tokens: int) -> None:
@@ -125,8 +130,9 @@ class TTFTEstimator:
         arrivals, sets the pace."""
         if self._busy_since is None:
             return
-        self._window.requests += 1
-        self._window.tokens += prompt_tokens
+        for window in (self._window, self._spell):
+            window.requests += 1
+            window.tokens += prompt_tokens
         now = self._clock()
         self._window.busy_s += now - self._busy_since
         self._busy_since = now
@@ -188,18 +194,21 @@ class TTFTEstimator:
             rate = ending if rate is None else min(rate, ending)
         if rate is None:
             return None if slot_free_in_s is None else slot_free_in_s + service
-        # A backlog that has drained slower than usual for a whole window (a stall) counts
-        # now, not when the window closes.
-        busy = self._window.busy_s + (self._clock() - self._busy_since
-                                      if self._busy_since is not None else 0.0)
+        # The backlog now, if it has drained slower than usual for a whole window (a stall),
+        # counts now, not when the window closes. Only the backlog now: a window still open
+        # holds the busy time of earlier backlogs, and one that ended without a release (its
+        # request dropped, late) left 0.8 s and no release there; read as a stall, that added
+        # 1.6 s to every estimate made while the in-flight limit was reached, and refused
+        # chats whose slot came 0.05 s later, until a release in a backlog closed the window.
+        busy = 0.0 if self._spell_since is None else self._clock() - self._spell_since
         if busy >= self.window_s:
             if tokens_rate and self.requests_per_s:
                 # Nothing released yet counts as half a request, in tokens too: half an
                 # average request's. (Counted as one token, a queue held 0.6 s by the in-flight
                 # limit drained "1.6 tokens/s", and a 107-token prompt ahead was 65 s of wait.)
                 floor = 0.5 * tokens_rate / self.requests_per_s
-                tokens_rate = min(tokens_rate, max(self._window.tokens, floor) / busy)
-            rate = min(rate, max(self._window.requests, 0.5) / busy)
+                tokens_rate = min(tokens_rate, max(self._spell.tokens, floor) / busy)
+            rate = min(rate, max(self._spell.requests, 0.5) / busy)
         wait = (requests_ahead + 1) / rate
         if tokens_rate and tokens_ahead:
             # Only the prompts ahead: the rate is what was released while backlogged, so it is
