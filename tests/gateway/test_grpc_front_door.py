@@ -85,3 +85,38 @@ def test_a_failure_before_output_keeps_its_status_code(servers, gateway_factory)
     with pytest.raises(grpc.RpcError) as caught:
         _generate(gateway.field("grpc"), text="hi", sampling=_greedy(10))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # overloaded: retry later
+
+
+def test_prompt_logprobs_and_stop_reason_as_the_http_api_gives_them(stack, engine):
+    """sampling.prompt_logprobs: on the first message, each prompt token after the first with
+    its logprob, rank and the k likeliest in its place, equal to the engine's own; the message
+    that stops on a stop string or a stop token id says which (vLLM's stop_reason)."""
+    from engine.sampling_params import SamplingParams
+
+    [expected] = engine.generate(["The old library"], SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=2))
+    responses = _generate(stack.grpc_address, text="The old library",
+                          sampling=_greedy(4, prompt_logprobs=2))
+    got = responses[0].prompt_logprobs
+    assert [p.token_id for p in got] == list(expected.prompt_token_ids[1:])
+    for entry, want in zip(got, expected.prompt_logprobs[1:], strict=True):
+        assert entry.rank == want.rank and entry.logprob == pytest.approx(want.logprob, abs=1e-3)
+        assert {t.token_id: pytest.approx(t.logprob, abs=1e-3) for t in entry.top} == want.top
+    assert not any(r.prompt_logprobs for r in responses[1:])
+    assert not _generate(stack.grpc_address, text="The old library",
+                         sampling=_greedy(2))[0].prompt_logprobs
+
+    full = _generate(stack.grpc_address, text="The old library",
+                     sampling=_greedy(12, ignore_eos=True))
+    text, tokens = "".join(r.text for r in full), [t for r in full for t in r.token_ids]
+    assert full[-1].WhichOneof("stop_reason") is None  # ended at max_tokens
+    by_string = _generate(stack.grpc_address, text="The old library",
+                          sampling=_greedy(12, ignore_eos=True), stop=[text[6:9]])
+    assert by_string[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert by_string[-1].stop_string == text[6:9]
+    stop_token = next(t for k, t in enumerate(tokens) if k and t not in tokens[:k])
+    by_token = _generate(stack.grpc_address, text="The old library",
+                         sampling=_greedy(12, ignore_eos=True, stop_token_ids=[stop_token]))
+    assert by_token[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert by_token[-1].WhichOneof("stop_reason") == "stop_token_id"
+    assert by_token[-1].stop_token_id == stop_token

@@ -150,6 +150,13 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
     if delta.logprobs:
         response.logprobs.extend(convert.logprob_to_pb(t, lp)
                                  for t, lp in zip(delta.token_ids, delta.logprobs, strict=False))
+    if delta.prompt_logprobs is not None:
+        scored = zip(spec.prompt_token_ids[1:], delta.prompt_logprobs[1:], strict=False)
+        response.prompt_logprobs.extend(convert.logprob_to_pb(t, lp) for t, lp in scored)
+    if isinstance(delta.stop_reason, str):
+        response.stop_string = delta.stop_reason
+    elif delta.stop_reason is not None:
+        response.stop_token_id = delta.stop_reason
     if delta.finish_reason is not None:
         response.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delta.num_output_tokens,
