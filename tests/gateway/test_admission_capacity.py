@@ -172,25 +172,30 @@ def test_a_stalled_backlog_slows_the_estimate_by_requests_not_by_one_token():
     assert stalled < 3.0  # as one token: 107 / (1 / 0.6) = 64 s
 
 
-def test_a_backlog_that_ended_is_no_stall():
-    """A backlog that released nothing (its one request dropped, late) and then ended says
-    nothing about the wait now: a request that finds the in-flight limit reached, with nothing
-    queued, waits for the next of the running requests to end, not 2 x that backlog's length.
-    (Read as a stall, it added 1.6 s to every such estimate at 3 chats a second.)"""
+def test_next_in_line_waits_for_the_next_end_not_a_stale_rate_or_an_ended_backlog():
+    """A request that finds the in-flight limit reached with nothing queued goes when the next
+    running request ends. Neither a drain rate measured over an early backlog (1.63 req/s,
+    never updated: 0.61 s on every such chat, whose slot came 0.03-0.1 s later) nor a backlog
+    that released nothing and ended (its one request dropped, late; read as a stall, it added
+    1.6 s) says anything about that wait. A backlog now that has released nothing for a
+    window does: it is a stall."""
     clock = Clock()
     estimator = TTFTEstimator(window_s=0.5, alpha=1.0, clock=clock)
     estimator.service_s, estimator.duration_s = 0.2, 6.0
+    estimator.requests_per_s = 1.63
     estimator.backlog(True)
     clock.now += 0.8  # the request waited past its deadline and was dropped
     estimator.backlog(False)
     clock.now += 5.0
-    # 17 running requests that take 6 s each end 2.8 a second: the next slot in 0.35 s.
     wait = estimator.estimate(0, 0, 100, room_now=False, slots_in_use=17, slot_free_in_s=0.05)
-    assert wait == pytest.approx(6.0 / 17 + 0.2)
-    estimator.backlog(True)  # a new backlog, as long as the old one: a stall again
+    assert wait == pytest.approx(0.05 + 0.2)
+    # With requests ahead, the rate still bounds the wait: 3 ahead at 1.63 a second.
+    assert estimator.estimate(2, 200, 100, room_now=False, slots_in_use=17,
+                              slot_free_in_s=0.3) == pytest.approx(3 / 1.63 + 0.2)
+    estimator.backlog(True)  # a new backlog, as long as the old one: a stall
     clock.now += 0.8
-    assert estimator.estimate(0, 0, 100, room_now=False, slots_in_use=17) == pytest.approx(
-        1 / (0.5 / 0.8) + 0.2)
+    assert estimator.estimate(0, 0, 100, room_now=False, slots_in_use=17,
+                              slot_free_in_s=0.05) == pytest.approx(0.8 / 0.5 + 0.2)
 
 
 def test_an_idle_cluster_is_never_predicted_late():

@@ -2,11 +2,14 @@
 will end: what a queued request waits for. Owned by the gateway's event loop.
 
 A request ends after its remaining output tokens at the cluster's current time per token. Its
-remaining tokens are judged against the output length requests have been ending at (capped by
-its max_tokens): a client's max_tokens is an upper bound that chat traffic rarely reaches, and
-with ignore_eos the learned length is max_tokens itself. Requests released together (a
-burst into free slots) end together, so the k-th earliest end, not an average rate, says when
-the k-th queued request gets a slot.
+remaining tokens are judged by how requests have been ending: the share that ran to their
+max_tokens (with ignore_eos, or a completion cut at its limit, all of them) ends at its own
+max_tokens; the rest at the output length those have been stopping at (capped by its
+max_tokens), since a client's max_tokens is an upper bound that chat traffic rarely reaches.
+(Judged all by the average length, a request asking for 250 tokens beside ones asking for 40
+was "1 token from its end" once past the average, and a queued request was told its slot came
+in 0.03 s.) Requests released together (a burst into free slots) end together, so the k-th
+earliest end, not an average rate, says when the k-th queued request gets a slot.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ class InFlight:
         self._requests: set[Released] = set()
         self._last_token_at: dict[int, float] = {}  # id(request) -> when its last tokens came
         self.time_per_token_s: float | None = None  # between one choice's tokens, any load
-        self.output_tokens: float | None = None  # per choice, at the end
+        # Per choice, at the end, of the requests that stopped before their max_tokens.
+        self.output_tokens: float | None = None
+        self.to_limit: float | None = None  # the share of requests that ran to max_tokens
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -57,8 +62,11 @@ class InFlight:
             self._requests.discard(request)
             self._last_token_at.pop(id(request), None)
             if request.first_token_at is not None:
-                self.output_tokens = _ewma(self.output_tokens,
-                                           request.output_tokens / request.slots)
+                at_limit = request.output_tokens >= request.max_output_tokens
+                self.to_limit = _ewma(self.to_limit, 1.0 if at_limit else 0.0)
+                if not at_limit:
+                    self.output_tokens = _ewma(self.output_tokens,
+                                               request.output_tokens / request.slots)
 
     def nth_end_s(self, n: int, service_s: float) -> float | None:
         """Seconds until the n-th (from 0) of these requests ends; `service_s` is what one
@@ -71,9 +79,11 @@ class InFlight:
 
     def _remaining_s(self, request: Released, service_s: float) -> float:
         per_choice = request.max_output_tokens / request.slots
-        expected = min(per_choice, self.output_tokens or per_choice)
+        stopping = min(per_choice, self.output_tokens or per_choice)
         done = request.output_tokens / request.slots
-        remaining = max(1.0, expected - done) * self.time_per_token_s
+        to_limit = self.to_limit or 0.0
+        tokens = to_limit * (per_choice - done) + (1 - to_limit) * max(1.0, stopping - done)
+        remaining = max(1.0, tokens) * self.time_per_token_s
         return remaining + (service_s if request.first_token_at is None else 0.0)
 
 

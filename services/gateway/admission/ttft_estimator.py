@@ -186,6 +186,24 @@ class TTFTEstimator:
         service = self.service_at(prefilling_tokens + prompt_tokens, extra_choices)
         if room_now and requests_ahead == 0:
             return 0.0 if slots_in_use == 0 else service  # idle: see the module docstring
+        # The backlog now, if it has drained slower than usual for a whole window (a stall),
+        # counts now, not when the window closes. Only the backlog now: a window still open
+        # holds the busy time of earlier backlogs, and one that ended without a release (its
+        # request dropped, late) left 0.8 s and no release there; read as a stall, that added
+        # 1.6 s to every estimate made while the in-flight limit was reached, and refused
+        # chats whose slot came 0.05 s later, until a release in a backlog closed the window.
+        busy = 0.0 if self._spell_since is None else self._clock() - self._spell_since
+        stalled = busy >= self.window_s
+        if requests_ahead == 0 and slot_free_in_s is not None:
+            # Next in line: it goes when enough of the running requests end, and their own
+            # remaining tokens say when better than a rate measured over earlier backlogs.
+            # (One early backlog set that rate at 1.63 req/s and none after it was long enough
+            # to update it: 0.61 s of wait on every chat that found the in-flight limit
+            # reached, whose slot came 0.03-0.1 s later; 15 of 164 were refused on it.)
+            wait = slot_free_in_s
+            if stalled:
+                wait = max(wait, busy / max(self._spell.requests, 0.5))
+            return wait + service
         rate, tokens_rate = self.requests_per_s, self.tokens_per_s
         if self.duration_s and slots_in_use:
             # A queued request goes when one in flight ends: the rate they end at (Little's
@@ -194,14 +212,7 @@ class TTFTEstimator:
             rate = ending if rate is None else min(rate, ending)
         if rate is None:
             return None if slot_free_in_s is None else slot_free_in_s + service
-        # The backlog now, if it has drained slower than usual for a whole window (a stall),
-        # counts now, not when the window closes. Only the backlog now: a window still open
-        # holds the busy time of earlier backlogs, and one that ended without a release (its
-        # request dropped, late) left 0.8 s and no release there; read as a stall, that added
-        # 1.6 s to every estimate made while the in-flight limit was reached, and refused
-        # chats whose slot came 0.05 s later, until a release in a backlog closed the window.
-        busy = 0.0 if self._spell_since is None else self._clock() - self._spell_since
-        if busy >= self.window_s:
+        if stalled:
             if tokens_rate and self.requests_per_s:
                 # Nothing released yet counts as half a request, in tokens too: half an
                 # average request's. (Counted as one token, a queue held 0.6 s by the in-flight
