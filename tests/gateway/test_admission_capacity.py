@@ -175,9 +175,9 @@ def test_a_stalled_backlog_slows_the_estimate_by_requests_not_by_one_token():
 def test_next_in_line_waits_for_the_next_end_not_a_stale_rate_or_an_ended_backlog():
     """A request that finds the in-flight limit reached with nothing queued goes when the next
     running request ends. Neither a drain rate measured over an early backlog (1.63 req/s,
-    never updated: 0.61 s on every such chat, whose slot came 0.03-0.1 s later) nor a backlog
-    that released nothing and ended (its one request dropped, late; read as a stall, it added
-    1.6 s) says anything about that wait. A backlog now that has released nothing for a
+    never updated: 0.61 s on every such chat, its next slot predicted 0.03-0.1 s away) nor a
+    backlog that released nothing and ended (its one request dropped, late; read as a stall,
+    it added 1.6 s) says anything about that wait. A backlog now that has released nothing for a
     window does: it is a stall."""
     clock = Clock()
     estimator = TTFTEstimator(window_s=0.5, alpha=1.0, clock=clock)
