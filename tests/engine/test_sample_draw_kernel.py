@@ -72,6 +72,39 @@ def test_a_vocabulary_sized_batch_of_mixed_rows_draws_each_as_the_torch_draw():
     assert differ <= 2
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, min_p=0.02),
+                                    dict(temperature=1.0, top_p=0.9, min_p=0.001)])
+@pytest.mark.parametrize("shape", ["gaussian", "tied"])
+def test_a_cut_over_thousands_of_tokens_draws_as_the_ordered_walk(shape, params):
+    """Rows whose kept set runs to thousands of tokens (Gaussian logits over SmolLM2's
+    vocabulary: random prompts give such rows; or 600 tokens tied at the top) take the binned
+    walk, which sorts only the bin where the cut falls and the one the draw falls in: the torch
+    draw's token for every uniform of a grid (but a tie or a rounded boundary), only kept
+    tokens, each drawn at its share."""
+    vocab, grid = 49152, 400
+    generator = torch.Generator().manual_seed(13)
+    logits = torch.randn(vocab, generator=generator) * 2
+    if shape == "tied":
+        logits[1000:1600] = 9.0
+    sampling = SamplingParams(max_tokens=1, **params)
+    uniforms = [(j + 0.5) / grid for j in range(grid)]
+    ours = _kernel(logits[None].expand(grid, vocab), [sampling] * grid, uniforms)
+    theirs = draw(logits[None].expand(grid, vocab) / sampling.temperature, [sampling] * grid,
+                  uniforms)
+    probs = (logits / sampling.temperature).softmax(-1)
+    differ = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    ties = [(a, b) for a, b in differ if abs(float(probs[a] - probs[b])) <= 1e-5 * float(probs[b])]
+    assert len(differ) - len(ties) <= 1, differ[:10]
+    expected = _filter((logits[None] / sampling.temperature).clone(),
+                       [SamplingRow(sampling, 0, 0, [], 0)])[0]
+    kept = torch.nonzero(expected).flatten()
+    assert len(kept) > 128
+    # Which of the tied tokens a cut through them keeps is free; none below the kept ones is.
+    assert min(float(probs[t]) for t in ours) >= float(probs[kept].min()) * (1 - 1e-5)
+    if shape == "gaussian":  # no ties: every uniform lands where the ordered walk says
+        assert ours == theirs
+
+
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
                                     dict(temperature=0.7, top_k=20, min_p=0.02)])
 def test_bfloat16_rows_are_drawn_as_their_float32_values(params):
