@@ -173,7 +173,7 @@ inline void sort_bin(Scratch& s, std::vector<char>& sorted, int64_t b) {
   }
 }
 
-// A top-p row without a top-k over many candidates (all tokens with mass when `whole`), as
+// A top-p or min-p row without a top-k over many candidates (all tokens with mass when `whole`), as
 // invert_cut's ordered walk draws it, without ordering them all. Candidates go into bins by
 // their depth below the top, (top - scaled) x a positive factor, truncated: a monotone map, so
 // bin by bin, each sorted, is the order of falling probability, ties by index included. Top-p
