@@ -10,6 +10,10 @@ and how many tokens the two paths drew alike (they differ only where two tokens'
 are equal, which bf16 logits make common, and on rounded boundaries).
 
     python bench/sample_draw.py [--rows 8,32,104,256] [--threads 1] [--repeats 20]
+    python bench/sample_draw.py --logits gaussian --rows 16   # flat rows, as random prompts give
+
+--logits gaussian draws from N(0, 2^2) logits over SmolLM2's vocabulary instead: flat rows whose
+top-p set runs to thousands of tokens (the kernel's binned walk, see sample_draw.cpp).
 """
 
 from __future__ import annotations
@@ -61,6 +65,12 @@ def model_logits(rows: int) -> torch.Tensor:
     return base.repeat((rows + len(base) - 1) // len(base), 1)[:rows].contiguous()
 
 
+def gaussian_logits(rows: int, vocab: int = 49152) -> torch.Tensor:
+    """[rows, vocab] bf16 logits drawn from N(0, 2^2): flat rows."""
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, vocab, generator=generator) * 2).bfloat16()
+
+
 def timed(fn, repeats: int) -> float:
     start = time.perf_counter()
     for _ in range(repeats):
@@ -73,15 +83,19 @@ def main() -> int:
     parser.add_argument("--rows", default="8,32,104,256")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--logits", choices=("smollm2", "gaussian"), default="smollm2",
+                        help="SmolLM2's own (peaked rows) or N(0, 2^2) (flat rows)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
         print(f"the C++ kernels did not build ({cpu_kernels.build_error()}); nothing to compare")
         return 1
     counts = [int(r) for r in args.rows.split(",")]
-    print(f"SmolLM2 logits from {MODEL.name}; {args.threads} thread(s); {args.repeats} calls "
-          "per timing, the two paths alternating, 3 timings each (median)", flush=True)
-    logits_all = model_logits(max(counts))
+    source = (f"SmolLM2 logits from {MODEL.name}" if args.logits == "smollm2"
+              else "N(0, 2^2) logits over 49,152 tokens")
+    print(f"{source}; {args.threads} thread(s); {args.repeats} calls per timing, the two paths "
+          "alternating, 3 timings each (median)", flush=True)
+    logits_all = (model_logits if args.logits == "smollm2" else gaussian_logits)(max(counts))
     sampler = Sampler(batched=False)
     takes = sampler_module.draw_kernel_takes
     print(f"\n{'setting':<30} {'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'speed-up':>9} "
