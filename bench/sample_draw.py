@@ -12,8 +12,9 @@ are equal, which bf16 logits make common, and on rounded boundaries).
     python bench/sample_draw.py [--rows 8,32,104,256] [--threads 1] [--repeats 20]
     python bench/sample_draw.py --logits gaussian --rows 16   # flat rows, as random prompts give
 
---logits gaussian draws from N(0, 2^2) logits over SmolLM2's vocabulary instead: flat rows whose
-top-p set runs to thousands of tokens (the kernel's binned walk, see sample_draw.cpp).
+--logits gaussian draws from N(0, std^2) logits (--std, default 2) over SmolLM2's vocabulary
+instead: flat rows whose top-p set runs to thousands of tokens, and at --std 1 whose top-k rows
+hold most of the vocabulary within their first span (the kernel's bins, see sample_draw.cpp).
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def model_logits(rows: int) -> torch.Tensor:
     return base.repeat((rows + len(base) - 1) // len(base), 1)[:rows].contiguous()
 
 
-def gaussian_logits(rows: int, vocab: int = 49152) -> torch.Tensor:
-    """[rows, vocab] bf16 logits drawn from N(0, 2^2): flat rows."""
+def gaussian_logits(rows: int, std: float = 2.0, vocab: int = 49152) -> torch.Tensor:
+    """[rows, vocab] bf16 logits drawn from N(0, std^2): flat rows."""
     generator = torch.Generator().manual_seed(0)
-    return (torch.randn(rows, vocab, generator=generator) * 2).bfloat16()
+    return (torch.randn(rows, vocab, generator=generator) * std).bfloat16()
 
 
 def timed(fn, repeats: int) -> float:
@@ -84,7 +85,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--logits", choices=("smollm2", "gaussian"), default="smollm2",
-                        help="SmolLM2's own (peaked rows) or N(0, 2^2) (flat rows)")
+                        help="SmolLM2's own (peaked rows) or N(0, std^2) (flat rows)")
+    parser.add_argument("--std", type=float, default=2.0, help="--logits gaussian: their std")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
@@ -92,10 +94,11 @@ def main() -> int:
         return 1
     counts = [int(r) for r in args.rows.split(",")]
     source = (f"SmolLM2 logits from {MODEL.name}" if args.logits == "smollm2"
-              else "N(0, 2^2) logits over 49,152 tokens")
+              else f"N(0, {args.std:g}^2) logits over 49,152 tokens")
     print(f"{source}; {args.threads} thread(s); {args.repeats} calls per timing, the two paths "
           "alternating, 3 timings each (median)", flush=True)
-    logits_all = (model_logits if args.logits == "smollm2" else gaussian_logits)(max(counts))
+    logits_all = (model_logits(max(counts)) if args.logits == "smollm2"
+                  else gaussian_logits(max(counts), args.std))
     sampler = Sampler(batched=False)
     takes = sampler_module.draw_kernel_takes
     print(f"\n{'setting':<30} {'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'speed-up':>9} "

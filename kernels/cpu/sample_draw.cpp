@@ -39,6 +39,9 @@ constexpr int64_t kHead = 64;
 // logits, top_p 0.95, one thread: 59-65 ms against 0.64 ms uncut); binned by their depth below
 // the top, only the bin where top-p's mass runs out and the one the draw falls in are sorted.
 constexpr int64_t kBins = 4096;
+// Candidates in a top-k row's first span past which its top-k set is found by bins of its
+// exponentials (collect_top_k) rather than by an nth_element over them all.
+constexpr int64_t kManyForTopK = 4096;
 
 inline float as_float(float v) { return v; }
 inline float as_float(c10::BFloat16 v) {
@@ -273,6 +276,50 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
   return s.binned[s.starts[last + 1] - 1].index;
 }
 
+// Tokens with e >= floor.
+inline int64_t count_at_least(const float* e, int64_t n, float floor) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += e[i] >= floor ? 1 : 0;
+  return count;
+}
+
+// A top-k row's candidates: its k most likely tokens, every token tied with the k-th, and a
+// few more, found by counting tokens in bins of their exponential's float bits (for positive
+// floats a monotone map, 64 bins an octave, no division or log) and taking the bins up to the
+// one where the count reaches k, and the next (exp_nonpositive may round a hair out of order).
+// A flat row has tens of thousands of tokens within the first span; collected and cut by an
+// nth_element, they cost 0.5 ms a row (16 rows of N(0, 1) logits at temperature 0.7 and top_k
+// 50: 7.8 ms, the torch path 2.0 ms).
+template <typename T>
+void collect_top_k(const T* row, const float* e, int64_t n, float temperature, int64_t k,
+                   Scratch& s) {
+  constexpr int kShift = 17;  // of the 23 mantissa bits, the top 6 stay: 64 bins an octave
+  constexpr int64_t kOctaveBins = (int64_t{0x3F800000} >> kShift) + 1;  // 1.0 down to 0
+  const auto bin_of = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    return std::max<int64_t>(0, (int64_t{0x3F800000} - static_cast<int64_t>(bits)) >> kShift);
+  };
+  std::vector<int64_t>& counts = s.starts;
+  counts.assign(kOctaveBins, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] > 0.0f) ++counts[bin_of(e[i])];
+  }
+  int64_t last = kOctaveBins - 1, seen = 0;
+  for (int64_t b = 0; b < kOctaveBins; ++b) {
+    seen += counts[b];
+    if (seen >= k) {
+      last = b + 1;
+      break;
+    }
+  }
+  s.candidates.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] > 0.0f && bin_of(e[i]) <= last)
+      s.candidates.push_back({as_float(row[i]) / temperature, static_cast<int32_t>(i)});
+  }
+}
+
 // A cut row. The candidates are the tokens within a span of nats below the top (or, with a
 // min-p and no top-k, those min-p keeps: e >= min_p, the top token's e being 1), cut to
 // top-k's set (with every token tied with the k-th); top-p runs over them in order of falling
@@ -293,9 +340,16 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
     // With a min-p, no token below its floor is kept: that floor bounds the candidates, unless
     // a top-k needs its whole set (its mass renormalises the kept tokens').
     const bool bounded_by_min_p = !limited && min_p_floor > 0.0f && min_p_floor >= span_floor;
-    collect(row, e, n, temperature, bounded_by_min_p ? min_p_floor : span_floor, candidates);
+    // A top-k row with many tokens in its first span (a flat row) is binned instead.
+    const bool binned_top_k = limited && attempt == 0 && count_at_least(e, n, span_floor) > kManyForTopK;
+    if (binned_top_k) {
+      collect_top_k(row, e, n, temperature, top_k, scratch);
+    } else {
+      collect(row, e, n, temperature, bounded_by_min_p ? min_p_floor : span_floor, candidates);
+    }
     int64_t count = static_cast<int64_t>(candidates.size());
-    bool whole = bounded_by_min_p || span_floor == 0.0f;  // the kept set lies among them
+    // The kept set lies among them (a top-k's binned candidates hold its set, ties included).
+    bool whole = binned_top_k || bounded_by_min_p || span_floor == 0.0f;
     if (limited && count < top_k && !whole) continue;  // the top-k set may reach past them
     if (count == 0) break;  // nothing has mass: the top token, below
     double normaliser = total;

@@ -105,6 +105,27 @@ def test_a_cut_over_thousands_of_tokens_draws_as_the_ordered_walk(shape, params)
         assert ours == theirs
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.7, top_k=50),
+                                    dict(temperature=1.0, top_k=50, top_p=0.95),
+                                    dict(temperature=1.0, top_k=3000, min_p=0.05)])
+def test_a_top_k_over_a_flat_row_keeps_the_k_most_likely_and_draws_as_the_torch_draw(params):
+    """A row with tens of thousands of tokens within its first span (N(0, 1) logits over
+    SmolLM2's vocabulary) finds its top-k set by bins of its exponentials, not by an
+    nth_element over all of them: the same k tokens as torch's topk, each uniform of a grid
+    drawing the torch draw's token."""
+    vocab, grid = 49152, 400
+    generator = torch.Generator().manual_seed(17)
+    logits = torch.randn(vocab, generator=generator)
+    sampling = SamplingParams(max_tokens=1, **params)
+    uniforms = [(j + 0.5) / grid for j in range(grid)]
+    ours = _kernel(logits[None].expand(grid, vocab), [sampling] * grid, uniforms)
+    theirs = draw(logits[None].expand(grid, vocab) / sampling.temperature, [sampling] * grid,
+                  uniforms)
+    assert ours == theirs
+    top = set(torch.topk(logits, sampling.top_k).indices.tolist())
+    assert set(ours) <= top and len(set(ours)) > min(sampling.top_k, 40) // 2
+
+
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
                                     dict(temperature=0.7, top_k=20, min_p=0.02)])
 def test_bfloat16_rows_are_drawn_as_their_float32_values(params):
