@@ -140,10 +140,11 @@ inline bool before_in_order(const Candidate& a, const Candidate& b) {
   return a.scaled > b.scaled || (a.scaled == b.scaled && a.index < b.index);
 }
 
-// The tokens with mass e >= floor (all with any mass when floor is 0).
+// The tokens with mass e >= floor (all with any mass when floor is 0). Stops, returning false,
+// once more than `limit` are found (0: no limit).
 template <typename T>
-void collect(const T* row, const float* e, int64_t n, float temperature, float floor,
-             std::vector<Candidate>& candidates) {
+bool collect(const T* row, const float* e, int64_t n, float temperature, float floor,
+             std::vector<Candidate>& candidates, int64_t limit = 0) {
   candidates.clear();
   const float least = floor > 0.0f ? floor : std::numeric_limits<float>::denorm_min();
   const auto take = [&](int64_t begin, int64_t end) {
@@ -151,14 +152,17 @@ void collect(const T* row, const float* e, int64_t n, float temperature, float f
       if (e[j] >= least) candidates.push_back({as_float(row[j]) / temperature, static_cast<int32_t>(j)});
     }
   };
+  const size_t most = limit > 0 ? static_cast<size_t>(limit) : std::numeric_limits<size_t>::max();
   constexpr int64_t kChunk = 4 * kLanes;
   const int64_t whole = n / kChunk * kChunk;
   for (int64_t i = 0; i < whole; i += kChunk) {
     int32_t hits = 0;  // most chunks hold none
     for (int64_t j = 0; j < kChunk; ++j) hits += e[i + j] >= least ? 1 : 0;
     if (hits) take(i, i + kChunk);
+    if (candidates.size() > most) return false;
   }
   take(whole, n);
+  return candidates.size() <= most;
 }
 
 // Scratch a thread reuses from row to row.
@@ -276,13 +280,6 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
   return s.binned[s.starts[last + 1] - 1].index;
 }
 
-// Tokens with e >= floor.
-inline int64_t count_at_least(const float* e, int64_t n, float floor) {
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) count += e[i] >= floor ? 1 : 0;
-  return count;
-}
-
 // A top-k row's candidates: its k most likely tokens, every token tied with the k-th, and a
 // few more, found by counting tokens in bins of their exponential's float bits (for positive
 // floats a monotone map, 64 bins an octave, no division or log) and taking the bins up to the
@@ -341,11 +338,11 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
     // a top-k needs its whole set (its mass renormalises the kept tokens').
     const bool bounded_by_min_p = !limited && min_p_floor > 0.0f && min_p_floor >= span_floor;
     // A top-k row with many tokens in its first span (a flat row) is binned instead.
-    const bool binned_top_k = limited && attempt == 0 && count_at_least(e, n, span_floor) > kManyForTopK;
-    if (binned_top_k) {
+    bool binned_top_k = false;
+    if (!collect(row, e, n, temperature, bounded_by_min_p ? min_p_floor : span_floor, candidates,
+                 limited && attempt == 0 ? kManyForTopK : 0)) {
       collect_top_k(row, e, n, temperature, top_k, scratch);
-    } else {
-      collect(row, e, n, temperature, bounded_by_min_p ? min_p_floor : span_floor, candidates);
+      binned_top_k = true;
     }
     int64_t count = static_cast<int64_t>(candidates.size());
     // The kept set lies among them (a top-k's binned candidates hold its set, ties included).
