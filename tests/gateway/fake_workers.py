@@ -155,6 +155,11 @@ def hangs(after_tokens=(), start_index: int = 1) -> DecodeScript:
     """Reserve (when remote), stream some tokens, then wait until the caller cancels."""
 
     def script(request, context, fake):
+        # This call ends only when its caller goes away. A cancel that comes while gRPC holds
+        # the last token sent, before it resumes this generator, never reaches
+        # wait_cancelled below (gRPC stops iterating), so the call's end itself counts (the
+        # clean-clone CI once saw the call end and no cancel in 15 s).
+        context.add_callback(fake.cancelled.set)
         if request.remote_prefill:
             yield reserved()
         for i, token in enumerate(after_tokens):
