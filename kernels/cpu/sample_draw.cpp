@@ -169,14 +169,17 @@ bool collect(const T* row, const float* e, int64_t n, float temperature, float f
 struct Scratch {
   std::vector<Candidate> candidates, binned;
   std::vector<int64_t> starts;  // kBins + 1 offsets into binned
+  std::vector<int64_t> fill;    // the next free slot of each bin while filling binned
   std::vector<double> mass;     // each bin's probability
+  std::vector<char> sorted;     // which bins of binned are sorted
+  std::vector<int64_t> counts;  // collect_top_k's tokens per bin
 };
 
 // Sorts binned[starts[b], starts[b + 1]) in the draw's order (once: `sorted` remembers).
-inline void sort_bin(Scratch& s, std::vector<char>& sorted, int64_t b) {
-  if (!sorted[b]) {
+inline void sort_bin(Scratch& s, int64_t b) {
+  if (!s.sorted[b]) {
     std::sort(s.binned.begin() + s.starts[b], s.binned.begin() + s.starts[b + 1], before_in_order);
-    sorted[b] = 1;
+    s.sorted[b] = 1;
   }
 }
 
@@ -192,7 +195,7 @@ inline void sort_bin(Scratch& s, std::vector<char>& sorted, int64_t b) {
 // boundary may pick a neighbour of the ordered walk's token.
 int64_t invert_top_p_binned(const float* e, double normaliser, float top, float top_p,
                             float min_p, bool whole, double u, Scratch& s) {
-  const std::vector<Candidate>& candidates = s.candidates;
+  std::vector<Candidate>& candidates = s.candidates;
   float deepest = top, top_e = 0.0f;
   for (const Candidate& c : candidates) {
     deepest = std::min(deepest, c.scaled);
@@ -206,34 +209,28 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
   };
   // Top-p 1 (a min-p row) keeps what min-p keeps, however the sums round.
   const double cut = top_p >= 1.0f ? std::numeric_limits<double>::infinity() : top_p;
-  bool dropped = false;  // a candidate min-p drops: the kept set ends among the candidates
+  // Min-p's drops leave the candidates (the next span collects them afresh).
+  const size_t collected = candidates.size();
+  candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                  [&](const Candidate& c) { return e[c.index] / normaliser < least; }),
+                   candidates.end());
+  bool dropped = candidates.size() < collected;  // the kept set ends among the candidates
   double kept_mass = 0.0;
-  for (const Candidate& c : candidates) {
-    const double p = e[c.index] / normaliser;
-    if (p < least) dropped = true;
-    else kept_mass += p;
-  }
+  for (const Candidate& c : candidates) kept_mass += e[c.index] / normaliser;
   // Every candidate kept, short of the top-p mass: widen before binning (flat rows, at first).
   if (!whole && !dropped && kept_mass < cut) return -1;
   s.starts.assign(kBins + 1, 0);
   s.mass.assign(kBins, 0.0);
   for (const Candidate& c : candidates) {
-    const double p = e[c.index] / normaliser;
-    if (p < least) continue;
     const int64_t b = bin_of(c);
     ++s.starts[b + 1];
-    s.mass[b] += p;
+    s.mass[b] += e[c.index] / normaliser;
   }
   for (int64_t b = 0; b < kBins; ++b) s.starts[b + 1] += s.starts[b];
-  s.binned.resize(static_cast<size_t>(s.starts[kBins]));
-  {
-    std::vector<int64_t> fill(s.starts.begin(), s.starts.end() - 1);
-    for (const Candidate& c : candidates) {
-      if (e[c.index] / normaliser < least) continue;
-      s.binned[fill[bin_of(c)]++] = c;
-    }
-  }
-  std::vector<char> sorted(kBins, 0);
+  s.binned.resize(candidates.size());
+  s.fill.assign(s.starts.begin(), s.starts.end() - 1);
+  for (const Candidate& c : candidates) s.binned[s.fill[bin_of(c)]++] = c;
+  s.sorted.assign(kBins, 0);
   double before = 0.0;
   int64_t edge = -1, kept_in_edge = 0, last = -1;
   for (int64_t b = 0; b < kBins; ++b) {
@@ -247,7 +244,7 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
       before += s.mass[b];
       continue;
     }
-    sort_bin(s, sorted, b);
+    sort_bin(s, b);
     edge = b;
     for (int64_t j = s.starts[b]; j < s.starts[b + 1]; ++j) {
       if (!(before < cut)) {
@@ -268,7 +265,7 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
       ahead += s.mass[b];
       continue;
     }
-    sort_bin(s, sorted, b);
+    sort_bin(s, b);
     for (int64_t j = s.starts[b]; j < end; ++j) {
       ahead += e[s.binned[j].index] / normaliser;
       if (ahead > target) return s.binned[j].index;
@@ -276,7 +273,7 @@ int64_t invert_top_p_binned(const float* e, double normaliser, float top, float 
   }
   // Rounding left the target past every kept token: the last of them.
   if (edge >= 0) return s.binned[s.starts[edge] + kept_in_edge - 1].index;
-  sort_bin(s, sorted, last);
+  sort_bin(s, last);
   return s.binned[s.starts[last + 1] - 1].index;
 }
 
@@ -297,7 +294,7 @@ void collect_top_k(const T* row, const float* e, int64_t n, float temperature, i
     std::memcpy(&bits, &v, sizeof(bits));
     return std::max<int64_t>(0, (int64_t{0x3F800000} - static_cast<int64_t>(bits)) >> kShift);
   };
-  std::vector<int64_t>& counts = s.starts;
+  std::vector<int64_t>& counts = s.counts;
   counts.assign(kOctaveBins, 0);
   for (int64_t i = 0; i < n; ++i) {
     if (e[i] > 0.0f) ++counts[bin_of(e[i])];
