@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from gateway_processes import openai_client
@@ -242,3 +244,30 @@ def test_unknown_fields_are_ignored_as_openai_does(disagg_stack, model_name):
         "max_tokens": 2, "some_future_field": {"x": 1}, "metadata": {"k": "v"}})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_null_means_the_default_and_whole_floats_are_integers(disagg_stack, model_name):
+    """Typed clients (Java, .NET, Go structs without omit-null) write every field, null ones
+    included; OpenAI's reference types them "... or null" and vLLM reads null as the default.
+    A max_tokens computed in floating point arrives as 3.0."""
+    hi = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{disagg_stack.url}/v1/chat/completions", timeout=30, json={
+        "model": model_name, "messages": hi, "max_tokens": 3.0, "stream": None, "n": None,
+        "logprobs": None, "top_logprobs": None, "stream_options": None, "temperature": None,
+        "parallel_tool_calls": None, "ignore_eos": None})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] <= 3
+    completion = httpx.post(f"{disagg_stack.url}/v1/completions", timeout=30, json={
+        "model": model_name, "prompt": "hi", "max_tokens": 2, "n": 2.0, "echo": None,
+        "stream": True, "stream_options": {"include_usage": None}})
+    assert completion.status_code == 200, completion.text
+    chunks = [json.loads(line[len("data: "):]) for line in completion.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0, 1}
+    assert not any(chunk.get("usage") for chunk in chunks)  # include_usage null: off
+    for field, value in (("max_tokens", 2.5), ("messages", None), ("model", None)):
+        refused = httpx.post(f"{disagg_stack.url}/v1/chat/completions", timeout=30,
+                             json={"model": model_name, "messages": hi, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

@@ -177,6 +177,10 @@ def test_the_responses_api_calls_functions_as_chat_does(client, smollm2_dir):
     calls = [item for item in response.output if item.type == "function_call"]
     assert [(c.name, c.arguments) for c in calls] == [(expected["name"], expected["arguments"])]
     assert _valid_arguments(calls[0].name, calls[0].arguments) and calls[0].call_id
+    single = client.responses.create(parallel_tool_calls=False, **kwargs)
+    assert response.parallel_tool_calls and not single.parallel_tool_calls
+    assert [(c.name, c.arguments) for c in single.output if c.type == "function_call"] == [
+        (expected["name"], expected["arguments"])]
     events = list(client.responses.create(stream=True, **kwargs))
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(i.name, i.arguments) for i in done if i.type == "function_call"] == [
@@ -189,3 +193,20 @@ def test_the_responses_api_calls_functions_as_chat_does(client, smollm2_dir):
          "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C, sunny"}])
     assert follow_up.status in ("completed", "incomplete") and follow_up.output
+
+
+def test_parallel_tool_calls_false_returns_only_the_first_call(client, smollm2_dir):
+    """The output is forced (a guided choice) to two calls; `parallel_tool_calls: false`
+    returns the first only, streamed and not, as OpenAI promises."""
+    two = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    for parallel, expected in ((None, ['{"a": 1, "b": 2}', '{"a": 3, "b": 4}']),
+                               (False, ['{"a": 1, "b": 2}'])):
+        request = dict(messages=QUESTION, tools=TOOLS, max_tokens=2 * MAX_TOKENS,
+                       temperature=0, extra_body={"guided_choice": [two]},
+                       **({} if parallel is None else {"parallel_tool_calls": parallel}))
+        whole = client.chat.completions.create(model=smollm2_dir.name, **request).choices[0]
+        assert [c["arguments"] for c in _calls(whole.message)] == expected
+        assert whole.finish_reason == "tool_calls"
+        _, calls, finish = _streamed(client, smollm2_dir.name, **request)[0]
+        assert [c["arguments"] for c in calls] == expected and finish == "tool_calls"

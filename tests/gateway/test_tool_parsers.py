@@ -212,3 +212,39 @@ def test_tool_call_parser_names_are_checked():
     assert tool_format("none") is None
     with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, none"):
         tool_format("mistral")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_parallel_tool_calls_false_keeps_only_the_first_call_streamed_or_not(text, cuts):
+    """What the one-call parser returns is the first of the calls the plain parser finds, the
+    same content, and streaming agrees with the whole message."""
+    single = tool_plan(TOOLS, "auto", HermesFormat(), parallel=False)
+    content, calls = _message_parts(tool_message(single, text))
+    all_content, all_calls = _message_parts(tool_message(tool_plan(TOOLS, "auto", HermesFormat()),
+                                                         text))
+    assert (content, calls) == (all_content, all_calls[:1])
+    assert _assemble(_stream(single, text, [c % (len(text) + 1) for c in cuts])) == (content, calls)
+
+
+def test_parallel_tool_calls_false_drops_the_second_call_of_a_json_list_and_later_blocks():
+    single = tool_plan(TOOLS, "auto", HermesFormat(), parallel=False)
+    block = ('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+             '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>')
+    assert [c["function"]["name"] for c in tool_message(single, block)["tool_calls"]] == ["add"]
+    message = tool_message(single, "Checking.\n" + WEATHER + "\n" + ADD)
+    assert message["content"] == "Checking."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("parameters", [None, {}], ids=["omitted", "empty"])
+def test_a_function_without_parameters_is_forced_to_empty_arguments(llg_tokenizer, smollm2_dir,
+                                                                  parameters):
+    function = {"name": "now"} if parameters is None else {"name": "now",
+                                                           "parameters": parameters}
+    grammar = tool_plan([{"type": "function", "function": function}], "required",
+                        HermesFormat()).grammar()
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert _accepts(llg_tokenizer, smollm2_dir, grammar, call)
+    assert not _accepts(llg_tokenizer, smollm2_dir, grammar,
+                        call.replace("{}", '{"argument": "12:00"}'))

@@ -103,7 +103,8 @@ class Preprocessor:
         a TokenizeChatRequest (the same fields)."""
         if not req.messages:
             raise APIError.invalid("messages must contain at least one message", param="messages")
-        plan = tool_plan(req.tools, req.tool_choice, self.tool_format)
+        plan = tool_plan(req.tools, req.tool_choice, self.tool_format,
+                         parallel=req.parallel_tool_calls is not False)
         native = self.tokenizer.template_renders_tools
         messages = template_messages(req.messages, self.tool_format, plan, native)
         if req.continue_final_message and req.add_generation_prompt is not False:

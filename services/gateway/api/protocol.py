@@ -4,9 +4,17 @@ that would change what is generated (unsupported_fields): those are declared and
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    model_validator,
+)
 
 from engine.sampling_params import SamplingParams
 from services.gateway.api.request_limits import MAX_CACHE_SALT_CHARS, MAX_N
@@ -17,6 +25,27 @@ from services.gateway.errors import APIError
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for an optional field means its default, as OpenAI's reference
+        ("boolean or null") and vLLM read it: typed clients write every field, `"stream":
+        null` included. A required field's null is still a 400."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+def _whole_number(value: Any) -> Any:
+    """2.0 is the integer 2 (JavaScript clients and Python callers that compute a budget send
+    whole floats, and vLLM takes them); 2.5 stays a float and is refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class StreamOptions(_Body):
@@ -37,12 +66,12 @@ _TOKEN_IDS = {"items": {"minimum": 0}}
 
 class _SamplingFields(_Body):
     model: str
-    max_tokens: int | None = _doc(minimum=1)
+    max_tokens: Int | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = _doc(minimum=-1)
+    top_k: Int | None = _doc(minimum=-1)
     min_p: float | None = _doc(minimum=0, maximum=1)
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = _doc(**_TOKEN_IDS)
     stream: bool = False
@@ -54,7 +83,7 @@ class _SamplingFields(_Body):
     # splitserve extension: opt this request out of speculative decoding (same output
     # distribution, only the speed changes)
     disable_speculation: bool = False
-    n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
+    n: Int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     # Accepted and ignored: they change nothing generated.
     user: str | None = None
     metadata: JsonValue = None
@@ -90,9 +119,9 @@ class _SamplingFields(_Body):
                        "blocks"})
     # vLLM's: each prompt token's logprob, rank and the k likeliest tokens in its place
     # (`prompt_logprobs` beside the choice; a chat's once, beside the choices).
-    prompt_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
+    prompt_logprobs: Int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
-    truncate_prompt_tokens: int | None = _doc(minimum=-1)
+    truncate_prompt_tokens: Int | None = _doc(minimum=-1)
     bad_words: JsonValue = Field(default=None, json_schema_extra={
         "type": "array", "items": {"type": "string", "minLength": 1},
         "description": "words the output must not contain (each word's last token is banned "
@@ -115,7 +144,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
+    logprobs: Int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
     echo: bool = False
     best_of: JsonValue = None  # refused unless equal to n
     prompt_embeds: JsonValue = None  # refused
@@ -148,10 +177,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: int | None = _doc(minimum=1)
+    max_completion_tokens: Int | None = _doc(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
-    parallel_tool_calls: JsonValue = None  # accepted: a forced call is one call anyway
+    top_logprobs: Int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
+    parallel_tool_calls: bool | None = None  # false: at most one call per choice
     prediction: JsonValue = None  # accepted: a latency hint, the output is the same
     # Checked by api/tools.py (a 400 names what is wrong).
     tools: JsonValue = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
@@ -181,7 +210,7 @@ class TokenizeRequest(_Body):
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
-    truncate_prompt_tokens: int | None = _doc(minimum=-1)
+    truncate_prompt_tokens: Int | None = _doc(minimum=-1)
 
 
 class TokenizeChatRequest(_Body):
@@ -192,12 +221,13 @@ class TokenizeChatRequest(_Body):
     messages: list[ChatMessage]
     tools: JsonValue = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
     tool_choice: JsonValue = Field(default=None, json_schema_extra=TOOL_CHOICE_SCHEMA)
+    parallel_tool_calls: bool | None = None  # changes no prompt: accepted as chat takes it
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, JsonValue] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
-    truncate_prompt_tokens: int | None = _doc(minimum=-1)
+    truncate_prompt_tokens: Int | None = _doc(minimum=-1)
 
 
 class DetokenizeRequest(_Body):

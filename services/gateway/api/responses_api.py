@@ -42,7 +42,8 @@ class ResponsesFormat(BodyFormat):
             "instructions": self.echo.get("instructions"), "metadata": self.echo.get("metadata"),
             "max_output_tokens": self.echo.get("max_output_tokens"),
             "temperature": self.echo.get("temperature"), "top_p": self.echo.get("top_p"),
-            "parallel_tool_calls": self.tools is not None,
+            "parallel_tool_calls": (self.tools is not None
+                                    and self.echo.get("parallel_tool_calls") is not False),
             "tool_choice": self.echo.get("tool_choice") or "auto",
             "tools": self.echo.get("tools") or [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",

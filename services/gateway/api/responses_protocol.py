@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import JsonValue
 
-from services.gateway.api.protocol import ChatCompletionRequest, _Body, _doc
+from services.gateway.api.protocol import ChatCompletionRequest, Int, _Body, _doc
 from services.gateway.errors import APIError
 
 
@@ -71,7 +71,7 @@ class ResponsesRequest(_Body):
     model: str
     input: str | list[ResponsesItem]
     instructions: str | None = None
-    max_output_tokens: int | None = _doc(minimum=1)
+    max_output_tokens: Int | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     stream: bool = False
@@ -80,7 +80,7 @@ class ResponsesRequest(_Body):
     metadata: JsonValue = None
     store: JsonValue = None
     service_tier: JsonValue = None
-    parallel_tool_calls: JsonValue = None
+    parallel_tool_calls: bool | None = None  # false: at most one call, as in chat
     tools: JsonValue = None
     tool_choice: JsonValue = None
     previous_response_id: JsonValue = None
@@ -133,12 +133,14 @@ class ResponsesRequest(_Body):
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, **_chat_tools(self.tools, self.tool_choice)})
+            "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
+            **_chat_tools(self.tools, self.tool_choice)})
 
     def echo(self) -> dict:
         return {"instructions": self.instructions, "metadata": self.metadata,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "tools": self.tools, "tool_choice": self.tool_choice}
+                "top_p": self.top_p, "tools": self.tools, "tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
 
 
 def _chat_tools(tools: JsonValue, tool_choice: JsonValue) -> dict:

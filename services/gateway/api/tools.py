@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.api.tool_parsers.base import ToolCallParser, ToolFormat
+from services.gateway.api.tool_parsers.base import FirstCallOnly, ToolCallParser, ToolFormat
 from services.gateway.errors import APIError
 
 MAX_TOOLS = 128
@@ -36,7 +36,7 @@ TOOL_CHOICE_SCHEMA = {"anyOf": [{"type": "null"}, {"enum": ["none", "auto", "req
 class FunctionTool:
     name: str
     description: str | None
-    parameters: dict | None  # a JSON schema of an object; None: any arguments
+    parameters: dict | None  # a JSON schema of an object; None: no arguments (OpenAI's reading)
 
     def as_dict(self) -> dict:
         out: dict[str, Any] = {"name": self.name}
@@ -50,12 +50,14 @@ class FunctionTool:
 @dataclass(frozen=True)
 class ToolPlan:
     """One request's tools, shared read-only by its preprocessing and its response format.
-    `choice`: "auto", "required" or "function" (then `forced` names it)."""
+    `choice`: "auto", "required" or "function" (then `forced` names it). `parallel` false:
+    at most one call per choice (a forced call is one call anyway)."""
 
     tools: tuple[FunctionTool, ...]
     choice: str
     format: ToolFormat
     forced: str | None = None
+    parallel: bool = True
 
     @property
     def constrained(self) -> bool:
@@ -76,10 +78,12 @@ class ToolPlan:
 
     def parser(self) -> ToolCallParser:
         # A forced call is well-formed by construction: its arguments stream as they come.
-        return self.format.parser(self.names, stream_calls=self.constrained)
+        parser = self.format.parser(self.names, stream_calls=self.constrained)
+        return parser if self.parallel else FirstCallOnly(parser)
 
 
-def tool_plan(tools: Any, tool_choice: Any, tool_format: ToolFormat | None) -> ToolPlan | None:
+def tool_plan(tools: Any, tool_choice: Any, tool_format: ToolFormat | None,
+              parallel: bool = True) -> ToolPlan | None:
     """None when the request asks for no tool calling (no tools, or tool_choice "none")."""
     choice, forced = _choice(tool_choice)
     if tools is None or tools == []:
@@ -96,7 +100,8 @@ def tool_plan(tools: Any, tool_choice: Any, tool_format: ToolFormat | None) -> T
     if tool_format is None:
         raise APIError.invalid("tool calling is off on this gateway (--tool-call-parser none)",
                                param="tools", code="unsupported_parameter")
-    return ToolPlan(parsed, choice if choice != "default" else "auto", tool_format, forced)
+    return ToolPlan(parsed, choice if choice != "default" else "auto", tool_format, forced,
+                    parallel)
 
 
 def template_messages(messages: list, tool_format: ToolFormat | None,

@@ -37,6 +37,38 @@ class ToolCallParser(Protocol):
     def finish(self) -> list[ParsedPiece]: ...
 
 
+class FirstCallOnly:
+    """`parallel_tool_calls: false`: at most one call per choice, as OpenAI promises (agents
+    that run one call a turn rely on it). Content passes through; later calls are dropped."""
+
+    def __init__(self, inner: ToolCallParser) -> None:
+        self._inner = inner
+        self._calls = 0
+        self._streaming = False  # the open streamed call is the one kept
+
+    def push(self, text: str) -> list[ParsedPiece]:
+        return self._keep(self._inner.push(text))
+
+    def finish(self) -> list[ParsedPiece]:
+        return self._keep(self._inner.finish())
+
+    def _keep(self, pieces: list[ParsedPiece]) -> list[ParsedPiece]:
+        out = []
+        for piece in pieces:
+            calls = piece.calls[:max(0, 1 - self._calls)]
+            self._calls += len(calls)
+            start = piece.call_start
+            if start is not None:
+                self._streaming = self._calls == 0
+                self._calls += 1
+                start = start if self._streaming else None
+            kept = ParsedPiece(piece.text, calls, start,
+                               piece.arguments if self._streaming else "")
+            if kept != ParsedPiece():
+                out.append(kept)
+        return out
+
+
 class ToolFormat(Protocol):
     """One model family's tool-call markup."""
 

@@ -13,6 +13,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The start of a call as the forcing grammar writes it; the arguments follow.
 _STREAMED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*'
                             r'"arguments"\s*:\s*(?=\S)')
+# OpenAI: omitting `parameters` "defines a function with an empty parameter list"; `{}` is
+# read the same way (left open, a forced call of `now()` got invented arguments).
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class HermesFormat:
@@ -38,7 +41,7 @@ class HermesFormat:
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": t["name"]},
-                                 "arguments": t.get("parameters") or {"type": "object"}}}
+                                 "arguments": t.get("parameters") or _NO_ARGUMENTS}}
                  for t in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         # json.dumps's separators and no other whitespace: what a parser and a reader expect,
