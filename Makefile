@@ -28,7 +28,7 @@ export TORCHINDUCTOR_COMPILE_THREADS := 1
 export HF_HUB_OFFLINE := 1
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: help install cpu-kernels protos model redis test fuzz run bench bench-engine peers lint clean distclean
+.PHONY: help install cpu-kernels protos model redis test fuzz run bench bench-engine peers gpu-wheels lint clean distclean
 
 help: ## list these verbs (default)
 	@echo "usage: make VERB"
@@ -111,6 +111,15 @@ $(PEERS_VENV)/.installed:
 	$(PEERS_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PEERS_VENV)/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
 	touch $@
+
+# pytest and its dependencies as pure-Python wheels (Python 3.10 and up), for a GPU machine
+# without network whose image lacks pytest: bench/gpu/check.sh installs them from here.
+GPU_WHEELS := bench/gpu/wheels
+
+gpu-wheels: $(INSTALLED) ## pytest wheels in bench/gpu/wheels for bench/gpu/check.sh on a machine without it (git-ignored; carry it)
+	$(VENV)/bin/python -m pip download --quiet --only-binary=:all: --python-version 3.10 \
+	    --dest $(GPU_WHEELS) 'pytest>=8,<10' 'exceptiongroup>=1' 'tomli>=1'
+	@du -sh $(GPU_WHEELS)
 
 lint: install ## ruff check
 	$(VENV)/bin/ruff check .

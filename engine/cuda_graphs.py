@@ -184,6 +184,9 @@ def capture_decode_graphs(config: EngineConfig, model_config: ModelConfig,
         max_context=min(config.cuda_graph_max_context or CUDA_GRAPH_MAX_CONTEXT, max_model_len),
         max_batch=min(config.cuda_graph_max_batch or max_num_seqs, max_num_seqs),
         capture=cuda_capture(device))
+    # Capturing empties the allocator's cache first; so must the reading before it, or the
+    # cached blocks it frees would be counted against the graphs.
+    torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     try:
         graphs.capture_all()

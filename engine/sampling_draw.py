@@ -46,7 +46,9 @@ def truncates(params: SamplingParams) -> bool:
 
 def draw(scaled: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> list[int]:
     """Tokens for rows of temperature-scaled (and penalised) logits [rows, vocab], one per
-    row, each from its filtered distribution at its uniform."""
+    row, each from its filtered distribution at its uniform. Host-guided, so a device's rows
+    come over first, in one copy (on CUDA the Sampler draws batched unless told otherwise)."""
+    scaled = scaled.cpu()
     tokens = [0] * len(params)
     full = [i for i, p in enumerate(params) if not truncates(p)]
     if full:

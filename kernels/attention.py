@@ -157,7 +157,7 @@ def uses_triton(backend: str, device: torch.device) -> bool:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (choose auto, torch or triton)")
     if backend == "triton":
-        if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention backend triton needs a CUDA device, not {device.type} "
                              "(on CPU only under TRITON_INTERPRET=1, the tests' interpreter)")
         return True

@@ -18,8 +18,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without CUDA the Triton kernels (tests/kernels) run under Triton's interpreter, which must be
 # on before anything imports triton (torch._dynamo does, and tests collected earlier may
-# import it); tests/kernels/conftest.py says the same for a run of that folder alone. No nvidia-smi: no CUDA device to compile for.
-if shutil.which("nvidia-smi") is None:
+# import it); tests/kernels/conftest.py says the same for a run of that folder alone. Neither
+# nvidia-smi nor the driver's device node: no CUDA device to compile for (some GPU containers
+# lack the binary; bench/gpu/check.sh also sets TRITON_INTERPRET=0, which this leaves).
+if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Worker processes started by tests compute in float32: tokens compared across deployments
 # (disaggregated against one engine, TP against one rank) must not depend on batching, which

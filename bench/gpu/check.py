@@ -264,7 +264,7 @@ def step_kernels(out: Path, smoke: bool) -> int:
     import torch
 
     if smoke:
-        if not os.environ.get("TRITON_INTERPRET"):
+        if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1 (the kernels run interpreted on CPU)")
             return 2
         device, dtype, iters = torch.device("cpu"), torch.float32, 2

@@ -26,7 +26,19 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_COMPILE_THREADS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/splitserve-triton-cache}"
 SMOKE="${CHECK_SMOKE:-0}"
-if [ "$SMOKE" = 1 ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
+# Off explicitly, not unset: the tests' conftest turns the interpreter on where it finds no
+# nvidia-smi (some GPU images lack it), unless the variable is already set.
+if [ "$SMOKE" = 1 ]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi
+
+# pytest for the gpu-marked tests: the image's, else wheels brought beside this script
+# (`make gpu-wheels`: pytest and what it needs, pure Python, under 2 MB; the machine has no
+# network), installed into a scratch folder.
+WHEELS="${CHECK_WHEELS:-$REPO/bench/gpu/wheels}"
+if ! "$PYTHON" -c 'import pytest' 2>/dev/null && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  DEPS="${TMPDIR:-/tmp}/splitserve-gpu-pydeps"
+  "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --target "$DEPS" pytest \
+    && export PYTHONPATH="$PYTHONPATH:$DEPS"
+fi
 
 BUDGET_S="${CHECK_BUDGET_S:-420}"  # every step but the summary; 8 minutes hold all of it
 T0=$SECONDS
@@ -46,7 +58,8 @@ step() {
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== [$name] start (limit ${limit}s, $((SECONDS - T0))s elapsed) $(date -u +%H:%M:%S)"
   local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+  # SIGINT first: pytest still writes its junit file, the Python steps what they measured.
+  timeout -s INT --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT_DIR/$name.log"
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$OUT_DIR/steps.tsv"
@@ -68,11 +81,16 @@ step parity 100 "$PYTHON" bench/gpu/check.py parity --out "$OUT_DIR" ${SMOKE_ARG
 step kernels 90 "$PYTHON" bench/gpu/check.py kernels --out "$OUT_DIR" ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
 
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -o addopts= -rfE)
-step gpu-tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu-tests.xml" \
-  tests/kernels/test_decode_graphs.py tests/engine/test_step_inputs.py \
-  tests/engine/test_sampling_batched.py \
-  tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_prefill_attention.py \
-  tests/kernels/test_triton_rmsnorm.py tests/kernels/test_triton_rotary_kv.py
+if "$PYTHON" -c 'import pytest' 2>/dev/null; then
+  step gpu-tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu-tests.xml" \
+    tests/kernels/test_decode_graphs.py tests/engine/test_step_inputs.py \
+    tests/engine/test_sampling_batched.py \
+    tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_prefill_attention.py \
+    tests/kernels/test_triton_rmsnorm.py tests/kernels/test_triton_rotary_kv.py
+else
+  echo "== [gpu-tests] skipped: no pytest here and no wheels in $WHEELS (make gpu-wheels)"
+  printf 'gpu-tests\tskipped (no pytest)\t0\n' >>"$OUT_DIR/steps.tsv"
+fi
 # (tests/kv_transfer/test_kv_nccl.py is gpu-marked too but needs two GPUs: not run here.)
 
 BUDGET_S=$((BUDGET_S + 30))  # the summary runs whatever happened before it

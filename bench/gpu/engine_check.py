@@ -182,7 +182,7 @@ def run_step(step: str, smoke: bool, save) -> int:
     """Runs parity (a row per model) or engine (one dict), handing `save` what it has measured
     as it goes; returns the exit code."""
     if smoke:
-        if not os.environ.get("TRITON_INTERPRET"):
+        if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1 (the kernels run interpreted on CPU)")
             return 2
         device = torch.device("cpu")

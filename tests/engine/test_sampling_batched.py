@@ -122,9 +122,11 @@ def test_on_cuda_penalties_and_sampling_queue_without_waiting_until_the_fetch():
         return fetch(*tensors)
 
     sampler_module.fetch = fetch_allowed
+    # Made before the mode is set: a copy from pageable memory waits, and would raise.
+    device_logits, sampler, rows = logits.cuda(), Sampler(batched=True), sampler_rows()
     try:
         torch.cuda.set_sync_debug_mode("error")
-        got, _ = Sampler(batched=True)(logits.cuda(), sampler_rows())
+        got, _ = sampler(device_logits, rows)
     finally:
         torch.cuda.set_sync_debug_mode(0)
         sampler_module.fetch = fetch

@@ -113,3 +113,20 @@ def test_a_cut_short_engine_step_still_tabulates_what_it_measured():
     assert any("4.50 ms/token" in line and "0.60x" in line and "1.20x" in line for line in lines)
     assert not any("eager" in line or "prefill" in line for line in lines)
     assert "FAILED boom" in "\n".join(format_engine({**partial, "error": "boom"}))
+
+
+def test_without_pytest_or_its_wheels_the_tests_step_is_recorded_as_skipped(tmp_path):
+    """A Python without pytest (a fresh venv) and no wheels to install it from: every step
+    still runs and fails on its own (no torch there), and the tests step says why it did not."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "check.sh"), str(out)],
+                          env={**os.environ, "PYTHON": str(venv / "bin" / "python"),
+                               "CHECK_WHEELS": str(tmp_path / "none"), "CHECK_BUDGET_S": "60"},
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
+    assert steps["gpu-tests"] == "skipped (no pytest)"
+    assert "no pytest here and no wheels" in done.stdout
+    assert set(steps) >= {"env", "engine", "parity", "kernels", "summary"}
