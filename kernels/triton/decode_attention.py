@@ -14,6 +14,17 @@ import triton.language as tl
 # Context tokens one split-K program covers at least; a context shorter than this is one split.
 SPLIT_TOKENS = 512
 MAX_SPLITS = 16
+# Warps per split program. At 4, the default tiles used all 255 registers on sm_90 and spilled
+# at head_dim 128 for every GQA ratio but 8 (244 B at 4, 604 B at 1); at 8 they take 180-220
+# registers and spill nothing, with as many warps resident per SM (`python -m
+# kernels.triton.compile_check --all`, which reads ptxas).
+NUM_WARPS = 8
+
+
+def decode_block_n(group_pad: int, dim_pad: int) -> int:
+    """Context tokens per tile: the broadcast product holds GROUP_PAD x BLOCK_N x DIM_PAD
+    floats, about 16k per program."""
+    return min(64, max(16, 16384 // (group_pad * dim_pad)))
 
 
 @triton.jit
@@ -160,9 +171,8 @@ def triton_paged_decode_attention(
     splits = num_splits or num_decode_splits(max_seq_len, window)
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {splits}")
-    # the broadcast product holds GROUP_PAD x block_n x DIM_PAD floats: about 16k per program
     group_pad = triton.next_power_of_2(group)
-    block_n = block_n or min(64, max(16, 16384 // (group_pad * dim_pad)))
+    block_n = block_n or decode_block_n(group_pad, dim_pad)
     if splits > 1:
         part_max = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
@@ -181,7 +191,7 @@ def triton_paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=NUM_WARPS,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

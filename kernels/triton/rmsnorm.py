@@ -43,6 +43,11 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
 
 
+
+def num_warps(block: int) -> int:
+    """Warps for a row of `block` (a power of two) elements: one per 512, 1 to 16."""
+    return min(max(block // 512, 1), 16)
+
 def triton_rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +78,7 @@ def triton_rmsnorm(
             rows_x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None,
             ROUND_BEFORE_WEIGHT=x.dtype != torch.float32, BF16=x.dtype == torch.bfloat16,
-            BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            BLOCK=block, num_warps=num_warps(block),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

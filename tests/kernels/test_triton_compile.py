@@ -1,6 +1,7 @@
 """The Triton kernels compile to sm_90 (H100/H200) cubin on this CPU-only machine, with the
 ptxas that triton's wheel brings: what the interpreter tests cannot show (the compiled
-frontend's rules, register and shared-memory limits). A real process, its own empty cache."""
+frontend's rules, register and shared-memory limits), with no register spilled. A real
+process, its own empty cache."""
 
 from __future__ import annotations
 
@@ -26,3 +27,5 @@ def test_attention_kernels_compile_for_hopper(tmp_path):
         "decode bf16 gqa4 splits8", "prefill bf16 gqa4", "decode reduce bf16", "rmsnorm bf16",
         "rotary_kv bf16"]
     assert all("sm_90 cubin" in line for line in lines)
+    # Register spills go to local memory, on the path every decode step reads K/V through.
+    assert all(", 0 B spilled," in line for line in lines), lines
