@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from admission_harness import make_admission, spec
+from admission_harness import FakeEndpoint, FakePool, make_admission, spec
 
 from services.gateway.admission.capacity import CapacityRule
 from services.gateway.admission.tenants import Tenant
@@ -267,3 +267,47 @@ def test_the_loads_a_line_was_fitted_on_fade_with_its_samples():
     clock.now = 60.0  # a quiet minute: the next sample outweighs everything before it
     estimator.first_token(0.15, prefill_tokens=100)
     assert not estimator.trusted_at(3000)
+
+
+def test_before_any_first_token_a_burst_of_long_prompts_is_not_all_released():
+    """A fresh gateway estimates every request at 0 s until a first token is measured, and
+    released whatever came: twelve 4,000-token prompts at once all went to the workers and
+    waited 35-81 s for their first tokens. Until that first measure, at most
+    BLIND_PREFILL_TOKENS are released; the rest wait, to be judged once there is one."""
+    from services.gateway.admission.admission import BLIND_PREFILL_TOKENS
+
+    async def scenario():
+        pool = FakePool(FakeEndpoint(kv_free=10_000, kv_total=10_000))  # KV for all four
+        admission = make_admission(A, rule=CapacityRule(), pool=pool, ttft_target_s=1.0)
+        await admission.start()
+        tasks = [asyncio.create_task(admission.admit(A, [spec(4000, 8, i)], 4000))
+                 for i in range(4)]
+        await asyncio.sleep(0.05)
+        released = [t.result() for t in tasks if t.done()]
+        assert len(released) == 1 + (BLIND_PREFILL_TOKENS - 4000) // 4000 == 2
+        assert admission.inflight == 2 and len(admission.queue) == 2
+        released[0]._tokens(1)  # a first token: now there is a measure to judge by
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2.0)
+        assert all(not isinstance(d, BaseException) for d in done), done
+        for ticket in done:
+            ticket.release()
+        await admission.close()
+        return admission
+
+    admission = asyncio.run(scenario())
+    assert admission.inflight == 0 and admission.prefilling_tokens == 0
+
+
+def test_a_burst_of_short_prompts_is_released_whole_before_any_first_token():
+    """The cap binds only long prompts: 32 prompts of 128 tokens (a fresh gateway's burst in
+    the peer comparison) all go at once, as before."""
+
+    async def scenario():
+        admission = make_admission(A, rule=CapacityRule(), ttft_target_s=1.0)
+        tickets = await asyncio.wait_for(asyncio.gather(
+            *(admission.admit(A, [spec(128, 8, i)], 128) for i in range(32))), 1.0)
+        assert admission.inflight == 32
+        for ticket in tickets:
+            ticket.release()
+
+    asyncio.run(scenario())

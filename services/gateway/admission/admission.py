@@ -31,6 +31,8 @@ from services.gateway.generation_spec import GenerationSpec
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a non-empty queue is re-checked for room and deadlines
+# Prompt tokens released to be prefilled before any first token was measured (Admission._blind).
+BLIND_PREFILL_TOKENS = 8192
 
 
 @dataclass(eq=False)
@@ -226,7 +228,7 @@ class Admission:
         if not self.ttft_target_s:
             return
         requests, tokens = self.queue.ahead(ticket.tenant)
-        room = requests == 0 and (
+        room = requests == 0 and self._blind(ticket) and (
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
         slot_in = None if room else self.running.nth_end_s(
@@ -282,12 +284,13 @@ class Admission:
         was admitted, and only waiting for room can make it later than that.)"""
         now = time.monotonic()
         while (ticket := self.queue.peek()) is not None:
-            if not self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks):
+            if not (self._blind(ticket)
+                    and self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)):
                 break
             self._release(ticket, now)
         while True:
-            owed = [t for t in self.queue.heads()
-                    if self._owed(t) and self.room.fits(t.prompt_tokens, t.blocks)]
+            owed = [t for t in self.queue.heads() if self._blind(t) and self._owed(t)
+                    and self.room.fits(t.prompt_tokens, t.blocks)]
             if not owed:
                 break
             self._release(min(owed, key=lambda t: t.seq), now)
@@ -326,6 +329,15 @@ class Admission:
             now - ticket.arrival)
         if not ticket._ready.done():
             ticket._ready.set_result(None)
+
+    def _blind(self, ticket: Ticket) -> bool:
+        """Room before the estimator has measured a first token, when every estimate is 0 s:
+        at most BLIND_PREFILL_TOKENS prefilling (a fresh gateway, a restarted one under
+        traffic too, released whatever came: twelve 4,000-token prompts at once waited 35-81 s
+        for their first tokens). The rest wait here, to be judged once there is a measure."""
+        return (not self.ttft_target_s or self.estimator.service_s is not None
+                or self.inflight == 0
+                or self.prefilling_tokens + ticket.prefill_tokens <= BLIND_PREFILL_TOKENS)
 
     def _owed(self, ticket: Ticket) -> bool:
         """Below its tenant's weighted share of the in-flight limit: such a request need not
