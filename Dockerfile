@@ -74,7 +74,10 @@ ENV PATH=/opt/splitserve/venv/bin:$PATH \
     XDG_CACHE_HOME=/tmp/.cache \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor \
-    SPLITSERVE_IMAGE_VARIANT=${VARIANT}
+    SPLITSERVE_IMAGE_VARIANT=${VARIANT} \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib64
+# (LD_LIBRARY_PATH: where GKE's driver installer puts libcuda; the NVIDIA container toolkit
+# injects it into the system paths elsewhere, and a missing folder is ignored.)
 WORKDIR /tmp
 # A fixed, high uid/gid that the chart's securityContext names (runAsUser 10001).
 USER 10001:10001

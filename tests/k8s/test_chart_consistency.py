@@ -287,7 +287,7 @@ def test_only_the_autoscaler_mounts_an_api_token(scenario: str) -> None:
 def test_gpus_are_requested_by_workers_only(scenario: str) -> None:
     rendered = render_scenario(scenario)
     expected = {
-        "default": {"prefill": 1, "decode": 1}, "hpa": {"prefill": 1, "decode": 2},
+        "default": {"prefill": 1, "decode": 1}, "hpa": {"prefill": 2, "decode": 2},
         "keda": {"prefill": 1, "decode": 1}, "cpu": {"prefill": 0, "decode": 0},
         "gpu-disaggregated-rdma": {"prefill": 2, "decode": 2},
         "gpu-disaggregated-tcp": {"prefill": 2, "decode": 2}, "gpu-aggregated": {"worker": 2},
@@ -301,7 +301,7 @@ def test_gpus_are_requested_by_workers_only(scenario: str) -> None:
             assert resources["limits"]["nvidia.com/gpu"] == gpus
         else:
             assert "nvidia.com/gpu" not in resources["requests"] | resources["limits"]
-        # Every GPU of the pod runs a tensor-parallel rank (hpa's decode.gpus: 2 is TP 2).
+        # Every GPU of the pod runs a tensor-parallel rank (hpa's gpus: 2 is TP 2).
         assert env_value(container, "SPLITSERVE_TENSOR_PARALLEL_SIZE") == str(max(gpus, 1))
     for deployment, pod in pod_templates(rendered):
         if deployment["metadata"]["name"] not in worker_deployments(rendered):

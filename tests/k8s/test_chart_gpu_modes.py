@@ -62,9 +62,9 @@ def test_aggregated_refuses_the_builtin_autoscaler_and_rdma() -> None:
 
 
 def test_tensor_parallel_size_follows_gpus_or_must_equal_them() -> None:
-    rendered = render({"decode": {"gpus": 4}, "prefill": {"gpus": 2, "tensorParallelSize": 2}})
+    rendered = render({"decode": {"gpus": 4}, "prefill": {"gpus": 4, "tensorParallelSize": 4}})
     assert env(worker_container(rendered, "decode"))["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "4"
-    assert env(worker_container(rendered, "prefill"))["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert env(worker_container(rendered, "prefill"))["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "4"
     message = render_error({"decode": {"gpus": 2, "tensorParallelSize": 1}})
     assert "decode.tensorParallelSize=1 but decode.gpus=2" in message
     message = render_error({**AGGREGATED, "aggregated": {"gpus": 8, "tensorParallelSize": 4}})
@@ -162,3 +162,48 @@ def test_gpu_examples_fill_eight_gpus_behind_a_gateway_pair(scenario: str) -> No
     capabilities = [worker_container(rendered, n.removeprefix(f"{FULLNAME}-"))["securityContext"]
                     ["capabilities"].get("add") for n in worker_deployments(rendered)]
     assert capabilities == [["IPC_LOCK"]] * 2 if rdma else all(c is None for c in capabilities)
+
+
+def test_prefill_and_decode_must_run_the_same_tensor_parallel_size() -> None:
+    """KV moves rank to rank between a prefill and a decode worker (sender_pool refuses a
+    layout mismatch), so pools of different sizes would fail every hand-off."""
+    message = render_error({"decode": {"gpus": 2}})  # prefill keeps its 1
+    assert "prefill runs 1 tensor-parallel ranks and decode 2" in message
+    cpu = {"image": {"variant": "cpu"}, "prefill": {"gpus": 0}, "decode": {"gpus": 0}}
+    render(cpu)  # both one rank
+    render({**AGGREGATED, "aggregated": {"gpus": 4}})  # one pool: nothing to match
+
+
+def test_a_gpu_pool_runs_on_cuda_or_fails_to_start() -> None:
+    """device auto would fall back to the CPU, silently, in a pod whose GPUs the worker cannot
+    see (no libcuda on the path, an old driver): a pool with GPUs gets cuda, which fails the
+    start instead."""
+    rendered = render({})
+    for component in ("prefill", "decode"):
+        assert env(worker_container(rendered, component))["SPLITSERVE_DEVICE"] == "cuda"
+    cpu = render({"image": {"variant": "cpu"}, "prefill": {"gpus": 0}, "decode": {"gpus": 0}})
+    assert env(worker_container(cpu, "decode"))["SPLITSERVE_DEVICE"] == "auto"
+    pinned = render({"worker": {"device": "cpu"}})
+    assert env(worker_container(pinned, "decode"))["SPLITSERVE_DEVICE"] == "cpu"
+
+
+def test_rollouts_fit_a_cluster_without_a_spare_gpu_and_wait_for_a_model_load() -> None:
+    rendered = render({})
+    spec = rendered.get("Deployment", f"{FULLNAME}-decode")["spec"]
+    assert spec["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert spec["progressDeadlineSeconds"] > 600 + 600  # a node, an image, a model load
+    full = render({"worker": {"maxSurge": 0, "maxUnavailable": 1}})
+    assert full.get("Deployment", f"{FULLNAME}-decode")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxUnavailable": 1, "maxSurge": 0}
+    assert "both 0" in render_error({"worker": {"maxSurge": 0}})
+    message = render_error({"worker": {"progressDeadlineSeconds": 600}})
+    assert "must exceed startupTimeoutSeconds (600)" in message
+
+
+def test_keda_scales_down_at_the_hpa_pace() -> None:
+    """The HPA KEDA makes would otherwise remove every surplus pod at once."""
+    rendered = render({"keda": {"enabled": True}, "autoscaler": {"enabled": False}})
+    for obj in rendered.of_kind("ScaledObject"):
+        behavior = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["policies"] == [
+            {"type": "Pods", "value": 1, "periodSeconds": 120}]
