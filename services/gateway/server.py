@@ -69,7 +69,7 @@ async def serve(config: GatewayConfig) -> None:
     grpc_server = None
     grpc_address = ""
     if config.grpc_port >= 0:
-        grpc_server = grpc.aio.server()
+        grpc_server = grpc.aio.server(options=grpc_api.server_options(config))
         grpc_api.add_to_server(gateway, grpc_server)
         grpc_port = add_port(grpc_server, f"{config.host}:{config.grpc_port}", config.tls,
                              require_client_cert=config.grpc_client_certs)

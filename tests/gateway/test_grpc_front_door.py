@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from fake_workers import FakeDecode, exhausted, fails_after
+from fake_workers import FakeDecode, exhausted, fails_after, hangs
 from gateway_processes import openai_client
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -54,6 +54,11 @@ def test_token_id_prompt_with_a_stop_string(disagg_stack):
     ({"token_ids": gateway_pb2.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"text": "hi", "sampling": common_pb2.SamplingParams(max_tokens=100000)}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"text": "hi", "request_id": "r" * 129}, grpc.StatusCode.INVALID_ARGUMENT),  # over 128
+    # as HTTP refuses it (it was taken as off)
+    ({"text": "hi", "sampling": common_pb2.SamplingParams(top_k=-5)}, grpc.StatusCode.INVALID_ARGUMENT),
+    # larger than gRPC's default 4 MiB message: judged as a prompt (too long), not refused as
+    # RESOURCE_EXHAUSTED, which the API keeps for "overloaded, retry later"
+    ({"text": "word " * (1 << 20)}, grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_invalid_requests_get_status_codes(disagg_stack, fields, code):
     with pytest.raises(grpc.RpcError) as caught:
@@ -85,6 +90,41 @@ def test_a_failure_before_output_keeps_its_status_code(servers, gateway_factory)
     with pytest.raises(grpc.RpcError) as caught:
         _generate(gateway.field("grpc"), text="hi", sampling=_greedy(10))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # overloaded: retry later
+    # ... and when, as HTTP's Retry-After says
+    assert ("retry-after", "1") in (caught.value.trailing_metadata() or ())
+
+
+def test_a_deadline_that_passes_mid_stream_ends_deadline_exceeded(servers, gateway_factory):
+    """The gateway's deadline is the caller's own, so two timers race: the call once ended OK
+    now and then, after a last message with FINISH_REASON_ERROR. Whichever fires first, the
+    status is DEADLINE_EXCEEDED. The call's id comes back as x-request-id."""
+    worker = servers(FakeDecode(hangs([40, 41], start_index=0), role="both"))
+    gateway = gateway_factory("--worker", worker.address)
+    codes = []
+    with grpc.insecure_channel(gateway.field("grpc")) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for timeout in (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65):
+            call = stub.Generate(gateway_pb2.GenerateTextRequest(
+                text="hi", sampling=_greedy(10), request_id=f"mine-{timeout}"), timeout=timeout)
+            try:
+                for _ in call:
+                    pass
+                codes.append(call.code())
+            except grpc.RpcError as error:
+                codes.append(error.code())
+            assert dict(call.initial_metadata())["x-request-id"].startswith(f"mine-{timeout}")
+    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_argument(disagg_stack):
+    """Field 3 (text) holding bytes that are not UTF-8: INVALID_ARGUMENT naming the defect,
+    as the workers answer, not UNKNOWN."""
+    with grpc.insecure_channel(disagg_stack.grpc_address) as channel:
+        raw = channel.unary_stream("/splitserve.v1.Gateway/Generate")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(raw(b"\x1a\x02\xff\xfe", timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in caught.value.details()
 
 
 def test_prompt_logprobs_and_stop_reason_as_the_http_api_gives_them(stack, engine):

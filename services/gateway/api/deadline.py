@@ -25,11 +25,14 @@ T = TypeVar("T")
 
 
 class RequestDeadline:
-    def __init__(self, arrival: float, timeout_s: float | None, stall_s: float | None) -> None:
-        """`timeout_s`, `stall_s`: seconds, None for no limit."""
+    def __init__(self, arrival: float, timeout_s: float | None, stall_s: float | None,
+                 callers: bool = False) -> None:
+        """`timeout_s`, `stall_s`: seconds, None for no limit; `callers`: the deadline is the
+        caller's own (a gRPC deadline), not the server's limit."""
         self.timeout_s = timeout_s
         self.at = None if timeout_s is None else arrival + timeout_s
         self.stall_s = stall_s
+        self.callers = callers
 
     @classmethod
     def for_http(cls, config, headers, arrival: float) -> RequestDeadline:
@@ -42,8 +45,9 @@ class RequestDeadline:
         """The server's limits, the deadline lowered by the call's own deadline."""
         remaining = context.time_remaining()
         caller = None if remaining is None else time.monotonic() - arrival + remaining
-        return cls(arrival, _lowest(_limit(config.request_timeout_s), caller),
-                   _limit(config.stall_timeout_s))
+        server = _limit(config.request_timeout_s)
+        return cls(arrival, _lowest(server, caller), _limit(config.stall_timeout_s),
+                   callers=caller is not None and (server is None or caller <= server))
 
     def remaining(self) -> float | None:
         return None if self.at is None else max(0.0, self.at - time.monotonic())

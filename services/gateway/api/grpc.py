@@ -12,6 +12,7 @@ import grpc
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common import convert, tracing
+from services.common.malformed import add_servicer, refuse_malformed
 from services.gateway.api.deadline import RequestDeadline
 from services.gateway.api.request_ids import gateway_request_id, worker_request_id
 from services.gateway.api.text_stream import TextDelta
@@ -27,6 +28,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.gateway = gateway
 
     async def Generate(self, request: gateway_pb2.GenerateTextRequest, context):
+        await refuse_malformed(request, context)
         try:
             request_id = gateway_request_id(request.request_id,
                                             self.gateway.config.max_request_id_length,
@@ -38,8 +40,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                              tracing.context_from_grpc(context))
         try:
             await self._generate(request, context, record, bad_id)
-        except asyncio.CancelledError:  # the caller cancelled or went away
-            record.client_gone(grpc.StatusCode.CANCELLED.name)
+        except asyncio.CancelledError:  # the caller cancelled, went away or ran out of time
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:  # its own deadline: a timeout
+                record.finish(grpc.StatusCode.DEADLINE_EXCEEDED.name, APIError.timed_out(
+                    "the call's deadline passed"))
+            else:
+                record.client_gone(grpc.StatusCode.CANCELLED.name)
             raise
         except BaseException as exc:  # an abort was recorded before it was raised
             record.finish(grpc.StatusCode.UNKNOWN.name, exc)
@@ -49,6 +56,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(self, request, context, record: RequestRecord,
                         bad_id: APIError | None) -> None:
         gateway = self.gateway
+        # The id the gateway logs and traces the call under, as HTTP's x-request-id header.
+        await context.send_initial_metadata((("x-request-id", record.request_id),))
         try:
             if bad_id is not None:
                 raise bad_id
@@ -66,10 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ticket = await deadline.within(
                 gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids)), "queued")
         except APIError as exc:
-            if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-            record.finish(exc.grpc_code.name, exc)
-            await context.abort(exc.grpc_code, exc.message)
+            await _abort(context, record, exc)
         spec = ticket.specs[0]  # max_tokens within the tenant's limit
         (stream,) = gateway.choice_streams(ticket, record, deadline)
         timeout = gateway.config.slow_client_timeout_s
@@ -77,10 +83,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             try:
                 first = await anext(stream)
             except APIError as exc:  # before any output: the status code says what failed
-                record.finish(exc.grpc_code.name, exc)
-                await context.abort(exc.grpc_code, exc.message)
+                await _abort(context, record, exc)
             delta: TextDelta | None = first
             while delta is not None:
+                if delta.error_code == "request_timeout" and deadline.callers:
+                    # The caller's own deadline: its library reports DEADLINE_EXCEEDED
+                    # whichever side's timer fires first, so the status says it too (no
+                    # replay to fear: the call has no time left to retry in).
+                    await _abort(context, record, APIError.timed_out(delta.error))
                 try:
                     # A caller that stops reading stalls this write (HTTP/2 flow control).
                     # asyncio.timeout, not wait_for: see streaming.SSEResponse._write.
@@ -131,6 +141,14 @@ async def _next_or_error(stream, last: TextDelta) -> TextDelta | None:
                          error=str(exc) or type(exc).__name__, compute=last.compute)
 
 
+async def _abort(context, record: RequestRecord, exc: APIError) -> None:
+    """Ends the call with the error's status code, and `retry-after` where it has one."""
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+    record.finish(exc.grpc_code.name, exc)
+    await context.abort(exc.grpc_code, exc.message)
+
+
 def _authorization(request: gateway_pb2.GenerateTextRequest, context) -> str | None:
     if request.api_key:
         return f"Bearer {request.api_key}"
@@ -166,4 +184,24 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
 
 
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
+    """Request bytes that do not parse get INVALID_ARGUMENT, as the workers' RPCs do."""
+    add_servicer(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway), server)
+
+
+def server_options(config) -> list[tuple[str, int]]:
+    """The front door's channel settings. Messages as large as an HTTP body (gRPC's default
+    4 MiB failed a 5 MB prompt with RESOURCE_EXHAUSTED, the overload code); keepalive that
+    load balancers' idle timers and clients' own pings can live with (grpc-go and grpc-java
+    clients pinging every 10 s idle were sent GOAWAY "too_many_pings"); and connections that
+    end after 30 minutes, once their calls do, so clients spread again over gateway pods."""
+    return [
+        ("grpc.max_receive_message_length", max(config.max_body_bytes, 4 << 20) + (64 << 10)),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.max_connection_age_ms", 30 * 60_000),
+        ("grpc.max_connection_age_grace_ms", int(max(config.request_timeout_s, 60) * 1000)),
+    ]

@@ -175,7 +175,8 @@ class Preprocessor:
         self.request_limits.check_stop(stop, params.stop_token_ids)
         self._check_prompt(prompt_ids, limits)
         self._check_length(len(prompt_ids), params.max_tokens, limits)
-        params = dataclasses.replace(params, seed=_seed(params.seed, 0))
+        params = dataclasses.replace(params, seed=_seed(params.seed, 0),
+                                     top_k=_top_k(params.top_k, limits, "sampling.top_k"))
         _validate(params, limits)
         if params.structured_output is not None:
             self.structured.check(params.structured_output, limits.vocab_size,
@@ -225,12 +226,7 @@ class Preprocessor:
     def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
                 logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         self._check_length(num_prompt, max_tokens, limits)
-        top_k = req.top_k if req.top_k is not None else 0
-        if top_k < -1:
-            raise APIError.invalid(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}",
-                                   param="top_k")
-        if top_k >= limits.vocab_size:
-            top_k = 0  # keeps every token: the same as off, and it fits the workers' int32
+        top_k = _top_k(req.top_k if req.top_k is not None else 0, limits, "top_k")
         for name in _FLOAT32_FIELDS:
             value = getattr(req, name)
             if value is not None and abs(value) > FLOAT32_MAX:
@@ -380,6 +376,15 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 def _or(value, default):
     return default if value is None else value
+
+
+def _top_k(top_k: int, limits: ModelLimits, param: str) -> int:
+    """-1 and 0 are off; at or over the vocabulary it keeps every token, so off too (and it
+    fits the workers' int32)."""
+    if top_k < -1:
+        raise APIError.invalid(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}",
+                               param=param)
+    return 0 if top_k >= limits.vocab_size else top_k
 
 
 def _seed(seed: int | None, offset: int) -> int:
