@@ -85,6 +85,12 @@ class EngineLoop:
         return self.watchdog is not None and self.watchdog.stalled
 
     @property
+    def live(self) -> bool:
+        """Whether the process should be left running: the loop has not crashed and no step
+        is wedged (StepWatchdog.wedged)."""
+        return self.healthy and not (self.watchdog is not None and self.watchdog.wedged)
+
+    @property
     def ready(self) -> bool:
         """Whether new work should come here: the loop runs and no step is stuck."""
         return self.healthy and not self.stalled

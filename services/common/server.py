@@ -173,7 +173,7 @@ class Worker:
             self.status_server = StatusServer(
                 cfg.host, cfg.metrics_port, self.metrics.registry,
                 # A dead OpenAI endpoint child fails liveness: the port it served is gone.
-                is_live=lambda: self.engine_loop.healthy and (
+                is_live=lambda: self.engine_loop.live and (
                     self.openai_endpoint is None or self.openai_endpoint.healthy),
                 is_ready=lambda: self.engine_loop.ready and not self.state.draining,
             )

@@ -14,6 +14,10 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+# A step held this many times the bound is wedged: the worker stops answering liveness too, so
+# an orchestrator restarts it (its streams move to other workers) instead of leaving its
+# devices held by a step that will not end (a hung GPU, a collective no watchdog of NCCL's saw).
+WEDGED_STEPS = 10
 
 
 class StepWatchdog:
@@ -60,6 +64,13 @@ class StepWatchdog:
             held = now - self._stalled_at if self._stalled_at is not None else 0.0
             log.warning("engine step ended after about %.1fs; worker is ready again", held)
         return self.stalled
+
+    @property
+    def wedged(self) -> bool:
+        """Stalled for over WEDGED_STEPS times the bound (judged at the last check)."""
+        at = self._stalled_at
+        return (self.stalled and at is not None
+                and time.monotonic() - at > WEDGED_STEPS * self.timeout_s)
 
     def _safe_describe(self) -> str:
         try:

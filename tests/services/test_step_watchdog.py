@@ -1,7 +1,8 @@
 """The step watchdog on a real worker: a tensor-parallel rank that stops answering (SIGSTOP)
 leaves rank 0's step waiting in a gloo collective; past --step-timeout-s the worker reports not
-ready on /ready and in gRPC Health, so a gateway routes around it, and logs what the step held.
-When the rank resumes, the step ends, the request finishes correctly and readiness returns."""
+ready on /ready and in gRPC Health, so a gateway routes around it, and logs what the step held;
+held ten times the bound, it fails liveness (/health) too. When the rank resumes, the step
+ends, the request finishes correctly and readiness and liveness return."""
 
 from __future__ import annotations
 
@@ -59,7 +60,12 @@ def test_a_stuck_step_makes_the_worker_unready_until_it_ends(tiny_llama_dir):
                 lambda: httpx.get(ready_url).status_code == 503, 30, "not ready"))
             health = worker.health()
             assert health.status == common_pb2.HealthResponse.DRAINING
-            assert httpx.get(f"http://{worker.metrics_address}/health").status_code == 200
+            live_url = f"http://{worker.metrics_address}/health"
+            assert httpx.get(live_url).status_code == 200
+            # Held WEDGED_STEPS (10) times the bound, the step is wedged: liveness fails
+            # too, so an orchestrator would restart the worker rather than wait forever.
+            await loop.run_in_executor(None, lambda: wait_until(
+                lambda: httpx.get(live_url).status_code == 503, 30, "not live"))
             assert not request.done()
             os.kill(rank1, signal.SIGCONT)
             stopped = False
@@ -67,6 +73,7 @@ def test_a_stuck_step_makes_the_worker_unready_until_it_ends(tiny_llama_dir):
 
         assert asyncio.run(run()) == want
         wait_until(lambda: httpx.get(ready_url).status_code == 200, 30, "ready again")
+        assert httpx.get(f"http://{worker.metrics_address}/health").status_code == 200
         assert worker.health().status == common_pb2.HealthResponse.SERVING
         assert "over --step-timeout-s" in worker.output
         assert "request ids: watched-request" in worker.output
