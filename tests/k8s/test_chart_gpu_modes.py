@@ -207,3 +207,17 @@ def test_keda_scales_down_at_the_hpa_pace() -> None:
         behavior = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert behavior["scaleDown"]["policies"] == [
             {"type": "Pods", "value": 1, "periodSeconds": 120}]
+
+
+def test_install_notes_warn_of_cpu_autoscaler_defaults_on_gpu_pools_and_single_replicas() -> None:
+    notes = render({}).notes
+    assert "from the bundled profile" in notes and "startupSeconds is -1" in notes
+    assert "runs one replica" not in notes  # the autoscaler owns the pool sizes
+    tuned = render({"autoscaler": {"startupSeconds": 240,
+                                   "profile": {"existingConfigMap": "measured-on-h100"}}}).notes
+    assert "bundled profile" not in tuned and "startupSeconds" not in tuned
+    fixed = render({"autoscaler": {"enabled": False}}).notes
+    assert "NOTE: prefill runs one replica" in fixed and "NOTE: decode runs one replica" in fixed
+    assert "runs one replica" not in render({"autoscaler": {"enabled": False},
+                                             "prefill": {"replicas": 2},
+                                             "decode": {"replicas": 2}}).notes
