@@ -66,11 +66,12 @@ async def serve(config: GatewayConfig) -> None:
         admin = _Server(uvicorn.Config(create_admin_app(gateway), log_level="warning",
                                        access_log=False, lifespan="off", http="h11",
                                        timeout_graceful_shutdown=1))
-    grpc_server = None
+    grpc_server = grpc_health = None
     grpc_address = ""
     if config.grpc_port >= 0:
         grpc_server = grpc.aio.server(options=grpc_api.server_options(config))
         grpc_api.add_to_server(gateway, grpc_server)
+        grpc_health = grpc_api.add_health(gateway, grpc_server)
         grpc_port = add_port(grpc_server, f"{config.host}:{config.grpc_port}", config.tls,
                              require_client_cert=config.grpc_client_certs)
         await grpc_server.start()
@@ -118,6 +119,8 @@ async def serve(config: GatewayConfig) -> None:
             await grpc_stopping[0]
         elif grpc_server is not None:
             await grpc_server.stop(config.shutdown_grace_s)
+        if grpc_health is not None:
+            grpc_health.cancel()
         await gateway.close()
 
 

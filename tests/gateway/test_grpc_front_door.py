@@ -160,3 +160,18 @@ def test_prompt_logprobs_and_stop_reason_as_the_http_api_gives_them(stack, engin
     assert by_token[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     assert by_token[-1].WhichOneof("stop_reason") == "stop_token_id"
     assert by_token[-1].stop_token_id == stop_token
+
+
+def test_the_standard_health_service_answers_beside_the_front_door(disagg_stack):
+    """grpc.health.v1.Health, for gRPC load-balancer checks and Kubernetes `grpc` probes:
+    SERVING while the gateway has workers to route to (as /ready)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(disagg_stack.grpc_address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitserve.v1.Gateway"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

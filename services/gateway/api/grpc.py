@@ -9,6 +9,7 @@ import logging
 import uuid
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common import convert, tracing
@@ -186,6 +187,30 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
     """Request bytes that do not parse get INVALID_ARGUMENT, as the workers' RPCs do."""
     add_servicer(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway), server)
+
+
+def add_health(gateway: Gateway, server: grpc.aio.Server) -> asyncio.Task:
+    """grpc.health.v1.Health beside the front door, for gRPC load-balancer checks and
+    Kubernetes `grpc` probes: SERVING while the gateway is ready (as /ready: a worker pair to
+    route to, not draining), for "" and splitserve.v1.Gateway alike. Returns the task that
+    follows readiness; cancel it at shutdown."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = ("", gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
+
+    async def follow() -> None:
+        last = None
+        while True:
+            ready = gateway.router.ready() and not gateway.draining
+            status = (health_pb2.HealthCheckResponse.SERVING if ready
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if status != last:
+                for name in names:
+                    await servicer.set(name, status)
+                last = status
+            await asyncio.sleep(0.5)
+
+    return asyncio.create_task(follow(), name="grpc-health")
 
 
 def server_options(config) -> list[tuple[str, int]]:
