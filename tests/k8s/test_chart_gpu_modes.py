@@ -221,3 +221,15 @@ def test_install_notes_warn_of_cpu_autoscaler_defaults_on_gpu_pools_and_single_r
     assert "runs one replica" not in render({"autoscaler": {"enabled": False},
                                              "prefill": {"replicas": 2},
                                              "decode": {"replicas": 2}}).notes
+
+
+def test_a_claim_nothing_can_fill_is_refused_and_a_moving_revision_warned_of() -> None:
+    empty = {"model": {"volume": {"pvc": {"create": True}}}}  # ReadOnlyMany, no download
+    assert "can never be filled" in render_error(empty)
+    render({"model": {"volume": {"pvc": {"create": True, "accessModes": ["ReadWriteMany"]}},
+                      "download": {"enabled": True}}})
+    branch = render({"model": {"volume": {"type": "emptyDir"}, "download": {"enabled": True}}})
+    assert 'revision is "main", a branch' in branch.notes
+    pinned = render({"model": {"volume": {"type": "emptyDir"}, "download": {
+        "enabled": True, "huggingface": {"revision": "a" * 40}}}})
+    assert "a branch" not in pinned.notes
