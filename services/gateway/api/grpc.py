@@ -218,8 +218,9 @@ def server_options(config) -> list[tuple[str, int]]:
     4 MiB failed a 5 MB prompt with RESOURCE_EXHAUSTED, the overload code); keepalive that
     load balancers' idle timers and clients' own pings can live with (grpc-go and grpc-java
     clients pinging every 10 s idle were sent GOAWAY "too_many_pings"); and connections that
-    end after 30 minutes, once their calls do, so clients spread again over gateway pods."""
-    return [
+    end after 30 minutes, once their calls do (within the request timeout; with none, whenever
+    they do), so clients spread again over gateway pods."""
+    options = [
         ("grpc.max_receive_message_length", max(config.max_body_bytes, 4 << 20) + (64 << 10)),
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.keepalive_time_ms", 60_000),
@@ -228,5 +229,8 @@ def server_options(config) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.max_connection_age_ms", 30 * 60_000),
-        ("grpc.max_connection_age_grace_ms", int(max(config.request_timeout_s, 60) * 1000)),
     ]
+    if config.request_timeout_s > 0:
+        options.append(("grpc.max_connection_age_grace_ms",
+                        int((config.request_timeout_s + 10) * 1000)))
+    return options
