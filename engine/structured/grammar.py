@@ -10,12 +10,16 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
 
 from engine.sampling_params import StructuredOutput
 
 # Separators as json.dumps writes them, and no other whitespace: a small model left free to
 # choose whitespace can spend every token on newlines; these are what it writes unconstrained.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# oneOf is read as anyOf, as vLLM's backends do (a value both branches accept is rare, and
+# refusing the keyword refused pydantic unions and common tool schemas).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "coerce_one_of": True}
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # Compiling the grammar of a hostile schema or Lark text must stay bounded (llguidance's own
 # defaults, made explicit so a reader sees that there are limits).
@@ -46,14 +50,57 @@ def grammar_for(so: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT_SCHEMA,
                                                              overrides=JSON_OPTIONS)
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(so.regex)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(so.regex))
     if kind == "choice":
         # Lark string literals take JSON's escapes, so any choice text is quoted exactly.
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in so.choice))
     if kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(so.grammar)
+        text = so.grammar
+        if "::=" in text and not is_lark_syntax(text):  # llama.cpp's GBNF, as vLLM takes
+            try:
+                text = gbnf_to_lark(text)
+            except GbnfToLarkError as exc:
+                raise GrammarError(f"the GBNF grammar cannot be read: {exc}") from None
+        return llguidance.LLMatcher.grammar_from_lark(text)
     raise GrammarError("the structured output sets no constraint")
+
+
+# Shorthand classes as ASCII, as vLLM's backends and JSON schema patterns read them: the
+# regex engine reads them as Unicode, and `\d{3}` let a model write three U+1FBF8 digits.
+_ASCII = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(regex: str) -> str:
+    """`regex` with \\d, \\w, \\s (and \\D, \\W, \\S) as ASCII classes, inside a bracket class or
+    out of one; every other escape is left as it is."""
+    out, i, depth, opened = [], 0, 0, 0  # opened: where the innermost class's members begin
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            letter = regex[i + 1]
+            members = _ASCII.get(letter.lower())
+            if members is None:
+                out.append(regex[i:i + 2])
+            elif letter.islower():
+                out.append(members if depth else f"[{members}]")
+            elif not depth:
+                out.append(f"[^{members}]")
+            else:  # a negated shorthand inside a class has no ASCII spelling: keep it
+                out.append(regex[i:i + 2])
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+        if c == "[":  # a class, or one nested in a class (the regex crate's syntax)
+            depth += 1
+            if regex.startswith("^", i):
+                out.append("^")
+                i += 1
+            opened = len(out)
+        elif c == "]" and depth and len(out) - 1 > opened:  # "]" first in a class is literal
+            depth -= 1
+    return "".join(out)
 
 
 class GrammarCompiler:

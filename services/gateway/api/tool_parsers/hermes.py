@@ -45,9 +45,12 @@ class HermesFormat:
                  for t in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         # json.dumps's separators and no other whitespace: what a parser and a reader expect,
-        # and a small model cannot spend its tokens on blank lines.
+        # and a small model cannot spend its tokens on blank lines. Keywords the grammar engine
+        # does not implement (uniqueItems, not, unknown formats: common in MCP tool schemas,
+        # which OpenAI's non-strict functions and vLLM take) are left unenforced, not refused.
         schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                           "key_separator": ": "}}
+                                           "key_separator": ": ", "lenient": True,
+                                           "coerce_one_of": True}}
         return (f"start: {json.dumps(OPEN)} \"\\n\" call \"\\n\" {json.dumps(CLOSE)}\n"
                 f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
 

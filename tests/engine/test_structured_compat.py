@@ -1,0 +1,85 @@
+"""Constraints read as vLLM's backends read them, compiled by llguidance against SmolLM2's
+tokenizer: regex shorthand classes are ASCII, oneOf is anyOf, llama.cpp GBNF grammars are
+taken, and tool schemas with keywords the engine does not implement compile (unenforced)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from tokenizers import Tokenizer
+
+from engine.sampling_params import StructuredOutput
+from engine.structured.grammar import GrammarCompiler, GrammarError, ascii_classes, grammar_for
+from services.gateway.api.tool_parsers.hermes import HermesFormat
+from services.gateway.api.tools import tool_plan
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_dir) -> GrammarCompiler:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    return GrammarCompiler((smollm2_dir / "tokenizer.json").read_text(), config["vocab_size"],
+                           [config["eos_token_id"]])
+
+
+def _accepts(compiler, smollm2_dir, grammar: str, text: str) -> bool:
+    ids = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("regex", "ascii"), [
+    (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+    (r"[\d-]+\s\w", r"[0-9-]+[ \t\n\r\f\v][0-9A-Za-z_]"),
+    (r"\D[^\d]", "[^0-9][^0-9]"),
+    (r"[]\d]\\d", r"[]0-9]\\d"),  # "]" first in a class is literal; "\\d" is "\" then "d"
+    (r"[a-z&&[^aeiou]]\d", "[a-z&&[^aeiou]][0-9]"),  # nested classes
+    (r"[\D]\p{L}", r"[\D]\p{L}"),  # no ASCII spelling inside a class; other escapes kept
+])
+def test_shorthand_classes_become_ascii(regex, ascii):
+    assert ascii_classes(regex) == ascii
+
+
+def test_a_regex_digit_is_an_ascii_digit(compiler, smollm2_dir):
+    """guided_regex `\\d{3}` let the model write three U+1FBF8 (segmented digit) characters."""
+    grammar = grammar_for(StructuredOutput(regex=r"\d{3}"))
+    assert _accepts(compiler, smollm2_dir, grammar, "123")
+    assert not _accepts(compiler, smollm2_dir, grammar, "\U0001fbf8" * 3)
+    assert not _accepts(compiler, smollm2_dir, grammar, "١٢٣")  # Arabic-Indic digits
+
+
+def test_one_of_is_read_as_any_of(compiler, smollm2_dir):
+    """Branches that may overlap (disjoint ones llguidance proves so and takes anyway)."""
+    schema = {"type": "object", "required": ["w"], "additionalProperties": False,
+              "properties": {"w": {"oneOf": [{"type": "integer", "multipleOf": 3},
+                                             {"type": "integer", "multipleOf": 5}]}}}
+    so = StructuredOutput(json_schema=json.dumps(schema))
+    compiler.check(so)  # was a GrammarError: "oneOf constraints are not supported"
+    assert _accepts(compiler, smollm2_dir, grammar_for(so), '{"w": 9}')
+    assert _accepts(compiler, smollm2_dir, grammar_for(so), '{"w": 10}')
+    assert not _accepts(compiler, smollm2_dir, grammar_for(so), '{"w": 7}')
+
+
+def test_a_gbnf_grammar_is_taken_as_vllm_takes_it(compiler, smollm2_dir):
+    so = StructuredOutput(grammar='root ::= answer\nanswer ::= "yes" | "no"')
+    compiler.check(so)
+    assert _accepts(compiler, smollm2_dir, grammar_for(so), "yes")
+    assert not _accepts(compiler, smollm2_dir, grammar_for(so), "maybe")
+    with pytest.raises(GrammarError, match="GBNF grammar cannot be read"):
+        compiler.check(StructuredOutput(grammar="root ::= (("))
+
+
+def test_a_tool_schema_with_unimplemented_keywords_compiles_unenforced(compiler):
+    """uniqueItems, not and unknown formats (common in MCP tool schemas) were a 400 even
+    under tool_choice auto; OpenAI's non-strict functions and vLLM take them."""
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "required": ["tags", "link"], "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "link": {"type": "string", "format": "uri-reference"},
+            "mode": {"not": {"const": "x"}}}}}}
+    plan = tool_plan([tool], "required", HermesFormat())
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        plan.grammar(), compiler.tokenizer)
+    assert not is_error, messages
