@@ -83,3 +83,50 @@ def test_a_tool_schema_with_unimplemented_keywords_compiles_unenforced(compiler)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         plan.grammar(), compiler.tokenizer)
     assert not is_error, messages
+
+
+def test_strict_closes_objects_the_schema_leaves_open(compiler, smollm2_dir):
+    """OpenAI's strict mode requires additionalProperties false on every object; a schema
+    without it, strict, let the model add `"b": "123"` beside the only key it named."""
+    from types import SimpleNamespace
+
+    from services.gateway.api.structured import structured_output
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def grammar(strict: bool) -> str:
+        body = SimpleNamespace(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema, "strict": strict}})
+        return grammar_for(structured_output(body))
+
+    assert _accepts(compiler, smollm2_dir, grammar(True), '{"a": 1}')
+    assert not _accepts(compiler, smollm2_dir, grammar(True), '{"a": 1, "b": "123"}')
+    assert _accepts(compiler, smollm2_dir, grammar(False), '{"a": 1, "b": "123"}')
+
+
+def test_closing_objects_leaves_all_of_branches_data_and_open_objects_alone():
+    from services.gateway.api.structured import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"x": {"type": "string"}}},
+            "open": {"type": "object", "additionalProperties": True},
+            "list": {"type": "array", "items": {"properties": {"y": {}}}},
+            "either": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+            "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+            "choice": {"enum": [{"type": "object"}], "default": {"properties": {}}},
+        },
+        "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["inner"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["both"] == schema["properties"]["both"]  # closed one by one: unsatisfiable
+    assert props["choice"] == schema["properties"]["choice"]  # data, not schemas
+    assert closed["$defs"]["node"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed

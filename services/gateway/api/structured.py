@@ -73,10 +73,51 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
         schema = spec.get("schema")
         if schema is None:  # OpenAI allows a named format without a schema: any JSON object
             return StructuredOutput(json_object=True)
-        # `strict` is honoured either way: the output always follows the schema.
+        # The output always follows the schema. `strict` also closes its objects, as OpenAI's
+        # strict mode requires of them: without it a model added keys the schema never named.
+        if spec.get("strict") is True:
+            schema = closed_objects(schema)
         return _field("json_schema", schema, "response_format.json_schema.schema")
     raise APIError.invalid(f"response_format type {kind!r} is not supported; use 'text', "
                            "'json_object' or 'json_schema'", param="response_format.type")
+
+
+# Where a schema holds schemas: one, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedItems")
+_LIST = ("anyOf", "oneOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OPEN_BY = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that says nothing
+    of other keys. Not on allOf's members, nor on a schema with an allOf: closed one by one,
+    branches that each name some of the keys would refuse every object. Data (enum, const,
+    default, examples) is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        "properties" in out)
+    if (is_object and not in_all_of and "allOf" not in out
+            and not any(key in out for key in _OPEN_BY)):
+        out["additionalProperties"] = False
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+        elif key == "items" and isinstance(out.get(key), list):  # older drafts' tuples
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(item, in_all_of=True) for item in out["allOf"]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
+    return out
 
 
 def _from_vllm(value: Any) -> list[tuple[str, StructuredOutput]]:
