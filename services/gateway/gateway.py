@@ -131,8 +131,16 @@ class Gateway:
         request's deadline and stall timeout, observed by the request's record."""
         record.admitted(ticket.arrival, ticket.released_at)
         dispatcher = ticket.metered(record.dispatching(self.dispatcher))
-        return record.observe([deadline.bound(stream_text(spec, dispatcher, self.tokenizer))
+        return record.observe([deadline.bound(stream_text(spec, dispatcher, self.tokenizer,
+                                                          self._incomplete(spec)))
                                for spec in ticket.specs])
+
+    def _incomplete(self, spec):
+        """The judge of a constrained choice's end (StructuredOutputChecker.incomplete)."""
+        so = spec.params.structured_output
+        if so is None:
+            return None
+        return functools.partial(self.preprocessor.structured.incomplete, so, self._vocab_size)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started,

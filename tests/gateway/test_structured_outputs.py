@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from gateway_processes import Stack, disaggregated_stack, openai_client, worker_stats
@@ -172,3 +173,32 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, smollm2_sta
     assert error["param"] == param and problem in error["message"], error
     assert error["code"] == (None if problem == "Only one" else "invalid_structured_output")
     assert worker_stats(smollm2_stack.prefill.address, role="prefill").steps == before
+
+
+CYCLE = {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}},
+                         "required": ["k"], "additionalProperties": False}},
+         "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("extra", [{"guided_choice": ["<|im_end|>"]}, {"guided_json": CYCLE}],
+                         ids=["special-token-text", "ref-cycle"])
+def test_a_constraint_that_can_never_complete_ends_in_an_error_not_a_stop(
+        client, smollm2_stack, smollm2_dir, extra):
+    """These compile, yet no output completes them: the worker can offer only EOS once
+    nothing else is allowed, and the cut output ("", or '{"') used to end "stop" as though
+    it were valid. Now: a 400 naming the constraint, or, streamed, finish_reason "error" and
+    an error event with the same code."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=smollm2_dir.name, messages=ask("Go."),
+                                       max_tokens=16, temperature=0, extra_body=extra)
+    assert caught.value.body["code"] == "invalid_structured_output"
+    assert "allows nothing more" in caught.value.body["message"]
+    response = httpx.post(f"{smollm2_stack.url}/v1/chat/completions", timeout=60, json={
+        "model": smollm2_dir.name, "messages": ask("Go."), "max_tokens": 16, "temperature": 0,
+        "stream": True, **extra})
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])
+                if c.get("finish_reason")]
+    assert finishes == ["error"]
+    assert events[-1]["error"]["code"] == "invalid_structured_output"

@@ -299,6 +299,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
             ticket.release()
     failed = next((c for c in choices if c.finish_reason == "error"), None)
     if failed is not None:  # nothing was sent yet: a status code says what happened
+        if failed.error_code == "invalid_structured_output":  # the constraint's, not ours
+            raise APIError.invalid(failed.error, code=failed.error_code)
         timed_out = failed.error_code in TIMEOUT_CODES
         raise APIError(504 if timed_out else 500,
                        failed.error or "a worker failed mid-generation", "server_error",

@@ -114,8 +114,10 @@ async def sse_events(
                 compute = compute + item.compute
             if item.finish_reason == "error":
                 # Tokens were already sent: no silent retry, an explicit error event instead.
-                error = APIError(500, item.error or "a worker failed mid-stream", "server_error",
-                                 code=item.error_code or "worker_failed")
+                error = (APIError.invalid(item.error, code=item.error_code)
+                         if item.error_code == "invalid_structured_output" else
+                         APIError(500, item.error or "a worker failed mid-stream",
+                                  "server_error", code=item.error_code or "worker_failed"))
                 yield fmt.error_event(error)
                 break
         for event in fmt.closing(usage(prompt_tokens, completion_tokens, cached_tokens, compute)):

@@ -3,7 +3,7 @@ stop-string matcher. A stop-string match ends the stream and cancels the worker 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.outputs import ComputeSeconds, Logprobs
@@ -38,8 +38,12 @@ class TextDelta:
 
 async def stream_text(
     spec: GenerationSpec, dispatcher: Dispatcher, tokenizer: ModelTokenizer,
+    incomplete: Callable[[list[int]], str | None] | None = None,
 ) -> AsyncIterator[TextDelta]:
-    """Raises APIError if the request fails before its first token (nothing was sent)."""
+    """Raises APIError if the request fails before its first token (nothing was sent).
+    `incomplete`: for a constrained request, why its output tokens (ended at EOS) do not
+    complete the constraint (StructuredOutputChecker.incomplete); such an end is an error,
+    not a stop."""
     detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids,
                                          skip_special_tokens=spec.skip_special_tokens)
     matcher = StopStringMatcher(spec.stop, include_stop=spec.include_stop_str)
@@ -49,8 +53,11 @@ async def stream_text(
     min_tokens = spec.params.min_tokens  # stop strings end nothing before this many tokens
     num_cached = 0
     compute = ComputeSeconds()
+    outputs: list[int] = []  # kept only to judge a constrained output's end
     try:
         async for event in events:
+            if incomplete is not None:
+                outputs += event.token_ids
             num_cached = max(num_cached, event.num_cached_tokens)
             if event.compute is not None:
                 compute = compute + event.compute
@@ -74,6 +81,11 @@ async def stream_text(
                 text.append(matcher.push(detokenizer.flush()))
                 finish = "stop" if matcher.stopped else finish
                 text.append(matcher.flush())
+            stop_reason = _stop_reason(spec, matcher, finish, event.token_ids)
+            error, error_code = (event.error if finish == "error" else None), None
+            if (finish == "stop" and incomplete is not None and stop_reason is None
+                    and (why := incomplete(outputs[:-1])) is not None):  # ended at EOS
+                finish, error, error_code = "error", why, "invalid_structured_output"
             yield TextDelta(
                 index=spec.index,
                 text="".join(text),
@@ -81,9 +93,10 @@ async def stream_text(
                 logprobs=event.logprobs[:taken],
                 num_output_tokens=num_output,
                 finish_reason=finish,
-                error=event.error if finish == "error" else None,
+                error=error,
+                error_code=error_code,
                 prompt_logprobs=event.prompt_logprobs,
-                stop_reason=_stop_reason(spec, matcher, finish, event.token_ids),
+                stop_reason=stop_reason,
                 num_cached_tokens=num_cached,
                 compute=compute,
             )
