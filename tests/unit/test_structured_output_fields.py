@@ -38,8 +38,11 @@ def body(**fields):
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+    # strict closes the object, as OpenAI's strict mode requires of it
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput(json_schema=json.dumps({**SCHEMA, "additionalProperties": False}))),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
      StructuredOutput(json_schema=json.dumps(SCHEMA))),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      StructuredOutput(json_object=True)),
