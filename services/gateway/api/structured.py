@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.sampling_params import StructuredOutput
 from engine.structured.grammar import GrammarCompiler, GrammarError
+from engine.structured.state import GrammarState
 from services.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -193,11 +194,10 @@ class StructuredOutputChecker:
         complete (an empty language, a $ref cycle with no way out, a special token's text)
         leaves the worker only EOS to offer, and the output ends cut short: it must not pass
         for a finished one. 0.9 ms for a 30-key schema's 290 tokens."""
-        matcher = self._compiler(vocab_size).matcher(so)
-        for token in token_ids:
-            if not matcher.consume_token(token):
-                return f"Invalid structured output: token {token} is outside the constraint."
-        if matcher.is_accepting() or matcher.is_stopped():
+        state = GrammarState(self._compiler(vocab_size), so, token_ids)  # the workers' replay
+        if state.failed is not None:
+            return f"Invalid structured output: {state.failed}."
+        if state.matcher.is_accepting() or state.matcher.is_stopped():
             return None
         return ("Invalid structured output: the output reached a point where the constraint "
                 "allows nothing more, before it was complete (a constraint that can never be "
