@@ -14,6 +14,7 @@ from services.autoscaler.config import (
     add_autoscaler_arguments,
     autoscaler_config_from_args,
 )
+from services.common.addresses import host_port
 
 log = logging.getLogger("splitserve.autoscaler")
 
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     loop.start()
-    print(f"SPLITSERVE_READY autoscaler {config.host}:{status.port} actuator={config.actuator}",
+    print(f"SPLITSERVE_READY autoscaler {host_port(config.host, status.port)} actuator={config.actuator}",
           flush=True)
     while not stop.wait(1.0):
         pass

@@ -18,6 +18,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from services.common.addresses import host_port
+
 if TYPE_CHECKING:
     from services.common.worker_config import WorkerConfig
 
@@ -46,7 +48,7 @@ class OpenAIEndpoint:
             self.sock.close()
             raise RuntimeError(f"--openai-port: cannot listen on {host}:{port} ({exc})") from None
         self.sock.listen(2048)
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.address = host_port(host, self.sock.getsockname()[1])
         self.process: subprocess.Popen | None = None
         self.stopping = False
 
@@ -113,11 +115,11 @@ def start_openai_endpoint(config: WorkerConfig, grpc_port: int,
     endpoint = OpenAIEndpoint(config.host, config.openai_port)
     # With mutual TLS the worker's certificate names its advertised host: dial that.
     host = config.public_host if config.tls.enabled else dial_host(config.host)
-    metrics_url = (f"http://{dial_host(config.host)}:{metrics_port}/metrics"
+    metrics_url = (f"http://{host_port(dial_host(config.host), metrics_port)}/metrics"
                    if metrics_port is not None else "")
     endpoint.start(gateway_args(
         model=config.model, served_model_name=config.model_name,
-        grpc_address=f"{host}:{grpc_port}", port=config.openai_port,
+        grpc_address=host_port(host, grpc_port), port=config.openai_port,
         tls=(config.tls_cert, config.tls_key, config.tls_ca), grace_s=config.drain_grace_s,
         log_level=config.log_level, log_format=config.log_format), metrics_url)
     return endpoint

@@ -18,6 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
+from services.common.addresses import host_port
 from services.common.core_share import CoreShare
 from services.common.engine_build import build_engine
 from services.common.engine_loop import EngineLoop
@@ -129,7 +130,7 @@ class Worker:
                 shared_memory=cfg.kv_shared_memory_mib > 0,
             )
             # One endpoint per tensor-parallel rank, in rank order.
-            kv_endpoint = ",".join(f"{cfg.public_host}:{endpoint.rsplit(':', 1)[1]}"
+            kv_endpoint = ",".join(host_port(cfg.public_host, endpoint.rsplit(":", 1)[1])
                                    for endpoint in self.receiver.endpoint.split(","))
             self.metrics.kv_stats.append(self.receiver.stats)
         if cfg.role in ("prefill", "both"):
@@ -161,9 +162,9 @@ class Worker:
             add_servicer(decode_pb2_grpc.add_DecodeServicer_to_server, self.decode_servicer,
                          self.server)
         # With TLS files only the mutual-TLS port exists: a plaintext peer cannot even speak.
-        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
+        self.port = add_port(self.server, host_port(cfg.host, cfg.port), cfg.tls)
         if self.port == 0:
-            raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+            raise RuntimeError(f"cannot listen on {host_port(cfg.host, cfg.port)}")
         if not cfg.worker_id:
             # Derived from the bound port, so workers started with --port 0 stay distinct.
             self.state.worker_id = f"{cfg.role}-{socket.gethostname()}-{self.port}"
@@ -178,7 +179,7 @@ class Worker:
                 is_ready=lambda: self.engine_loop.ready and not self.state.draining,
             )
             self.status_server.start()
-            metrics_at = f"{cfg.public_host}:{self.status_server.port}"
+            metrics_at = host_port(cfg.public_host, self.status_server.port)
         self.kv_endpoint = kv_endpoint
         self.metrics_at = metrics_at
         if cfg.openai_port:
@@ -214,7 +215,7 @@ class Worker:
         # A line launchers and tests wait for.
         ranks = f" tp_pids={','.join(map(str, self.rank_pids))}" if self.rank_pids else ""
         standby = " standby=1" if cfg.standby else ""
-        print(f"SPLITSERVE_READY {cfg.role} {cfg.host}:{self.port} metrics={metrics_at} "
+        print(f"SPLITSERVE_READY {cfg.role} {host_port(cfg.host, self.port)} metrics={metrics_at} "
               f"kv={kv_endpoint}{ranks}{standby} {self.startup.describe()}", flush=True)
 
     async def _join(self) -> None:
@@ -231,7 +232,7 @@ class Worker:
         cfg = self.config
         return WorkerInfo(
             worker_id=self.state.worker_id, role=cfg.role,
-            address=f"{cfg.public_host}:{self.port}", kv_endpoint=self.kv_endpoint,
+            address=host_port(cfg.public_host, self.port), kv_endpoint=self.kv_endpoint,
             model=cfg.model_name, block_size=cfg.block_size,
             max_model_len=self.engine.max_model_len,
             metrics_address=self.metrics_at if self.metrics_at != "-" else "",

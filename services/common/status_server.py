@@ -6,6 +6,7 @@ Runs on its own daemon thread; handlers only read thread-safe snapshots."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +18,8 @@ class StatusServer:
     def __init__(self, host: str, port: int, registry, is_live: Callable[[], bool],
                  is_ready: Callable[[], bool]) -> None:
         handler = _make_handler(registry, is_live, is_ready)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        server = _IPv6HTTPServer if ":" in host else ThreadingHTTPServer
+        self.httpd = server((host, port), handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="status-http",
@@ -29,6 +31,10 @@ class StatusServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class _IPv6HTTPServer(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 def _make_handler(registry, is_live, is_ready):

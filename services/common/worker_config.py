@@ -273,7 +273,14 @@ class WorkerConfig:
     def public_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
-        return socket.gethostbyname(socket.gethostname()) if self.host == "0.0.0.0" else self.host
+        if self.host == "0.0.0.0":
+            return socket.gethostbyname(socket.gethostname())
+        if self.host == "::":  # both families listen: this machine's IPv6 address, else IPv4
+            try:
+                return socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET6)[0][4][0]
+            except OSError:
+                return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     @property
     def model_name(self) -> str:

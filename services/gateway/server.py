@@ -12,6 +12,7 @@ import socket
 import grpc
 import uvicorn
 
+from services.common.addresses import host_port
 from services.common.logs import setup_logging
 from services.common.security import add_port
 from services.common.tracing import setup_tracing, shutdown_tracing
@@ -62,7 +63,7 @@ async def serve(config: GatewayConfig) -> None:
     admin_address = ""
     if config.admin_listen_port >= 0:
         admin_sock = _listen(config.admin_host, config.admin_listen_port, 0)
-        admin_address = f"{config.admin_host}:{admin_sock.getsockname()[1]}"
+        admin_address = host_port(config.admin_host, admin_sock.getsockname()[1])
         admin = _Server(uvicorn.Config(create_admin_app(gateway), log_level="warning",
                                        access_log=False, lifespan="off", http="h11",
                                        timeout_graceful_shutdown=1))
@@ -72,10 +73,10 @@ async def serve(config: GatewayConfig) -> None:
         grpc_server = grpc.aio.server(options=grpc_api.server_options(config))
         grpc_api.add_to_server(gateway, grpc_server)
         grpc_health = grpc_api.add_health(gateway, grpc_server)
-        grpc_port = add_port(grpc_server, f"{config.host}:{config.grpc_port}", config.tls,
+        grpc_port = add_port(grpc_server, host_port(config.host, config.grpc_port), config.tls,
                              require_client_cert=config.grpc_client_certs)
         await grpc_server.start()
-        grpc_address = f"{config.host}:{grpc_port}"
+        grpc_address = host_port(config.host, grpc_port)
 
     loop = asyncio.get_running_loop()
 
@@ -107,7 +108,7 @@ async def serve(config: GatewayConfig) -> None:
         # requests wait (tens of ms on a loaded core).
         gc.freeze()
         # A line launchers and tests wait for.
-        print(f"SPLITSERVE_READY gateway {config.host}:{http_port} grpc={grpc_address} "
+        print(f"SPLITSERVE_READY gateway {host_port(config.host, http_port)} grpc={grpc_address} "
               f"admin={admin_address}", flush=True)
     try:
         await serving

@@ -76,3 +76,24 @@ def test_worker_env_values_parse_as_the_worker_would() -> None:
     from services.common.worker_config import parse_size
 
     assert parse_size(env["SPLITSERVE_KV_CACHE_MEMORY"]) == 8 * 2**30
+
+
+@pytest.mark.parametrize("listen_host", ["0.0.0.0", "::"])
+def test_listen_host_reaches_every_process(listen_host: str) -> None:
+    """`listenHost: "::"` for IPv6-only clusters: every process listens there (0.0.0.0 would
+    listen on IPv4 alone); workers still advertise their pod IP."""
+    from chart_render import render
+
+    rendered = render({"listenHost": listen_host})
+
+    def env(component: str) -> dict[str, str | None]:
+        deployment = rendered.get("Deployment", f"{FULLNAME}-{component}")
+        return {e["name"]: e.get("value")
+                for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    gateway = env("gateway")
+    assert gateway["SPLITSERVE_GATEWAY_HOST"] == gateway["SPLITSERVE_GATEWAY_ADMIN_HOST"] == listen_host
+    for role in ("prefill", "decode"):
+        assert env(role)["SPLITSERVE_HOST"] == listen_host
+        assert env(role)["SPLITSERVE_ADVERTISE_HOST"] == "$(POD_IP)"
+    assert env("autoscaler")["SPLITSERVE_AUTOSCALER_HOST"] == listen_host

@@ -1,0 +1,11 @@
+"""host:port strings that hold for IPv6 literals too (an IPv6-only cluster gives pods addresses
+like fd00::12): a literal with a colon is written in brackets, as gRPC and URLs read it."""
+
+from __future__ import annotations
+
+
+def host_port(host: str, port: int | str) -> str:
+    """`host:port`, with an IPv6 literal bracketed (`[fd00::12]:50051`)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
