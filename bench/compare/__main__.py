@@ -95,12 +95,15 @@ TINY_MODEL_UNSUPPORTED = {"vllm": "vLLM's CPU attention has no kernel for the ti
 
 
 def choose_systems(asked: str, tiny_model: bool = False) -> tuple[str, ...]:
-    """The systems named (each must be known and installed), or by default every installed one;
-    a peer left out for want of its install, or because it cannot serve the tiny --quick model,
+    """The systems named (each must be known and installed), or by default every installed one
+    but the ablations (splitserve with a shipped default turned off: run only when named); a
+    peer left out for want of its install, or because it cannot serve the tiny --quick model,
     is said so."""
     if not asked:
         chosen = []
         for name, spec in SYSTEMS.items():
+            if spec.ablation:
+                continue
             if not spec.installed():
                 print(f"{name}: not installed, left out (`{spec.installed_by}` installs it)")
             elif tiny_model and name in TINY_MODEL_UNSUPPORTED:

@@ -120,6 +120,7 @@ class SystemSpec:
     installed_by: str = ""  # the make target that installs it, where the main venv lacks it
     up_flags: tuple[str, ...] = ()  # splitserve: `splitserve up` flags beyond the defaults
     extra_env: tuple[tuple[str, str], ...] = ()  # splitserve: settings beyond the defaults
+    ablation: bool = False  # not shipped: a default turned off, run only when named
 
     def installed(self) -> bool:
         return self.name != "vllm" or (VLLM_VENV / "bin" / "python").exists()
@@ -164,27 +165,27 @@ SYSTEMS = {
         # Not shipped: disaggregated with each worker held to its half of the cores, the
         # baseline of the core share (services/common/core_share.py), measured beside it.
         _splitserve("splitserve-disagg-fixed", "splitserve disaggregated, fixed halves "
-                    "(--no-core-share)", up_flags=("--no-core-share",)),
+                    "(--no-core-share)", up_flags=("--no-core-share",), ablation=True),
         # Not shipped: the core share without prompts first (decode never pauses for the
         # prefill worker's steps), measured beside the default.
         _splitserve("splitserve-disagg-noyield", "splitserve disaggregated, decode never pauses "
-                    "(yield 0)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),)),
+                    "(yield 0)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD", "0"),), ablation=True),
         _splitserve("splitserve-disagg-burst1", "splitserve disaggregated, pauses up to 1 s "
-                    "(yield burst 1 s)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),)),
+                    "(yield burst 1 s)", extra_env=(("SPLITSERVE_CORE_SHARE_YIELD_BURST_S", "1"),), ablation=True),
         # Not shipped: no idle-time prefault of the KV pool's pages, measured beside the default.
         _splitserve("splitserve-agg-noprefault", "splitserve aggregated, no KV prefault",
-                    extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),)),
+                    extra_env=(("SPLITSERVE_CPU_KV_PREFAULT_TOKENS", "0"),), ablation=True),
         # Not shipped: no shared-prefix decode attention, measured beside the default.
         _splitserve("splitserve-agg-noshared", "splitserve aggregated, no shared-prefix attention",
-                    extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+                    extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),), ablation=True),
         _splitserve("splitserve-disagg-noshared", "splitserve disaggregated, no shared-prefix "
-                    "attention", extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),)),
+                    "attention", extra_env=(("SPLITSERVE_CPU_SHARED_PREFIX_ATTENTION", "off"),), ablation=True),
         # Not shipped: the gateway's TPOT target off (no pace limit on decode workers),
         # measured beside the default.
         _splitserve("splitserve-agg-nopace", "splitserve aggregated, no TPOT target",
-                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
+                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),), ablation=True),
         _splitserve("splitserve-disagg-nopace", "splitserve disaggregated, no TPOT target",
-                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),)),
+                    extra_env=(("SPLITSERVE_GATEWAY_TPOT_TARGET_S", "0"),), ablation=True),
         # About 90 s of start-up here (it compiles its kernels), more on a loaded machine.
         SystemSpec("vllm", "vLLM (CPU)", "openai", startup_timeout_s=420.0,
                    installed_by="make peers"),

@@ -95,7 +95,10 @@ def test_vllm_named_but_not_installed_stops_before_anything_starts(tmp_path, mon
 
 
 def test_vllm_is_chosen_by_default_once_installed(fake_venv):
-    assert choose_systems("") == tuple(SYSTEMS)
+    # By default: what a user runs, and the peers; an ablation only when named.
+    assert choose_systems("") == ("splitserve-disagg", "splitserve-agg", "vllm",
+                                  "transformers-serve")
+    assert choose_systems("splitserve-agg-nopace") == ("splitserve-agg-nopace",)
     assert choose_systems("splitserve-disagg,splitserve-agg,vllm") == (
         "splitserve-disagg", "splitserve-agg", "vllm")
 
