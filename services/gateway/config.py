@@ -64,6 +64,11 @@ class GatewayConfig:
     max_inflight_per_key: int = 0  # default max_concurrency of every tenant (0: no limit) -> 429
     api_keys: tuple[str, ...] = ()  # the key secret: `tenant:key` or a bare key (its own tenant)
     socket_send_buffer: int = 0  # SO_SNDBUF of client connections (0: the OS default)
+    # Client connections (services/gateway/api/connections.py); 0: none / automatic.
+    request_read_timeout_s: float = 60.0  # a request's headers, then its body, each within this
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 0  # open client connections (0: the open-file limit less a reserve)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins that may call the API (*: any)
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
     log_format: str = "json"  # json | text
@@ -120,9 +125,14 @@ class GatewayConfig:
         from services.gateway.api.request_limits import validate_limits
 
         validate_limits(self)
-        for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s"):
+        for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s",
+                     "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        for name in ("request_read_timeout_s", "max_connections"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: "
+                                 f"{'none' if name.endswith('_s') else 'automatic'})")
         if not 0 <= self.migration_limit <= 9:
             raise ValueError("--migration-limit must be in [0, 9]")
         from services.gateway.api.tool_parsers import tool_format
@@ -233,6 +243,18 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "structured_outputs_warmup": "build the grammar tokenizer at start, in a tokenizer "
                                      "thread, not on the first request under a structured "
                                      "output (true/false)",
+        "request_read_timeout_s": "a request's headers must arrive within this of the "
+                                  "connection opening (or of their first byte on a kept-alive "
+                                  "connection), and its body within this after them; else the "
+                                  "connection is closed / 408 (0: none)",
+        "keep_alive_timeout_s": "close a kept-alive client connection idle this long; behind "
+                                "a proxy or load balancer, set it above the proxy's idle timeout",
+        "max_connections": "most client connections open at once; one more is closed when "
+                           "accepted (0: the open-file limit, raised to its maximum at start, "
+                           "less a reserve)",
+        "allowed_origins": "CORS: browser origins allowed to call the API, comma-separated, "
+                           "or * for any (empty: no CORS headers; browsers then refuse "
+                           "cross-origin reads)",
         "log_format": "json (one object per line) or text",
         "log_prompts": "debug: write prompt text into the access log (true/false)",
         "tls_cert": "PEM certificate chain; with --tls-key and --tls-ca, mutual TLS to the "

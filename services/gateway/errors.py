@@ -26,7 +26,12 @@ class APIError(Exception):
                           "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.status in _CLOSING:
+            # The body was not (all) read: closing spares reading and dropping the rest, and a
+            # client that sent `Expect: 100-continue` from waiting to send it.
+            headers["Connection"] = "close"
+        return headers
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -58,6 +63,15 @@ class APIError(Exception):
                    "invalid_request_error", None, "request_too_large")
 
     @classmethod
+    def body_timeout(cls, seconds: float) -> APIError:
+        return cls(408, f"The request body did not arrive within {seconds:g} s.",
+                   "invalid_request_error", None, "request_body_timeout")
+
+    @classmethod
+    def unsupported_media(cls, message: str) -> APIError:
+        return cls(415, message, "invalid_request_error", None, "unsupported_media_type")
+
+    @classmethod
     def rate_limited(cls, message: str, retry_after_s: int = 1) -> APIError:
         return cls(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after_s)
 
@@ -76,11 +90,14 @@ class APIError(Exception):
         return cls(500, message, "server_error", None, "internal_error")
 
 
+_CLOSING = (408, 413, 415)  # refused before or while the body was read
 _GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.INVALID_ARGUMENT,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -56,6 +56,11 @@ class RequestMetrics:
             "Worker engine seconds charged to the tenant's requests, by phase (prefill, "
             "decode, transfer), as the workers reported them in each request's final usage.",
             ["tenant", "phase"], registry=registry)
+        self.connections_closed = Counter(
+            "splitserve_gateway_connections_closed",
+            "Client connections the gateway closed before a request: over --max-connections "
+            "(limit), or headers not in within --request-read-timeout-s (header_timeout).",
+            ["reason"], registry=registry)
         self.migration_failures = Counter(
             "splitserve_gateway_migration_failures",
             "Broken streams that could not move (migration limit reached, no worker left, "

@@ -17,6 +17,11 @@ from services.common.logs import setup_logging
 from services.common.security import add_port
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.gateway.api import grpc as grpc_api
+from services.gateway.api.connections import (
+    connection_protocol,
+    default_max_connections,
+    raise_open_file_limit,
+)
 from services.gateway.api.http import create_admin_app, create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
@@ -52,11 +57,16 @@ async def serve(config: GatewayConfig) -> None:
     gateway = Gateway(config)
     await gateway.start()
     sock = _listen(config.host, config.port, config.socket_send_buffer)
+    open_files = raise_open_file_limit()
+    max_connections = config.max_connections or default_max_connections(open_files)
+    closed = gateway.observer.metrics.connections_closed
     http_port = sock.getsockname()[1]
     server = _Server(uvicorn.Config(
         create_app(gateway), log_level=config.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)), lifespan="off",
-        http="h11",
+        http=connection_protocol(config.request_read_timeout_s, max_connections,
+                                 lambda reason: closed.labels(reason).inc()),
+        timeout_keep_alive=config.keep_alive_timeout_s,
     ))
     # /metrics, /ready and /openapi.json: their own listener, 127.0.0.1 by default.
     admin = admin_sock = None
@@ -103,6 +113,10 @@ async def serve(config: GatewayConfig) -> None:
         log.info("gateway serving %s (%s) on http://%s:%d%s", gateway.model_name, mode,
                  config.host, http_port, f" grpc={grpc_address}" if grpc_address else "")
         log.info("admin (/metrics, /ready): %s", f"http://{admin_address}" if admin else "off")
+        log.info("client connections: at most %d open (open-file limit %d), headers and body "
+                 "each within %s, kept alive %g s idle", max_connections, open_files,
+                 f"{config.request_read_timeout_s:g} s" if config.request_read_timeout_s
+                 else "any time", config.keep_alive_timeout_s)
         # What start-up allocated (the tokenizer, modules, config) lives as long as the
         # process: out of the collector's sight, a full collection no longer walks it while
         # requests wait (tens of ms on a loaded core).

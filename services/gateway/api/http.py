@@ -14,6 +14,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from engine.outputs import ComputeSeconds
 from services.common import tracing
@@ -57,6 +59,12 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
     app.openapi = lambda: openapi_document(app)
+    if gateway.config.allowed_origins:
+        # Browsers may then call the API from these origins (preflight answered, responses
+        # readable); API keys still apply.
+        app.add_middleware(CORSMiddleware, allow_origins=list(gateway.config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "retry-after"])
 
     @app.get("/health")
     async def health() -> dict:
@@ -129,7 +137,7 @@ async def _tokenizer_call(gateway: Gateway, request: Request, run) -> dict:
     """/tokenize and /detokenize: authenticated like the API, the body size-limited and the
     work done off the event loop; no worker is involved."""
     gateway.admission.authenticate(request.headers.get("authorization"))
-    body = await _read_body(request, gateway.config.max_body_bytes)
+    body = await _read_body(request, gateway.config)
     return await gateway.off_loop(len(body), run, body, gateway.limits())
 
 
@@ -144,7 +152,8 @@ def _body_doc(body_type) -> dict:
 
 
 _ERRORS = {400: "invalid request (names the parameter)", 401: "missing or unknown API key",
-           404: "unknown model or path", 413: "body over --max-body-bytes",
+           404: "unknown model or path", 408: "body not in within --request-read-timeout-s",
+           413: "body over --max-body-bytes", 415: "body not JSON, or compressed",
            429: "over the tenant's quota", 503: "no capacity now (Retry-After)",
            504: "the request's deadline passed"}
 
@@ -225,8 +234,7 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         record.authenticated(tenant.name)
         config = gateway.config
         deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
-        body = await deadline.within(_read_body(request, config.max_body_bytes),
-                                     "reading the body")
+        body = await deadline.within(_read_body(request, config), "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
         req, (specs, format_options) = await deadline.within(gateway.off_loop(
             len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
@@ -264,7 +272,7 @@ def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError 
 
 def _failed(record: RequestRecord, exc: BaseException) -> None:
     """Records a request that ended in an exception (no-op if it was recorded already)."""
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError | ClientDisconnected):
         record.client_gone(499)
     else:
         record.finish(exc.status if isinstance(exc, APIError) else 500, exc)
@@ -355,17 +363,41 @@ async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
     return results
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, config) -> bytes:
+    """The JSON body, at most --max-body-bytes, all in within --request-read-timeout-s."""
+    _check_media(request.headers)
+    limit = config.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError.too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError.too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(config.request_read_timeout_s or None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError.too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError.body_timeout(config.request_read_timeout_s) from None
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     return b"".join(chunks)
+
+
+def _check_media(headers) -> None:
+    """JSON only, uncompressed (as vLLM's routes take it). A form or text/plain body is what a
+    web page may have a browser send cross-origin without asking first: refused here, it never
+    runs a generation on a gateway without API keys."""
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError.unsupported_media(
+            f"Content-Encoding {encoding!r} is not supported: send the body uncompressed.")
+    media = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError.unsupported_media(
+            f"Content-Type must be application/json, got {media!r} (with curl: "
+            "-H 'Content-Type: application/json').")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -374,6 +406,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         if exc.status >= 500:
             log.warning("%s %s -> %s", request.method, request.url.path, exc)
         return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left mid-body
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,0 +1,89 @@
+"""Client connections, below the HTTP API: uvicorn's h11 protocol with the bounds an edge
+server needs and uvicorn lacks.
+
+- A request's headers must arrive within `read_timeout_s` of the connection opening (or of
+  the first byte of the next request on a kept-alive connection), however they trickle in: a
+  client that connects and sends nothing, or a byte now and then, is closed instead of
+  holding a file descriptor for ever (slowloris). The body has its own bound, in api/http.py.
+- At most `max_connections` open at once: one more is closed as soon as it is accepted, so
+  descriptors never run out under a flood of idle connections (the listener would fail every
+  accept, real clients included, and log each failure).
+
+An idle kept-alive connection is closed by uvicorn's own keep-alive timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections.abc import Callable
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# Descriptors kept for everything but client connections (worker channels, logs, Redis, files).
+RESERVED_DESCRIPTORS = 256
+
+
+def raise_open_file_limit() -> int:
+    """Lifts this process's soft limit on open files to its hard limit, as servers do; returns
+    the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def default_max_connections(open_file_limit: int) -> int:
+    """What --max-connections 0 means: the open-file limit less a reserve (at least 64)."""
+    return max(64, open_file_limit - max(RESERVED_DESCRIPTORS, open_file_limit // 10))
+
+
+def connection_protocol(read_timeout_s: float, max_connections: int,
+                        on_closed: Callable[[str], None]) -> type[H11Protocol]:
+    """The protocol class to give uvicorn's `http`; `on_closed(reason)` counts the connections
+    it closes ("limit", "header_timeout")."""
+
+    class BoundedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _awaited_after = None  # the request cycle that was current when the header clock started
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                on_closed("limit")
+                transport.close()  # connection_lost follows and forgets it
+                return
+            self._start_header_clock()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._start_header_clock()  # the first byte of the next request
+            super().data_received(data)
+            if self._header_timer is not None and self.cycle is not self._awaited_after:
+                self._stop_header_clock()  # its headers are in: a new request cycle began
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_header_clock()
+            super().connection_lost(exc)
+
+        def _start_header_clock(self) -> None:
+            if read_timeout_s > 0:
+                self._awaited_after = self.cycle
+                self._header_timer = self.loop.call_later(read_timeout_s, self._header_timeout)
+
+        def _stop_header_clock(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                on_closed("header_timeout")
+                self.transport.close()
+
+    return BoundedH11Protocol
