@@ -17,6 +17,7 @@ class APIError(Exception):
     code: str | None = None
     retry_after_s: int | None = None
     rejected_by: str | None = None  # admission's reason when it refused the request (a metric label)
+    close: bool = False  # close the connection after the response (408, 413, 415 always do)
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -27,7 +28,7 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
-        if self.status in _CLOSING:
+        if self.close or self.status in _CLOSING:
             # The body was not (all) read: closing spares reading and dropping the rest, and a
             # client that sent `Expect: 100-continue` from waiting to send it.
             headers["Connection"] = "close"

@@ -206,3 +206,15 @@ def test_cors_is_off_unless_origins_are_allowed(body, gateway, gateway_factory, 
     other = httpx.options(f"http://{allowing.address}/v1/chat/completions",
                           headers={**preflight, "origin": "https://evil.example"})
     assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_a_body_framed_two_ways_is_refused_and_the_connection_closed(body, gateway):
+    sock = _connect(gateway)
+    with sock:
+        chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+        sock.send(_head("/v1/completions", len(body), extra="Transfer-Encoding: chunked\r\n")
+                  + chunked)
+        status, data = _response(sock)
+        assert status == 400, data[:300]
+        assert b"ambiguous_body_length" in data and b"connection: close" in data.lower()
+        assert _closed_within(sock, 3) is not None

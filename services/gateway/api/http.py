@@ -365,7 +365,7 @@ async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
 
 async def _read_body(request: Request, config) -> bytes:
     """The JSON body, at most --max-body-bytes, all in within --request-read-timeout-s."""
-    _check_media(request.headers)
+    _check_body_headers(request.headers)
     limit = config.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -385,10 +385,15 @@ async def _read_body(request: Request, config) -> bytes:
     return b"".join(chunks)
 
 
-def _check_media(headers) -> None:
+def _check_body_headers(headers) -> None:
     """JSON only, uncompressed (as vLLM's routes take it). A form or text/plain body is what a
     web page may have a browser send cross-origin without asking first: refused here, it never
-    runs a generation on a gateway without API keys."""
+    runs a generation on a gateway without API keys. A body framed both by Transfer-Encoding
+    and Content-Length is the request-smuggling pattern (a proxy in front may have read it the
+    other way): refused, and the connection closed, as RFC 9112 asks."""
+    if "transfer-encoding" in headers and "content-length" in headers:
+        raise APIError(400, "A request may not carry both Transfer-Encoding and Content-Length.",
+                       "invalid_request_error", None, "ambiguous_body_length", close=True)
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise APIError.unsupported_media(
