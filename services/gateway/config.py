@@ -43,6 +43,8 @@ class GatewayConfig:
     # stream ends with an error event). At most 9 (request ids carry "-moveN").
     migration_limit: int = 3
     max_body_bytes: int = 8 << 20
+    # Bodies being received, all requests together: a flood of slow uploads cannot fill memory.
+    max_buffered_body_bytes: int = 256 << 20
     # Edge limits (services/gateway/api/request_limits.py): over one -> 400, before tokenizing.
     max_prompts_per_request: int = 1024  # strings/token lists in a completions `prompt` list
     max_choices_per_request: int = 1024  # prompts x n: the worker requests one request opens
@@ -129,6 +131,8 @@ class GatewayConfig:
                      "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError("--max-buffered-body-bytes must be at least --max-body-bytes")
         for name in ("request_read_timeout_s", "max_connections"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: "
@@ -206,6 +210,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                       "the public port (0: --port + 1, or any free port when --port is 0; "
                       "-1: off)",
         "max_body_bytes": "largest request body (e.g. 8MiB)",
+        "max_buffered_body_bytes": "request bodies being received, all requests together; "
+                                   "one that would go over is refused with 503 (e.g. 256MiB; "
+                                   "at least --max-body-bytes)",
         "migration_limit": "moves of a stream whose decode worker failed or drained after "
                            "tokens were sent; it continues unchanged on another worker (0: off)",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
@@ -290,7 +297,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raw = getattr(args, f.name)
         if raw is None:
             continue
-        if f.name == "max_body_bytes":
+        if f.name in ("max_body_bytes", "max_buffered_body_bytes"):
             values[f.name] = parse_size(raw)
         elif f.type == "tuple[str, ...]":
             values[f.name] = tuple(a.strip() for a in str(raw).split(",") if a.strip())

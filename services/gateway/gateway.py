@@ -72,6 +72,7 @@ class Gateway:
                                          config.registry_interval_s,
                                          secret) if config.redis_url else None
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
+        self.body_bytes_buffered = 0  # request bodies being received (api/http.py)
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,
                                      migration_limit=config.migration_limit)

@@ -218,3 +218,27 @@ def test_a_body_framed_two_ways_is_refused_and_the_connection_closed(body, gatew
         assert status == 400, data[:300]
         assert b"ambiguous_body_length" in data and b"connection: close" in data.lower()
         assert _closed_within(sock, 3) is not None
+
+
+def test_bodies_being_received_together_are_bounded(body, gateway_factory, disagg_workers):
+    prefill, decode = disagg_workers
+    gateway = gateway_factory("--prefill", prefill.address, "--decode", decode.address,
+                              "--max-body-bytes", "64KiB", "--max-buffered-body-bytes", "128KiB")
+    held = [_connect(gateway) for _ in range(2)]
+    try:
+        for sock in held:  # 60 KiB of a 64 KiB body each, the rest never sent
+            sock.send(_head("/v1/completions", 64 << 10) + b"x" * (60 << 10))
+        time.sleep(0.5)
+        third = _connect(gateway)
+        with third:
+            third.send(_head("/v1/completions", 64 << 10) + b"x" * (30 << 10))
+            status, data = _response(third)
+        assert status == 503, data[:300]
+        assert b"retry-after" in data.lower() and b"connection: close" in data.lower()
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.5)  # the held bodies are released with their connections
+    response = httpx.post(f"http://{gateway.address}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 200, response.text

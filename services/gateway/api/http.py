@@ -137,7 +137,7 @@ async def _tokenizer_call(gateway: Gateway, request: Request, run) -> dict:
     """/tokenize and /detokenize: authenticated like the API, the body size-limited and the
     work done off the event loop; no worker is involved."""
     gateway.admission.authenticate(request.headers.get("authorization"))
-    body = await _read_body(request, gateway.config)
+    body = await _read_body(request, gateway)
     return await gateway.off_loop(len(body), run, body, gateway.limits())
 
 
@@ -234,7 +234,7 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         record.authenticated(tenant.name)
         config = gateway.config
         deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
-        body = await deadline.within(_read_body(request, config), "reading the body")
+        body = await deadline.within(_read_body(request, gateway), "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
         req, (specs, format_options) = await deadline.within(gateway.off_loop(
             len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
@@ -363,8 +363,10 @@ async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
     return results
 
 
-async def _read_body(request: Request, config) -> bytes:
-    """The JSON body, at most --max-body-bytes, all in within --request-read-timeout-s."""
+async def _read_body(request: Request, gateway: Gateway) -> bytes:
+    """The JSON body, at most --max-body-bytes, all in within --request-read-timeout-s, and
+    within --max-buffered-body-bytes of every body being received."""
+    config = gateway.config
     _check_body_headers(request.headers)
     limit = config.max_body_bytes
     length = request.headers.get("content-length", "")
@@ -377,11 +379,19 @@ async def _read_body(request: Request, config) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise APIError.too_large(limit)
+                if gateway.body_bytes_buffered + len(chunk) > config.max_buffered_body_bytes:
+                    error = APIError.overloaded("This gateway is receiving too many request "
+                                                "bodies at once; retry.", 1)
+                    error.close = True
+                    raise error
+                gateway.body_bytes_buffered += len(chunk)
                 chunks.append(chunk)
     except TimeoutError:
         raise APIError.body_timeout(config.request_read_timeout_s) from None
     except ClientDisconnect:
         raise ClientDisconnected() from None
+    finally:
+        gateway.body_bytes_buffered -= sum(map(len, chunks))
     return b"".join(chunks)
 
 
