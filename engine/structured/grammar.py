@@ -4,10 +4,11 @@ matcher). Imports no torch."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from functools import lru_cache
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
@@ -30,10 +31,67 @@ class GrammarError(ValueError):
     """The constraint cannot be compiled; the message names the problem."""
 
 
-@lru_cache(maxsize=256)
+# Grammar texts kept for the constraints seen last, in bytes all together: a cache bounded by
+# count alone let one client pin gigabytes in the gateway and every worker with a few hundred
+# distinct multi-megabyte schemas (as vLLM's xgrammar cache did: GHSA-hf3c-wxg2-49q9). A grammar
+# over an eighth of it is compiled each time instead.
+GRAMMAR_CACHE_BYTES = 64 << 20
+
+
+class _GrammarCache:
+    """Least recently used grammar texts, keyed by a digest of their constraint (the key does
+    not hold the constraint's text), at most `capacity` bytes of grammar text."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._texts: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()  # tokenizer threads, mask helper threads, the engine's
+
+    @staticmethod
+    def key(so: StructuredOutput) -> bytes:
+        return hashlib.sha256(repr(so).encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, key: bytes) -> str | None:
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+            return text
+
+    def put(self, key: bytes, text: str) -> None:
+        if len(text) > self.capacity // 8:
+            return
+        with self._lock:
+            if key in self._texts:
+                return
+            self._texts[key] = text
+            self.size += len(text)
+            while self.size > self.capacity:
+                _, dropped = self._texts.popitem(last=False)
+                self.size -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._texts.clear()
+            self.size = 0
+
+
+_cache = _GrammarCache(GRAMMAR_CACHE_BYTES)
+
+
 def grammar_for(so: StructuredOutput) -> str:
-    """llguidance's grammar text for `so` (cached: a StructuredOutput is frozen and hashable).
+    """llguidance's grammar text for `so`, from the cache when it was compiled lately.
     Raises GrammarError for a JSON schema that is not a JSON object."""
+    key = _cache.key(so)
+    text = _cache.get(key)
+    if text is None:
+        text = _compile(so)
+        _cache.put(key, text)
+    return text
+
+
+def _compile(so: StructuredOutput) -> str:
     kind = so.kind
     if kind == "json_schema":
         try:

@@ -130,3 +130,30 @@ def test_closing_objects_leaves_all_of_branches_data_and_open_objects_alone():
     assert props["choice"] == schema["properties"]["choice"]  # data, not schemas
     assert closed["$defs"]["node"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_not_entries(monkeypatch):
+    """Distinct large schemas (one client can send hundreds) must not pin their grammars: the
+    cache holds at most GRAMMAR_CACHE_BYTES of grammar text, keyed by a digest, and a grammar
+    over an eighth of it is not kept at all."""
+    from engine.structured import grammar
+
+    cache = grammar._GrammarCache(1 << 20)
+    monkeypatch.setattr(grammar, "_cache", cache)
+
+    def schema(i: int, padding: int) -> StructuredOutput:
+        return StructuredOutput(json_schema=json.dumps({
+            "type": "object", "properties": {f"k{i}": {"type": "integer",
+                                                       "description": "x" * padding}}}))
+
+    first = grammar_for(schema(0, 1000))
+    assert grammar_for(schema(0, 1000)) is first  # a repeat is served from the cache
+    for i in range(1, 200):
+        grammar_for(schema(i, 20_000))  # ~20 KB of grammar text each
+        assert cache.size <= cache.capacity
+    assert len(cache._texts) < 200
+    big = schema(999, 200_000)  # over an eighth of the cache: compiled each time, not kept
+    size = cache.size
+    grammar_for(big)
+    assert cache.size == size
+    assert grammar._GrammarCache.key(big) not in cache._texts
