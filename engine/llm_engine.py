@@ -44,6 +44,13 @@ class GenerationResult:
 
 
 class LLMEngine:
+    @property
+    def servable_len(self) -> int:
+        """The longest request (prompt + output) it can hold: max_model_len, or less where an
+        explicit --num-kv-blocks pool is smaller (the sized pools refuse to start then). What
+        a worker advertises, so the gateway refuses longer requests up front."""
+        return min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
+
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -177,7 +184,7 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
         # No request may outgrow the whole KV cache: one that did would preempt itself and
         # then wait forever for room, so it ends with "length" there instead.
-        max_len = min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
+        max_len = self.servable_len
         return Request(
             request_id, list(prompt_token_ids), params,
             eos_token_ids=self.model_config.eos_token_ids, priority=priority,

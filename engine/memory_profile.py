@@ -240,6 +240,11 @@ def size_kv_pool(runner, bytes_per_block: int, *, reader: MemoryReader | None = 
     if config.num_kv_blocks:
         # An explicit block count wins, and no step runs: tests and benchmarks start fast.
         num = config.num_kv_blocks
+        held, limit = num * config.block_size, max_model_len(config, runner.model_config)
+        if held < limit:
+            log.warning("--num-kv-blocks %d holds %d tokens, less than max_model_len=%d: requests "
+                        "are limited to %d tokens (prompt and output), and that is the context "
+                        "this worker advertises", num, held, limit, held)
         return MemoryFigures(device.type, weights, -1, num * bytes_per_block, num,
                              bytes_per_block, "num_kv_blocks")
     reader = reader or memory_reader(device)

@@ -35,6 +35,6 @@ def health_response(loop: EngineLoop, worker: WorkerState, kv_endpoint: str) -> 
         stats=convert.stats_to_pb({**loop.stats, **loop.pace.snapshot(time.monotonic())}),
         kv_endpoint=kv_endpoint,
         block_size=engine.config.block_size,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.servable_len,
         worker_id=worker.worker_id,
     )

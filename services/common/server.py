@@ -234,7 +234,7 @@ class Worker:
             worker_id=self.state.worker_id, role=cfg.role,
             address=host_port(cfg.public_host, self.port), kv_endpoint=self.kv_endpoint,
             model=cfg.model_name, block_size=cfg.block_size,
-            max_model_len=self.engine.max_model_len,
+            max_model_len=self.engine.servable_len,
             metrics_address=self.metrics_at if self.metrics_at != "-" else "",
             draining=self.state.draining or not self.engine_loop.ready,
             # startup_s: the autoscaler plans its horizon from it (without --startup-s).

@@ -260,3 +260,17 @@ def test_tensor_parallel_ranks_profile_the_same_step_together(tiny_llama_dir):
         assert engine.generate([[5, 6, 7, 8]], params)[0].token_ids == expected
     finally:
         engine.close()
+
+
+def test_an_explicit_pool_short_of_max_model_len_limits_what_is_advertised(tiny_llama_dir, caplog):
+    """An explicit --num-kv-blocks is not refused (tests and benchmarks size pools small on
+    purpose), but the worker then serves and advertises what the pool holds: the gateway
+    refuses a longer request up front (400) instead of cutting its output with "length"."""
+    with caplog.at_level("WARNING", logger="engine.memory_profile"):
+        engine = LLMEngine(config(tiny_llama_dir, num_kv_blocks=8))
+    held = 8 * engine.config.block_size
+    assert engine.max_model_len > held
+    assert engine.servable_len == held
+    assert any("limited to" in r.getMessage() for r in caplog.records), caplog.text
+    roomy = LLMEngine(config(tiny_llama_dir, num_kv_blocks=256))
+    assert roomy.servable_len == roomy.max_model_len
