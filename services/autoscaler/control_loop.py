@@ -12,12 +12,13 @@ import math
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 
 from services.autoscaler.actuators import Actuator
 from services.autoscaler.demand import DemandSample, WorkerStatsRates
 from services.autoscaler.planner import ROLES, Planner, ScaleDecision
 from services.autoscaler.sources import WorkerSource
+from services.common.metrics import process_registry
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class AutoscalerMetrics:
     """What /metrics shows: desired and ready replicas, forecast demand, capacity, events."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = r = process_registry()
         self.desired = Gauge("splitserve_autoscaler_desired_replicas",
                              "Replicas the planner asks for.", ["role"], registry=r)
         self.ready = Gauge("splitserve_autoscaler_ready_replicas",

@@ -7,7 +7,14 @@ engine thread and once per KV transfer on kv_transfer threads.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.request_timing import (
@@ -32,10 +39,20 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 2
                60.0, 120.0, 300.0, 600.0, 1200.0)
 
 
+def process_registry() -> CollectorRegistry:
+    """A registry holding the series every Prometheus client library exports by default, as
+    vLLM's registry does: the process's (process_resident_memory_bytes, process_cpu_seconds_total,
+    process_open_fds, process_max_fds), the platform's and the garbage collector's."""
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
 class WorkerMetrics:
     def __init__(self, role: str, worker_id: str, *, model: str = "",
                  vllm_metrics: bool = True) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         self.role = role
         self.worker_id = worker_id
         self.model = model

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # Outcome label values: the engine's finish reasons, and "abort" for a request that left
 # without finishing (its caller cancelled, its reader fell behind, its KV never came).
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Where a request's prompt tokens came from, as vLLM labels them: computed here, found in this
+# worker's prefix cache, or brought by a KV transfer (a decode worker's prompts).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # How often requests that left without a final output are looked for.
 PRUNE_INTERVAL_S = 1.0
 
@@ -70,6 +73,8 @@ class RequestFamilies:
     prompt_tokens: object  # Counter child
     generation_tokens: object  # Counter child
     outcomes: dict  # finish reason -> Counter child
+    prompt_sources: dict | None = None  # PROMPT_SOURCES -> Counter child (vLLM's set only)
+    prompt_cached: object = None  # Counter child: local_cache_hit + external_kv_transfer
 
 
 @dataclass
@@ -107,30 +112,41 @@ class RequestTimings:
         try:
             now = time.monotonic()
             prompt_tokens = generation_tokens = 0
+            sources = dict.fromkeys(PROMPT_SOURCES, 0)
             for out in outputs:
                 record = self._open.get(out.request_id)
                 if record is not None:
-                    prompt_tokens += self._observe(out, record, now)
+                    prompt_tokens += self._observe(out, record, now, sources)
                     generation_tokens += len(out.new_token_ids)
             if generation_tokens:  # counters once per batch, not per request
                 for f in self.families:
                     f.prompt_tokens.inc(prompt_tokens)
                     f.generation_tokens.inc(generation_tokens)
+                    if f.prompt_sources is not None and prompt_tokens:
+                        for source, count in sources.items():
+                            f.prompt_sources[source].inc(count)
+                        f.prompt_cached.inc(prompt_tokens - sources["local_compute"])
             if now >= self._next_prune:
                 self._next_prune = now + PRUNE_INTERVAL_S
                 self._prune(live)
         except Exception:
             log.exception("request metrics: a batch of outputs was not recorded")
 
-    def _observe(self, out: RequestOutput, record: _Open, now: float) -> int:
+    def _observe(self, out: RequestOutput, record: _Open, now: float,
+                 sources: dict[str, int]) -> int:
         """Records one output; returns the prompt tokens it brings to the count (on its
-        request's first token)."""
+        request's first token), adding them to `sources` by where they came from."""
         prompt_tokens = 0
         if out.new_token_ids:
             if record.first_token is None:
                 record.first_token = now
                 record.queue_s = self._queue_s(out, record, now)
                 prompt_tokens = out.num_prompt_tokens
+                cached = min(out.num_cached_tokens, prompt_tokens)
+                sources["local_cache_hit"] += cached
+                remote = out.kv_arrived_ns is not None  # its KV came from a prefill worker
+                sources["external_kv_transfer" if remote else "local_compute"] += (
+                    prompt_tokens - cached)
                 for f in self.families:
                     f.ttft.observe(now - record.arrived)
             else:

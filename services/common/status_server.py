@@ -6,19 +6,23 @@ Runs on its own daemon thread; handlers only read thread-safe snapshots."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+log = logging.getLogger(__name__)
+
 
 class StatusServer:
     def __init__(self, host: str, port: int, registry, is_live: Callable[[], bool],
                  is_ready: Callable[[], bool]) -> None:
         handler = _make_handler(registry, is_live, is_ready)
-        server = _IPv6HTTPServer if ":" in host else ThreadingHTTPServer
+        server = _QuietIPv6HTTPServer if ":" in host else _QuietHTTPServer
         self.httpd = server((host, port), handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
@@ -33,7 +37,16 @@ class StatusServer:
         self.httpd.server_close()
 
 
-class _IPv6HTTPServer(ThreadingHTTPServer):
+class _QuietHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # A probe or scrape whose client gave up (its timeout passed while a step held the
+        # GIL) breaks the pipe: not worth the traceback socketserver prints on stderr, which
+        # broke the JSON log stream.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            log.warning("status request from %s failed", client_address[0], exc_info=True)
+
+
+class _QuietIPv6HTTPServer(_QuietHTTPServer):
     address_family = socket.AF_INET6
 
 

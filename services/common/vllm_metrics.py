@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.common.request_timing import FINISH_REASONS, RequestFamilies
+from services.common.request_timing import FINISH_REASONS, PROMPT_SOURCES, RequestFamilies
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"  # one engine per worker process (vLLM numbers its data-parallel engines)
@@ -37,6 +37,11 @@ def register_vllm_metrics(metrics) -> RequestFamilies:
     success = Counter("vllm:request_success",
                       "Requests that left this worker, by finished_reason.",
                       [*LABELS, "finished_reason"], registry=registry)
+    # Disaggregated, a prompt counts on its prefill worker and again on its decode worker (as
+    # in vLLM's P/D); by source, the decode worker's are external_kv_transfer.
+    by_source = Counter("vllm:prompt_tokens_by_source",
+                        "Prompt tokens by source: local_compute, local_cache_hit, "
+                        "external_kv_transfer.", [*LABELS, "source"], registry=registry)
     return RequestFamilies(
         ttft=histogram("vllm:time_to_first_token_seconds",
                        "Arrival at this worker to its first output token.", TTFT_BUCKETS),
@@ -55,7 +60,10 @@ def register_vllm_metrics(metrics) -> RequestFamilies:
                               "Prompt tokens of requests that reached their first token."),
         generation_tokens=counter("vllm:generation_tokens",
                                   "Output tokens sent by this worker."),
-        outcomes={r: success.labels(*values, r) for r in FINISH_REASONS})
+        outcomes={r: success.labels(*values, r) for r in FINISH_REASONS},
+        prompt_sources={s: by_source.labels(*values, s) for s in PROMPT_SOURCES},
+        prompt_cached=counter("vllm:prompt_tokens_cached",
+                              "Prompt tokens not computed here (local + external cache)."))
 
 
 class _VllmStatsCollector:

@@ -10,7 +10,7 @@ tenants file (or is "anonymous"/"unknown"), `reason` from fixed sets, `worker` f
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import E2E_BUCKETS, LATENCY_BUCKETS
 
@@ -56,6 +56,10 @@ class RequestMetrics:
             "Worker engine seconds charged to the tenant's requests, by phase (prefill, "
             "decode, transfer), as the workers reported them in each request's final usage.",
             ["tenant", "phase"], registry=registry)
+        self.open_connections = Gauge(
+            "splitserve_gateway_open_connections",
+            "Client connections open on the API port (--max-connections bounds them).",
+            registry=registry)
         self.connections_closed = Counter(
             "splitserve_gateway_connections_closed",
             "Client connections the gateway closed before a request: over --max-connections "

@@ -68,6 +68,8 @@ async def serve(config: GatewayConfig) -> None:
                                  lambda reason: closed.labels(reason).inc()),
         timeout_keep_alive=config.keep_alive_timeout_s,
     ))
+    gateway.observer.metrics.open_connections.set_function(
+        lambda: len(server.server_state.connections))
     # /metrics, /ready and /openapi.json: their own listener, 127.0.0.1 by default.
     admin = admin_sock = None
     admin_address = ""

@@ -167,3 +167,23 @@ def test_worker_series_carry_the_model_label(served, role) -> None:
             if n.startswith("splitserve_") and not n.startswith("splitserve_worker_startup")]
     assert len({n for n, _ in ours}) > 20
     assert [(n, ls) for n, ls in ours if ls.get("model") != served["model"]] == []
+
+
+def test_prompt_tokens_by_source_tell_computed_from_transferred(served) -> None:
+    """Disaggregated, a prompt counts on both workers (as in vLLM's P/D): by source, the
+    prefill worker's are computed (or its cache's) and the decode worker's came by KV
+    transfer, so `sum by (source)` separates them."""
+    decode, prefill = served["decode"], served["prefill"]
+    total = REQUESTS * PROMPT_LEN
+    computed = value(prefill, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    hits = value(prefill, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    assert computed + hits == total and computed > 0
+    assert value(prefill, "vllm:prompt_tokens_by_source_total",
+                 source="external_kv_transfer") == 0
+    assert value(prefill, "vllm:prompt_tokens_cached_total") == hits
+    transferred = value(decode, "vllm:prompt_tokens_by_source_total",
+                        source="external_kv_transfer")
+    assert transferred + value(decode, "vllm:prompt_tokens_by_source_total",
+                               source="local_cache_hit") == total
+    assert transferred > 0
+    assert value(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0

@@ -7,15 +7,15 @@ the admission objects at scrape time. Tenant labels are bounded by the tenants f
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.common.metrics import TTFT_BUCKETS
+from services.common.metrics import TTFT_BUCKETS, process_registry
 
 
 class AdmissionMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         self.admission = None  # set by Admission; read at scrape time
         self.model = ""  # the served model's name, set by the gateway (label of the latencies)
         self.admitted = Counter(
