@@ -289,7 +289,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
         ticket = await until_disconnected(request.receive, deadline.within(
             gateway.admission.admit(tenant, specs, prompt_tokens), "queued"))
     except ClientDisconnected:
-        log.info("client disconnected while queued; request dropped")
+        log.info("client disconnected while queued; request dropped",
+                 extra={"request_id": record.request_id})
         record.client_gone(499)
         return Response(status_code=499)
     try:
@@ -299,7 +300,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
         choices = await until_disconnected(request.receive,
                                            _collect(gateway, ticket, record, deadline))
     except ClientDisconnected:
-        log.info("client disconnected before the response; request aborted")
+        log.info("client disconnected before the response; request aborted",
+                 extra={"request_id": record.request_id})
         record.client_gone(499)
         return Response(status_code=499)
     finally:
