@@ -6,6 +6,7 @@ small_m_linear_reference is what the C++ kernels are tested against."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,15 @@ SMALL_M_MARGIN = 0.9
 # won by 1.2-2.8x (`python bench/cpu_linear.py --rows 256,384,512,1024 --layouts packed,amx
 # --skip-engine`, December 2).
 PACKED_MAX_ROWS = 383
+# Row counts torch's bfloat16 matmul sees on the CPU are rounded up to a multiple of this. oneDNN
+# and torch's ideep layer keep a primitive, with its scratch, per row count met (LRU, 1,024
+# entries): about 3 MB for each new prompt length on SmolLM2 in bfloat16 (50 new lengths of the
+# same range: +147 MiB; float32 goes through MKL and adds nothing), so a prefill worker grew
+# towards gigabytes as it met every step size. Rounded, a step of up to 2,048 tokens meets at
+# most 128 row counts, and after them every one is a cache hit (a new one costs ~0.4 ms per
+# linear to build); the padded rows cost at most 15 rows of compute.
+# SPLITSERVE_CPU_LINEAR_ROW_BUCKET=1: no rounding (bench/linear_shapes.py's baseline).
+ROW_BUCKET = max(1, int(os.environ.get("SPLITSERVE_CPU_LINEAR_ROW_BUCKET", "16")))
 # Weights the calibration cycles through (the model's own, in order): more than the L2, so
 # the weights stream as they do in a step.
 CALIBRATION_WEIGHT_BYTES = 32 << 20
@@ -64,11 +74,24 @@ def linear(
     either layout) when given and x is [M, K] with M <= PACKED_MAX_ROWS. The caller enables
     both only for CPU bfloat16 weights."""
     if x.dim() == 2:
-        if 0 < x.shape[0] <= small_m_max_rows:
+        rows = x.shape[0]
+        if 0 < rows <= small_m_max_rows:
             return torch.ops.splitserve_cpu.small_m_linear(x, weight, bias)
-        if packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_linear(x, packed, bias, weight.shape[0])
+        if rows % ROW_BUCKET and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            x = bucketed_rows(x)
+        if packed is not None and rows <= PACKED_MAX_ROWS:
+            return packed_linear(x, packed, bias, weight.shape[0])[:rows]
+        return F.linear(x, weight, bias)[:rows]
     return F.linear(x, weight, bias)
+
+
+def bucketed_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with zero rows added up to a multiple of ROW_BUCKET."""
+    rows = x.shape[0]
+    padded = x.new_empty((-(-rows // ROW_BUCKET) * ROW_BUCKET, x.shape[1]))
+    padded[:rows] = x
+    padded[rows:].zero_()
+    return padded
 
 
 @dataclass(frozen=True)

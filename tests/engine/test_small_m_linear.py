@@ -229,3 +229,31 @@ def test_co_located_workers_name_one_measurement_lock(tiny_llama_dir):
     shared = WorkerConfig(role="decode", model=model, num_threads=1, core_share="/tmp/x/cores")
     assert shared.engine_config().start_measurement_lock == "/tmp/x/cores.measure"
     assert WorkerConfig(role="decode", model=model).engine_config().start_measurement_lock == ""
+
+
+def test_bf16_row_counts_reach_torch_rounded_to_the_bucket(monkeypatch):
+    """oneDNN keeps a primitive (with its scratch, ~3 MB on SmolLM2) per row count for the life
+    of the process: torch's bf16 matmul only ever sees row counts rounded up to ROW_BUCKET
+    (zero rows added), and the caller gets its own rows back, equal to F.linear's."""
+    import kernels.linear as linear_module
+
+    seen: list[int] = []
+    real = linear_module.F.linear
+
+    def recording(x, w, b=None):
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(linear_module.F, "linear", recording)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    for rows in (17, 100, 611, 2047, 32):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        out = linear_module.linear(x, weight, None, 0)
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out, real(x, weight), rtol=2e-2, atol=2e-2)
+    assert seen == [32, 112, 624, 2048, 32]
+    # float32 goes through MKL, which keeps no per-shape state: left as it is.
+    seen.clear()
+    linear_module.linear(torch.randn(17, 64), weight.float(), None, 0)
+    assert seen == [17]
