@@ -82,6 +82,9 @@ def main() -> int:
     results: dict[str, list[dict]] = {name: [] for name in sides}
     print(f"prompt lengths {args.first}..{args.last - 1} (A even, B odd), {args.threads} threads, "
           f"{args.rounds} rounds alternating", flush=True)
+    print("settings: the shipped engine defaults but a fixed KV pool of 1,024 blocks (the same on "
+          "both sides, no start-up profile); the baseline changes SPLITSERVE_CPU_LINEAR_ROW_BUCKET "
+          "to 1 (no rounding)", flush=True)
     for round_ in range(args.rounds):
         for name, bucket in sides.items():
             r = _side(bucket, args)
