@@ -83,7 +83,7 @@ fuzz: install model ## fuzz the gateway's edge, the KV receiver and the worker R
 run: install model ## start gateway + prefill + decode locally with the default model
 	$(VENV)/bin/splitserve up
 
-bench: install model ## quick serving comparison vs transformers serve (tiny model, ~3 min)
+bench: install model ## quick serving comparison vs transformers serve (tiny model, ~1.5 min)
 	$(PY) -m bench.compare --quick
 
 bench-engine: install model ## quick offline engine benchmark: splitserve vs vLLM (if `make peers` ran) and transformers, SmolLM2
