@@ -22,6 +22,7 @@ from services.gateway.admission.admission import Ticket
 from services.gateway.admission.config import make_admission
 from services.gateway.api.deadline import RequestDeadline
 from services.gateway.api.preprocess import ModelLimits, Preprocessor
+from services.gateway.api.request_body import BodiesInFlight
 from services.gateway.api.request_limits import RequestLimits
 from services.gateway.api.text_stream import TextDelta, stream_text
 from services.gateway.api.tokenizer import ModelTokenizer
@@ -72,7 +73,7 @@ class Gateway:
                                          config.registry_interval_s,
                                          secret) if config.redis_url else None
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
-        self.body_bytes_buffered = 0  # request bodies being received (api/http.py)
+        self.bodies = BodiesInFlight()  # request bodies being received (api/request_body.py)
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,
                                      migration_limit=config.migration_limit)

@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 
 from engine.outputs import ComputeSeconds
 from services.common import tracing
@@ -30,6 +29,7 @@ from services.gateway.api.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from services.gateway.api.request_body import read_body
 from services.gateway.api.request_ids import gateway_request_id, worker_request_id
 from services.gateway.api.responses import (
     ChatFormat,
@@ -137,7 +137,7 @@ async def _tokenizer_call(gateway: Gateway, request: Request, run) -> dict:
     """/tokenize and /detokenize: authenticated like the API, the body size-limited and the
     work done off the event loop; no worker is involved."""
     gateway.admission.authenticate(request.headers.get("authorization"))
-    body = await _read_body(request, gateway)
+    body = await read_body(request, gateway.config, gateway.bodies)
     return await gateway.off_loop(len(body), run, body, gateway.limits())
 
 
@@ -234,7 +234,8 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         record.authenticated(tenant.name)
         config = gateway.config
         deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
-        body = await deadline.within(_read_body(request, gateway), "reading the body")
+        body = await deadline.within(read_body(request, config, gateway.bodies),
+                                     "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
         req, (specs, format_options) = await deadline.within(gateway.off_loop(
             len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
@@ -363,58 +364,6 @@ async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
     return results
-
-
-async def _read_body(request: Request, gateway: Gateway) -> bytes:
-    """The JSON body, at most --max-body-bytes, all in within --request-read-timeout-s, and
-    within --max-buffered-body-bytes of every body being received."""
-    config = gateway.config
-    _check_body_headers(request.headers)
-    limit = config.max_body_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise APIError.too_large(limit)
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(config.request_read_timeout_s or None):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError.too_large(limit)
-                if gateway.body_bytes_buffered + len(chunk) > config.max_buffered_body_bytes:
-                    error = APIError.overloaded("This gateway is receiving too many request "
-                                                "bodies at once; retry.", 1)
-                    error.close = True
-                    raise error
-                gateway.body_bytes_buffered += len(chunk)
-                chunks.append(chunk)
-    except TimeoutError:
-        raise APIError.body_timeout(config.request_read_timeout_s) from None
-    except ClientDisconnect:
-        raise ClientDisconnected() from None
-    finally:
-        gateway.body_bytes_buffered -= sum(map(len, chunks))
-    return b"".join(chunks)
-
-
-def _check_body_headers(headers) -> None:
-    """JSON only, uncompressed (as vLLM's routes take it). A form or text/plain body is what a
-    web page may have a browser send cross-origin without asking first: refused here, it never
-    runs a generation on a gateway without API keys. A body framed both by Transfer-Encoding
-    and Content-Length is the request-smuggling pattern (a proxy in front may have read it the
-    other way): refused, and the connection closed, as RFC 9112 asks."""
-    if "transfer-encoding" in headers and "content-length" in headers:
-        raise APIError(400, "A request may not carry both Transfer-Encoding and Content-Length.",
-                       "invalid_request_error", None, "ambiguous_body_length", close=True)
-    encoding = headers.get("content-encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
-        raise APIError.unsupported_media(
-            f"Content-Encoding {encoding!r} is not supported: send the body uncompressed.")
-    media = headers.get("content-type", "").split(";")[0].strip().lower()
-    if media and media != "application/json" and not media.endswith("+json"):
-        raise APIError.unsupported_media(
-            f"Content-Type must be application/json, got {media!r} (with curl: "
-            "-H 'Content-Type: application/json').")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
