@@ -44,13 +44,6 @@ class GenerationResult:
 
 
 class LLMEngine:
-    @property
-    def servable_len(self) -> int:
-        """The longest request (prompt + output) it can hold: max_model_len, or less where an
-        explicit --num-kv-blocks pool is smaller (the sized pools refuse to start then). What
-        a worker advertises, so the gateway refuses longer requests up front."""
-        return min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
-
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -138,6 +131,13 @@ class LLMEngine:
         return self.kv_prefault.advance(self.kv.pool.high_water)
 
     # -- admission -----------------------------------------------------------------------
+
+    @property
+    def servable_len(self) -> int:
+        """The longest request (prompt + output) it can hold: max_model_len, or less where an
+        explicit --num-kv-blocks pool is smaller (the sized pools refuse to start then). What
+        a worker advertises, so the gateway refuses longer requests up front."""
+        return min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
 
     def validate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  resumed_output_token_ids: Sequence[int] = ()) -> None:

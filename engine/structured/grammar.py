@@ -71,11 +71,6 @@ class _GrammarCache:
                 _, dropped = self._texts.popitem(last=False)
                 self.size -= len(dropped)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._texts.clear()
-            self.size = 0
-
 
 _cache = _GrammarCache(GRAMMAR_CACHE_BYTES)
 

@@ -3,9 +3,16 @@ like fd00::12): a literal with a colon is written in brackets, as gRPC and URLs 
 
 from __future__ import annotations
 
+import socket
+
 
 def host_port(host: str, port: int | str) -> str:
     """`host:port`, with an IPv6 literal bracketed (`[fd00::12]:50051`)."""
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    """The socket family that binds `host`: IPv6 for a literal with a colon (`::`, `::1`)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from services.common.addresses import host_port
+from services.common.addresses import address_family, host_port
 
 if TYPE_CHECKING:
     from services.common.worker_config import WorkerConfig
@@ -39,8 +39,7 @@ class OpenAIEndpoint:
     with the worker even on SIGKILL (it exits when its stdin, a pipe from here, closes)."""
 
     def __init__(self, host: str, port: int) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock = socket.socket(address_family(host), socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))

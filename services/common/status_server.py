@@ -15,6 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common.addresses import address_family
+
 log = logging.getLogger(__name__)
 
 
@@ -22,7 +24,7 @@ class StatusServer:
     def __init__(self, host: str, port: int, registry, is_live: Callable[[], bool],
                  is_ready: Callable[[], bool]) -> None:
         handler = _make_handler(registry, is_live, is_ready)
-        server = _QuietIPv6HTTPServer if ":" in host else _QuietHTTPServer
+        server = _QuietIPv6HTTPServer if address_family(host) == socket.AF_INET6 else _QuietHTTPServer
         self.httpd = server((host, port), handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]

@@ -17,7 +17,10 @@ class APIError(Exception):
     code: str | None = None
     retry_after_s: int | None = None
     rejected_by: str | None = None  # admission's reason when it refused the request (a metric label)
-    close: bool = False  # close the connection after the response (408, 413, 415 always do)
+    # Close the connection after the response: refused before or while the body was read,
+    # closing spares reading and dropping the rest (and a client that sent `Expect:
+    # 100-continue` from waiting to send it).
+    close: bool = False
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -28,9 +31,7 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
-        if self.close or self.status in _CLOSING:
-            # The body was not (all) read: closing spares reading and dropping the rest, and a
-            # client that sent `Expect: 100-continue` from waiting to send it.
+        if self.close:
             headers["Connection"] = "close"
         return headers
 
@@ -61,16 +62,17 @@ class APIError(Exception):
     @classmethod
     def too_large(cls, limit: int) -> APIError:
         return cls(413, f"The request body is larger than this gateway's limit of {limit} bytes.",
-                   "invalid_request_error", None, "request_too_large")
+                   "invalid_request_error", None, "request_too_large", close=True)
 
     @classmethod
     def body_timeout(cls, seconds: float) -> APIError:
         return cls(408, f"The request body did not arrive within {seconds:g} s.",
-                   "invalid_request_error", None, "request_body_timeout")
+                   "invalid_request_error", None, "request_body_timeout", close=True)
 
     @classmethod
     def unsupported_media(cls, message: str) -> APIError:
-        return cls(415, message, "invalid_request_error", None, "unsupported_media_type")
+        return cls(415, message, "invalid_request_error", None, "unsupported_media_type",
+                   close=True)
 
     @classmethod
     def rate_limited(cls, message: str, retry_after_s: int = 1) -> APIError:
@@ -91,7 +93,6 @@ class APIError(Exception):
         return cls(500, message, "server_error", None, "internal_error")
 
 
-_CLOSING = (408, 413, 415)  # refused before or while the body was read
 _GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,

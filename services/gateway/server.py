@@ -12,7 +12,7 @@ import socket
 import grpc
 import uvicorn
 
-from services.common.addresses import host_port
+from services.common.addresses import address_family, host_port
 from services.common.logs import setup_logging
 from services.common.security import add_port
 from services.common.tracing import setup_tracing, shutdown_tracing
@@ -38,11 +38,10 @@ class _Server(uvicorn.Server):
 
 
 def _listen(host: str, port: int, send_buffer: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, inherited by accepted sockets, is what makes asyncio set TCP_NODELAY
     # on them; with proto 0 a response's header and body writes meet Nagle and the client's
     # delayed ACK (+40 ms per non-streamed response).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(address_family(host), socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if send_buffer:
         # Accepted connections inherit it: a small buffer makes slow clients visible sooner.
@@ -112,8 +111,8 @@ async def serve(config: GatewayConfig) -> None:
         await asyncio.sleep(0.02)
     if server.started:
         mode = "disaggregated" if config.disaggregated else "aggregated"
-        log.info("gateway serving %s (%s) on http://%s:%d%s", gateway.model_name, mode,
-                 config.host, http_port, f" grpc={grpc_address}" if grpc_address else "")
+        log.info("gateway serving %s (%s) on http://%s%s", gateway.model_name, mode,
+                 host_port(config.host, http_port), f" grpc={grpc_address}" if grpc_address else "")
         log.info("admin (/metrics, /ready): %s", f"http://{admin_address}" if admin else "off")
         log.info("client connections: at most %d open (open-file limit %d), headers and body "
                  "each within %s, kept alive %g s idle", max_connections, open_files,

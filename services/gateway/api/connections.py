@@ -4,7 +4,8 @@ server needs and uvicorn lacks.
 - A request's headers must arrive within `read_timeout_s` of the connection opening (or of
   the first byte of the next request on a kept-alive connection), however they trickle in: a
   client that connects and sends nothing, or a byte now and then, is closed instead of
-  holding a file descriptor for ever (slowloris). The body has its own bound, in api/http.py.
+  holding a file descriptor for ever (slowloris). The body has its own bound
+  (api/request_body.py).
 - At most `max_connections` open at once: one more is closed as soon as it is accepted, so
   descriptors never run out under a flood of idle connections (the listener would fail every
   accept, real clients included, and log each failure).
@@ -38,7 +39,8 @@ def raise_open_file_limit() -> int:
 
 
 def default_max_connections(open_file_limit: int) -> int:
-    """What --max-connections 0 means: the open-file limit less a reserve (at least 64)."""
+    """What --max-connections 0 means: the open-file limit less a reserve of a tenth of it
+    (at least RESERVED_DESCRIPTORS); never under 64."""
     return max(64, open_file_limit - max(RESERVED_DESCRIPTORS, open_file_limit // 10))
 
 

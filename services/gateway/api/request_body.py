@@ -5,6 +5,7 @@ of every body this gateway is receiving at the time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -35,9 +36,9 @@ async def read_body(request: Request, config, bodies: BodiesInFlight) -> bytes:
                 if size > limit:
                     raise APIError.too_large(limit)
                 if bodies.bytes + len(chunk) > config.max_buffered_body_bytes:
-                    raise APIError(503, "This gateway is receiving too many request bodies at "
-                                   "once; retry.", "server_error", None, "overloaded", 1,
-                                   close=True)
+                    raise dataclasses.replace(APIError.overloaded(
+                        "This gateway is receiving too many request bodies at once; retry."),
+                        close=True)
                 bodies.bytes += len(chunk)
                 chunks.append(chunk)
     except TimeoutError:
@@ -56,8 +57,9 @@ def check_body_headers(headers) -> None:
     and Content-Length is the request-smuggling pattern (a proxy in front may have read it the
     other way): refused, and the connection closed, as RFC 9112 asks."""
     if "transfer-encoding" in headers and "content-length" in headers:
-        raise APIError(400, "A request may not carry both Transfer-Encoding and Content-Length.",
-                       "invalid_request_error", None, "ambiguous_body_length", close=True)
+        raise dataclasses.replace(APIError.invalid(
+            "A request may not carry both Transfer-Encoding and Content-Length.",
+            code="ambiguous_body_length"), close=True)
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise APIError.unsupported_media(
