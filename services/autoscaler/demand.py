@@ -22,7 +22,7 @@ class DemandSample:
     prompt_tokens_per_s: float  # prompt tokens arriving for prefill (computed + queue growth)
     output_tokens_per_s: float  # output tokens the decode pool produces
     queued_prefill_tokens: float = 0.0  # prompt tokens waiting in prefill queues
-    decode_sequences: float = 0.0  # running + waiting (for KV or for a slot) on decode
+    decode_sequences: float = 0.0  # running + waiting (for KV, for blocks or a slot) on decode
     decode_waiting_for_kv: float = 0.0  # of those, reserved and still being prefilled
     kv_blocks_used: float = 0.0
     kv_blocks_total: float = 0.0
@@ -84,7 +84,8 @@ class WorkerStatsRates:
                 queued += waiting
             else:
                 output_rate += current.output_rate
-                sequences += sum(float(stats.get(k, 0)) for k in ("running", "waiting", "waiting_for_kv"))
+                sequences += sum(float(stats.get(k, 0)) for k in (
+                    "running", "waiting", "waiting_for_kv", "reservations_waiting"))
                 awaiting_kv += float(stats.get("waiting_for_kv", 0))
                 free = float(stats.get("kv_blocks_free", 0))
                 total += float(stats.get("kv_blocks_total", 0))

@@ -22,6 +22,7 @@ PROMETHEUS_STATS = {
     "splitserve_worker_running_requests": "running",
     "splitserve_worker_waiting_requests": "waiting",
     "splitserve_worker_waiting_for_kv_requests": "waiting_for_kv",
+    "splitserve_worker_waiting_for_blocks_requests": "reservations_waiting",
     "splitserve_kv_blocks_total": "kv_blocks_total",
     "splitserve_kv_blocks_used": "kv_blocks_used",
     "splitserve_worker_queued_prefill_tokens": "queued_prefill_tokens",

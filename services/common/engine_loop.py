@@ -54,7 +54,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Refreshed by the engine thread after every step; a plain dict swapped atomically.
         self.pace = TokenPace()  # the streams' time per token, for the gateway's admission
-        self.stats: dict[str, float] = {**engine.stats(), **self.pace.snapshot(time.monotonic())}
+        # Remote-KV reservations waiting for free blocks (services/decode/kv_room.py, which
+        # sets it from the event loop); reported with the stats.
+        self.reservations_waiting = 0
+        self.stats: dict[str, float] = self._stats()
         self.step_seconds = 0.0
         self.healthy = True
         # (monotonic start, "step" | "command") of the engine thread's current work, or None;
@@ -251,6 +254,10 @@ class EngineLoop:
                 log.warning("reservation of %.80s unclaimed after %.1fs; freeing it", rid, ttl)
                 self.engine.abort(rid)
 
+    def _stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self.pace.snapshot(time.monotonic()),
+                "reservations_waiting": self.reservations_waiting}
+
     def _busy_since(self) -> float | None:
         busy = self._busy
         return None if busy is None else busy[0]
@@ -335,7 +342,7 @@ class EngineLoop:
                             self.on_step(self.step_seconds, *engine.last_step_size)
                 if engine.scheduler.waiting_for_kv:
                     self._expire_reservations(time.monotonic())
-                self.stats = {**engine.stats(), **self.pace.snapshot(time.monotonic())}
+                self.stats = self._stats()
                 if self.on_outputs is not None:  # request metrics see who left without output
                     self.on_outputs([], self._streams)
                 if not scheduled:

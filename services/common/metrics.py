@@ -149,6 +149,9 @@ class _StatsCollector:
                 "splitserve_worker_waiting_requests": ("waiting", "Requests queued for prefill."),
                 "splitserve_worker_waiting_for_kv_requests":
                     ("waiting_for_kv", "Requests with reserved blocks awaiting remote KV."),
+                "splitserve_worker_waiting_for_blocks_requests":
+                    ("reservations_waiting", "Remote-KV requests waiting for free KV blocks "
+                     "to reserve."),
                 "splitserve_kv_blocks_total": ("kv_blocks_total", "KV cache blocks."),
                 "splitserve_worker_queued_prefill_tokens":
                     ("queued_prefill_tokens", "Prompt tokens waiting to be computed."),

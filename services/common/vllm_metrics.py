@@ -93,10 +93,12 @@ class _VllmStatsCollector:
             return family
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats["running"])
-        # vLLM's waiting queue holds the requests waiting for remote KV as well.
-        yield gauge("vllm:num_requests_waiting", "Requests queued for prefill or waiting for "
-                    "their KV from a prefill worker.",
-                    stats["waiting"] + stats["waiting_for_kv"])
+        # vLLM's waiting queue holds the requests waiting for remote KV (and for blocks to
+        # receive it in) as well.
+        yield gauge("vllm:num_requests_waiting", "Requests queued for prefill, for free KV "
+                    "blocks, or for their KV from a prefill worker.",
+                    stats["waiting"] + stats["waiting_for_kv"]
+                    + stats.get("reservations_waiting", 0))
         total = stats["kv_blocks_total"]
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
                     (total - stats["kv_blocks_free"]) / max(total, 1))

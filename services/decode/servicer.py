@@ -17,6 +17,7 @@ from opentelemetry.trace import SpanKind, Status
 from opentelemetry.trace import StatusCode as SpanStatus
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+from engine.kv_cache_manager import cdiv
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.remote_prefill import KVCacheFull
@@ -25,6 +26,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.health import WorkerState, health_response
 from services.common.malformed import refuse_malformed
 from services.decode.kv_keys import RemoteKVKeys
+from services.decode.kv_room import KVRoom
 
 log = logging.getLogger(__name__)
 # The status detail of a stream the drain hands off; the gateway migrates such a stream.
@@ -44,6 +46,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv_wait_timeout_s = kv_wait_timeout_s
         # Shared with the worker's KV receiver callbacks, which map transfer keys back.
         self.kv_keys = kv_keys if kv_keys is not None else RemoteKVKeys()
+        # A reservation the cache cannot hold now waits for room, up to as long as its KV may
+        # take to come.
+        self.kv_room = KVRoom(engine_loop, kv_wait_timeout_s)
         self._streams: dict[str, object] = {}  # open Generate streams (event loop only)
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
@@ -110,8 +115,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return None
 
         try:
-            stream, reservation = await self.engine_loop.open(rid, start)
+            if remote:
+                stream, reservation = await self.kv_room.open(
+                    rid, start, cdiv(len(prompt), self.engine_loop.engine.config.block_size),
+                    give_up=lambda: self.worker.draining)
+            else:
+                stream, reservation = await self.engine_loop.open(rid, start)
         except KVCacheFull as exc:
+            if self.worker.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

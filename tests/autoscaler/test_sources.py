@@ -15,7 +15,8 @@ from services.common.registry import WORKER_KEY, WorkerInfo
 
 STATS = {"running": 3, "waiting": 1, "waiting_for_kv": 2, "kv_blocks_total": 500,
          "kv_blocks_free": 420, "queued_prefill_tokens": 96, "prefix_queries": 10,
-         "prefix_hits": 0, "preemptions": 0, "steps": 77, "computed_tokens": 12345}
+         "prefix_hits": 0, "preemptions": 0, "steps": 77, "computed_tokens": 12345,
+         "reservations_waiting": 4}
 
 
 def test_prometheus_text_maps_to_registry_stats():
@@ -23,7 +24,7 @@ def test_prometheus_text_maps_to_registry_stats():
     metrics.engine_loop = SimpleNamespace(stats=STATS, healthy=True, stalled=False, core_share=None)
     parsed = parse_worker_metrics(generate_latest(metrics.registry).decode())
     for key in ("running", "waiting", "waiting_for_kv", "kv_blocks_total", "kv_blocks_free",
-                "queued_prefill_tokens", "steps", "computed_tokens"):
+                "queued_prefill_tokens", "steps", "computed_tokens", "reservations_waiting"):
         assert parsed[key] == STATS[key], key
 
 

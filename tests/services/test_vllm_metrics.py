@@ -113,10 +113,12 @@ def test_vllm_families_carry_model_name_and_equal_ours(served, role) -> None:
     # Every vLLM sample is labelled with the served model.
     vllm_samples = [(n, ls) for n, ls, _ in found if n.startswith("vllm:")]
     assert vllm_samples and all(ls.get("model_name") == model for _, ls in vllm_samples)
-    # waiting includes the requests waiting for remote KV, as vLLM's waiting queue does.
+    # waiting includes the requests waiting for remote KV, and for blocks to take it in, as
+    # vLLM's waiting queue does.
     assert value(found, "vllm:num_requests_waiting", **vllm) == (
         value(found, "splitserve_worker_waiting_requests", **ours)
-        + value(found, "splitserve_worker_waiting_for_kv_requests", **ours))
+        + value(found, "splitserve_worker_waiting_for_kv_requests", **ours)
+        + value(found, "splitserve_worker_waiting_for_blocks_requests", **ours))
 
 
 def test_request_counts_follow_what_each_role_served(served) -> None:
