@@ -51,7 +51,7 @@ def process_registry() -> CollectorRegistry:
 
 class WorkerMetrics:
     def __init__(self, role: str, worker_id: str, *, model: str = "",
-                 vllm_metrics: bool = True) -> None:
+                 vllm_metrics: bool = True, max_model_len: int = 32768) -> None:
         self.registry = process_registry()
         self.role = role
         self.worker_id = worker_id
@@ -75,7 +75,7 @@ class WorkerMetrics:
         self.registry.register(_StatsCollector(self))
         families = [self._request_families()]
         if vllm_metrics:
-            families.append(register_vllm_metrics(self))
+            families.append(register_vllm_metrics(self, max_model_len))
         self.requests = RequestTimings(families)
 
     def _request_families(self) -> RequestFamilies:
@@ -127,6 +127,9 @@ class WorkerMetrics:
         self.step_seconds.observe(seconds)
         self.batch_size.observe(num_requests)
         self.batched_tokens.observe(num_tokens)
+        for families in self.requests.families:
+            if families.step_tokens is not None:
+                families.step_tokens.observe(num_tokens)
 
 
 class _StatsCollector:

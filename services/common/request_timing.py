@@ -1,7 +1,8 @@
 """Per-request latencies and counts of a worker (time to first token, inter-token gaps,
 end-to-end time, queue time, prompt and generated tokens, outcomes), measured once per request
 as its outputs leave the engine and written into every family set that asks for them (ours and
-the vLLM-named ones), so the sets hold the same observations.
+the vLLM-named ones), so the sets hold the same observations. vLLM's set also breaks each
+finished request into its phases and sizes (PhaseFamilies), which ours does not repeat.
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ class TokenGapHistogram:
 
 
 @dataclass(frozen=True)
+class PhaseFamilies:
+    """vLLM's breakdown of a finished request, as its v1 engine observes it: the phases from
+    the first scheduled step (queue time ends there), and its sizes. Histogram children."""
+
+    prefill: object  # first scheduled -> first output token
+    decode: object  # first -> last output token
+    inference: object  # first scheduled -> last output token
+    time_per_output_token: object  # decode / (tokens generated here - 1); 0 for one token
+    prompt_tokens: object  # the request's prompt length
+    generation_tokens: object  # the tokens this worker generated for it
+    computed_prompt_tokens: object  # its prompt tokens computed here (neither cached nor sent)
+
+
+@dataclass(frozen=True)
 class RequestFamilies:
     """Label-bound prometheus_client children of one naming convention."""
 
@@ -75,6 +90,8 @@ class RequestFamilies:
     outcomes: dict  # finish reason -> Counter child
     prompt_sources: dict | None = None  # PROMPT_SOURCES -> Counter child (vLLM's set only)
     prompt_cached: object = None  # Counter child: local_cache_hit + external_kv_transfer
+    phases: PhaseFamilies | None = None  # (vLLM's set only)
+    step_tokens: object = None  # Histogram child: tokens per engine step (vLLM's set only)
 
 
 @dataclass
@@ -84,6 +101,9 @@ class _Open:
     first_token: float | None = None
     last_token: float | None = None
     queue_s: float | None = None
+    generated: int = 0  # output tokens this worker produced
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
 
 
 class RequestTimings:
@@ -147,6 +167,8 @@ class RequestTimings:
                 remote = out.kv_arrived_ns is not None  # its KV came from a prefill worker
                 sources["external_kv_transfer" if remote else "local_compute"] += (
                     prompt_tokens - cached)
+                record.prompt_tokens = prompt_tokens
+                record.computed_prompt_tokens = 0 if remote else prompt_tokens - cached
                 for f in self.families:
                     f.ttft.observe(now - record.arrived)
             else:
@@ -154,6 +176,7 @@ class RequestTimings:
                 for f in self.families:
                     f.token_gaps.observe(gap)
             record.last_token = now
+            record.generated += len(out.new_token_ids)
         if out.finished:
             del self._open[out.request_id]
             reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "error"
@@ -165,6 +188,8 @@ class RequestTimings:
                     f.e2e.observe(now - record.arrived)
                     queue_s = record.queue_s if record.queue_s is not None else now - record.arrived
                     f.queue.observe(queue_s)
+                    if f.phases is not None:
+                        _observe_phases(f.phases, record, queue_s, now, out.num_prompt_tokens)
         return prompt_tokens
 
     @staticmethod
@@ -183,3 +208,19 @@ class RequestTimings:
             del self._open[rid]
             for f in self.families:
                 f.outcomes["abort"].inc()
+
+
+def _observe_phases(phases: PhaseFamilies, record: _Open, queue_s: float, now: float,
+                    num_prompt_tokens: int) -> None:
+    scheduled = record.arrived + queue_s
+    first = record.first_token if record.first_token is not None else now
+    last = record.last_token if record.last_token is not None else now
+    decode_s = last - first
+    phases.prefill.observe(max(first - scheduled, 0.0))
+    phases.decode.observe(decode_s)
+    phases.inference.observe(max(last - scheduled, 0.0))
+    phases.time_per_output_token.observe(
+        decode_s / (record.generated - 1) if record.generated > 1 else 0.0)
+    phases.prompt_tokens.observe(record.prompt_tokens or num_prompt_tokens)
+    phases.generation_tokens.observe(record.generated)
+    phases.computed_prompt_tokens.observe(record.computed_prompt_tokens)

@@ -91,7 +91,8 @@ class Worker:
         self.decode_servicer = None  # decode and both roles: drain hands its streams off
         self.port = config.port
         self.metrics = WorkerMetrics(config.role, self.state.worker_id, model=config.model_name,
-                                     vllm_metrics=config.vllm_metrics)
+                                     vllm_metrics=config.vllm_metrics,
+                                     max_model_len=self.engine.servable_len)
         self.metrics.attach(self.engine_loop)
         self.metrics.registry.register(MemoryCollector(self.engine.runner.memory,
                                                        config.model_name, config.role))

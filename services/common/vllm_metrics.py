@@ -9,7 +9,12 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.common.request_timing import FINISH_REASONS, PROMPT_SOURCES, RequestFamilies
+from services.common.request_timing import (
+    FINISH_REASONS,
+    PROMPT_SOURCES,
+    PhaseFamilies,
+    RequestFamilies,
+)
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"  # one engine per worker process (vLLM numbers its data-parallel engines)
@@ -20,11 +25,24 @@ TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens per engine step: powers of two to a large step budget.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def register_vllm_metrics(metrics) -> RequestFamilies:
+def request_token_buckets(max_model_len: int) -> list[int]:
+    """Tokens of a request: 1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's series)."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return bounds or [1]
+            bounds.append(step * scale)
+        scale *= 10
+
+
+def register_vllm_metrics(metrics, max_model_len: int) -> RequestFamilies:
     """Register the vLLM-named families on `metrics.registry` (a WorkerMetrics) and return the
-    request families for its RequestTimings to feed."""
+    request families for its RequestTimings to feed (and the per-step histogram)."""
     registry, values = metrics.registry, (metrics.model, ENGINE_INDEX)
     registry.register(_VllmStatsCollector(metrics))
 
@@ -63,7 +81,37 @@ def register_vllm_metrics(metrics) -> RequestFamilies:
         outcomes={r: success.labels(*values, r) for r in FINISH_REASONS},
         prompt_sources={s: by_source.labels(*values, s) for s in PROMPT_SOURCES},
         prompt_cached=counter("vllm:prompt_tokens_cached",
-                              "Prompt tokens not computed here (local + external cache)."))
+                              "Prompt tokens not computed here (local + external cache)."),
+        phases=_phase_families(histogram, request_token_buckets(max_model_len)),
+        step_tokens=histogram("vllm:iteration_tokens_total",
+                              "Tokens run through the model in one engine step.",
+                              STEP_TOKEN_BUCKETS))
+
+
+def _phase_families(histogram, token_buckets) -> PhaseFamilies:
+    return PhaseFamilies(
+        prefill=histogram("vllm:request_prefill_time_seconds",
+                          "First scheduled step to the first output token of a finished "
+                          "request.", REQUEST_LATENCY_BUCKETS),
+        decode=histogram("vllm:request_decode_time_seconds",
+                         "First to last output token of a finished request.",
+                         REQUEST_LATENCY_BUCKETS),
+        inference=histogram("vllm:request_inference_time_seconds",
+                            "First scheduled step to the last output token of a finished "
+                            "request.", REQUEST_LATENCY_BUCKETS),
+        time_per_output_token=histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A finished request's decode time over its output tokens after the first made "
+            "here (0 for one token).", TOKEN_GAP_BUCKETS),
+        prompt_tokens=histogram("vllm:request_prompt_tokens",
+                                "Prompt tokens of a finished request.", token_buckets),
+        generation_tokens=histogram("vllm:request_generation_tokens",
+                                    "Output tokens this worker generated for a finished "
+                                    "request.", token_buckets),
+        computed_prompt_tokens=histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens of a finished request computed here (not cached, not received).",
+            token_buckets))
 
 
 class _VllmStatsCollector:

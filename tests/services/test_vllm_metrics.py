@@ -25,6 +25,7 @@ HISTOGRAMS = [
     ("vllm:time_per_output_token_seconds", "splitserve_worker_itl_seconds"),
     ("vllm:e2e_request_latency_seconds", "splitserve_worker_e2e_latency_seconds"),
     ("vllm:request_queue_time_seconds", "splitserve_worker_queue_time_seconds"),
+    ("vllm:iteration_tokens_total", "splitserve_worker_batched_tokens"),
 ]
 COUNTERS = [
     ("vllm:prompt_tokens_total", "splitserve_worker_prompt_tokens_total"),
@@ -189,3 +190,39 @@ def test_prompt_tokens_by_source_tell_computed_from_transferred(served) -> None:
                                source="local_cache_hit") == total
     assert transferred > 0
     assert value(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_per_request_phases_add_up_to_what_the_request_took(served, role) -> None:
+    """vLLM's breakdown of each finished request: queue time then inference (prefill, then
+    decode) make up its end-to-end time, and its sizes match the token counters."""
+    found = served[role]
+
+    def total(name: str) -> float:
+        return value(found, name + "_sum")
+
+    for name in ("prefill_time_seconds", "decode_time_seconds", "inference_time_seconds",
+                 "time_per_output_token_seconds", "prompt_tokens", "generation_tokens",
+                 "prefill_kv_computed_tokens"):
+        assert value(found, f"vllm:request_{name}_count") == REQUESTS, name
+    assert total("vllm:request_prefill_time_seconds") + total(
+        "vllm:request_decode_time_seconds") == pytest.approx(
+        total("vllm:request_inference_time_seconds"))
+    assert total("vllm:request_queue_time_seconds") + total(
+        "vllm:request_inference_time_seconds") == pytest.approx(
+        total("vllm:e2e_request_latency_seconds"))
+    assert total("vllm:request_prompt_tokens") == REQUESTS * PROMPT_LEN
+    assert total("vllm:request_generation_tokens") == value(found, "vllm:generation_tokens_total")
+    computed = value(found, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert total("vllm:request_prefill_kv_computed_tokens") == computed
+    if role == "decode":  # every prompt's KV came from the prefill worker
+        assert computed == 0
+        # Each request generated MAX_TOKENS - 1 tokens here: decode time over the gaps.
+        assert total("vllm:request_time_per_output_token_seconds") * (
+            MAX_TOKENS - 2) == pytest.approx(total("vllm:request_decode_time_seconds"))
+    else:  # one token each: no decode, and a time per output token of 0
+        assert total("vllm:request_decode_time_seconds") == 0
+        assert total("vllm:request_time_per_output_token_seconds") == 0
+    # Token counts are bucketed 1, 2, 5, 10, ... up to the context length.
+    bounds = sorted(float(ls["le"]) for n, ls, _ in found if n == "vllm:request_prompt_tokens_bucket")
+    assert bounds[:4] == [1.0, 2.0, 5.0, 10.0] and bounds[-1] == float("inf")
