@@ -54,6 +54,8 @@ def test_latency_panels_show_p50_p90_p99(dashboard: dict, title: str, histogram:
         ("KV transfer bandwidth", ["rate(splitserve_kv_transfer_bytes_total"]),
         ("Tokens per tenant",
          ["sum by (tenant, kind)", "rate(splitserve_gateway_served_tokens_total"]),
+        ("Requests by outcome",
+         ["sum by (outcome)", "rate(splitserve_gateway_requests_total"]),
     ],
 )
 def test_operational_panels_query_their_metrics(dashboard: dict, title: str, needles: list) -> None:
@@ -69,14 +71,26 @@ def test_queries_are_well_formed_and_filtered_by_namespace(dashboard: dict) -> N
             for opening, closing in ("()", "{}", "[]"):
                 assert expr.count(opening) == expr.count(closing), expr
             for selector in re.findall(r"splitserve_\w+\{([^}]*)\}", expr):
-                assert selector == 'namespace=~"$namespace"', expr
+                first, *more = selector.split(", ")
+                assert first == 'namespace=~"$namespace"', expr
+                assert all(re.fullmatch(r'outcome="(error|rejected)"', m) for m in more), expr
             # Names the processes export (tests/gateway/test_observability.py scrapes them).
             assert set(re.findall(r"splitserve_\w+", expr)) <= {
                 "splitserve_gateway_ttft_seconds_bucket", "splitserve_gateway_itl_seconds_bucket",
                 "splitserve_gateway_queued_requests", "splitserve_worker_waiting_requests",
                 "splitserve_kv_blocks_used", "splitserve_kv_blocks_total",
                 "splitserve_gateway_rejected_requests_total",
-                "splitserve_kv_transfer_bytes_total", "splitserve_gateway_served_tokens_total"}
+                "splitserve_kv_transfer_bytes_total", "splitserve_gateway_served_tokens_total",
+                "splitserve_gateway_requests_total"}
+
+
+def test_error_ratio_divides_errors_and_rejections_by_every_request(dashboard: dict) -> None:
+    shown = panel(dashboard, "Error ratio")
+    assert shown["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    every = 'sum(rate(splitserve_gateway_requests_total{namespace=~"$namespace"}[$__rate_interval]))'
+    for expr, outcome in zip(exprs(shown), ("error", "rejected"), strict=True):
+        assert expr == ('sum(rate(splitserve_gateway_requests_total{namespace=~"$namespace", '
+                        f'outcome="{outcome}"}}[$__rate_interval])) / {every}'), expr
 
 
 def test_layout_has_unique_ids_and_no_overlapping_panels(dashboard: dict) -> None:
