@@ -37,6 +37,7 @@ from services.gateway.routing.prefix_index import PrefixIndex
 from services.gateway.routing.registry_follower import RegistryFollower
 from services.gateway.routing.router import Router, cached_prompt_tokens, note_admitted_prompt
 from services.gateway.routing.worker_pool import WorkerPool
+from services.gateway.routing.worker_states import WorkerStates
 
 T = TypeVar("T")
 INLINE_INPUT_BYTES = 4096  # parsed and tokenized on the event loop: about 1,000 tokens at most
@@ -87,6 +88,7 @@ class Gateway:
         metrics.model = config.model_name
         # Request metrics join admission's registry: one /metrics for the whole gateway.
         self.observer = RequestObserver(config.model_name, metrics.registry, config.log_prompts)
+        metrics.registry.register(WorkerStates(lambda: self.pool.endpoints))
         if self.registry is not None:
             self.registry.register_metrics(metrics.registry)
         self.model_names = {config.model_name, config.model, str(Path(config.model).resolve())}

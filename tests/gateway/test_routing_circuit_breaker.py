@@ -85,3 +85,27 @@ def test_a_trial_that_never_reports_back_stops_blocking_after_its_timeout():
     assert not b.available()
     clock.now += 2.0
     assert b.available()
+
+
+def test_a_worker_state_for_metrics_reads_the_breaker_without_moving_it():
+    from splitserve.v1 import common_pb2
+
+    from services.gateway.routing.worker_pool import WorkerEndpoint
+    from services.gateway.routing.worker_states import worker_state
+
+    clock = Clock()
+    endpoint = WorkerEndpoint("127.0.0.1:1", "decode", breaker=breaker(clock))
+    assert worker_state(endpoint) == "unreachable"
+    endpoint.reachable = True
+    endpoint.health = common_pb2.HealthResponse(status=common_pb2.HealthResponse.STATUS_UNSPECIFIED)
+    assert worker_state(endpoint) == "unhealthy"
+    endpoint.health = common_pb2.HealthResponse(status=common_pb2.HealthResponse.SERVING)
+    assert worker_state(endpoint) == "available"
+    for _ in range(3):
+        endpoint.breaker.record_failure(UNAVAILABLE)
+    assert worker_state(endpoint) == "breaker_open"
+    clock.now += 2.5  # the cool-down is over: a trial may go, so it counts as available
+    assert worker_state(endpoint) == "available"
+    assert endpoint.breaker.state is BreakerState.OPEN  # read, not advanced
+    endpoint.draining = True
+    assert worker_state(endpoint) == "draining"

@@ -56,3 +56,37 @@ def test_a_departed_workers_routing_series_are_removed(cluster, tiny_llama_dir):
     # The pool still routes, and counts, the workers that stayed.
     assert complete(url, tiny_llama_dir.name, 50, 2) == [200] * 2
     assert set(routed_to(gateway)) == addresses - {d2.address}
+
+
+def workers_by_state(gateway) -> dict[tuple[str, str], float]:
+    """(role, state) -> workers, from splitserve_gateway_workers on the gateway's /metrics."""
+    found = {}
+    for key, value in scrape(f"http://{gateway.admin_address}").items():
+        if key.startswith("splitserve_gateway_workers{"):
+            role = key.split('role="', 1)[1].split('"', 1)[0]
+            state = key.split('state="', 1)[1].split('"', 1)[0]
+            found[role, state] = value
+    return found
+
+
+def test_the_pool_by_role_and_state_follows_a_frozen_worker(cluster):
+    """A decode worker stopped with SIGSTOP (its Health polls time out) leaves the available
+    count and shows as unreachable, then comes back after SIGCONT; every pair is exported,
+    zeros included, so "no decode worker available" is a plain comparison."""
+    cluster.start(p1="prefill", d1="decode", d2="decode")
+    gateway = cluster.gateway()
+    addresses = {w.address for w in cluster.workers.values()}
+    wait_until(lambda: routable(gateway) == addresses, what="the gateway routing to all three")
+    states = workers_by_state(gateway)
+    assert len(states) == 3 * 5 and sum(states.values()) == 3, states
+    assert states["decode", "available"] == 2 and states["prefill", "available"] == 1
+    d2 = cluster.workers["d2"]
+    d2.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: workers_by_state(gateway)["decode", "unreachable"] == 1, timeout=20,
+                   what="the frozen worker counted unreachable")
+        assert workers_by_state(gateway)["decode", "available"] == 1
+    finally:
+        d2.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: workers_by_state(gateway)["decode", "available"] == 2, timeout=20,
+               what="the worker available again")

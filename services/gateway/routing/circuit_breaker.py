@@ -59,6 +59,11 @@ class CircuitBreaker:
             return self._trial_started is None or now - self._trial_started > self.trial_timeout_s
         return self.state is BreakerState.CLOSED
 
+    @property
+    def cooling_down(self) -> bool:
+        """Open, its cool-down not over (read only: `available` is what moves it on)."""
+        return self.state is BreakerState.OPEN and self.clock() < self._reopen_at
+
     def on_routed(self) -> None:
         """A request was routed here; in HALF_OPEN it is the trial."""
         if self.state is BreakerState.HALF_OPEN:
