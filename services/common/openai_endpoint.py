@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from services.common import tracing
 from services.common.addresses import address_family, host_port
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ def endpoint_app(gateway, metrics_url: str):
     from services.gateway.api.http import create_app
     from services.gateway.errors import APIError
 
-    app = FastAPI(title="splitserve worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="splitserve worker", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry=tracing.FASTAPI_TELEMETRY_OFF)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -105,6 +105,14 @@ def shutdown_tracing() -> None:
         provider.shutdown()
 
 
+# FastAPI (0.163 on) traces every HTTP request on its own once a tracer provider is set, with
+# spans for dependency resolution and the endpoint: each probe and scrape became a trace, and a
+# request's HTTP span sat beside gateway.request instead of above it. Every app here is built
+# with this: the request's spans are ours (gateway.request and below).
+FASTAPI_TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False,
+                         "operation_spans": False}
+
+
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 

@@ -131,6 +131,26 @@ def test_one_request_is_one_trace_across_the_three_processes(traced):
     assert "prompt" not in line
 
 
+def test_probes_and_scrapes_make_no_traces(traced):
+    """FastAPI's own request tracing is off: /metrics, /ready and /health (scraped and probed
+    every few seconds) add no span, and a request's spans are only ours."""
+    before = {s["span_id"] for s in traced.spans()}
+    for url in (f"{traced.admin_url}/metrics", f"{traced.admin_url}/ready",
+                f"{traced.admin_url}/health", f"{traced.url}/health", f"{traced.url}/v1/models"):
+        assert httpx.get(url, timeout=10).status_code == 200, url
+    response = httpx.post(f"{traced.url}/v1/completions", timeout=60, json={
+        "model": traced.model_name, "prompt": list(range(70, 90)), "max_tokens": 2,
+        "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    spans = _poll(lambda: [s for s in traced.spans() if s["span_id"] not in before],
+                  lambda s: any(x["name"] == "gateway.request"
+                                and x["attributes"]["splitserve.request_id"] == request_id
+                                for x in s), "the request's spans")
+    assert [s["name"] for s in spans if not s["name"].startswith(("gateway.", "prefill", "decode"))
+            ] == []
+
+
 def test_grpc_front_door_continues_the_callers_trace(traced):
     async def call() -> list[gateway_pb2.GenerateTextResponse]:
         async with grpc.aio.insecure_channel(traced.gateway.field("grpc")) as channel:

@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 
 def create_app(gateway: Gateway) -> FastAPI:
     """The public port: the API and /health, nothing that describes the cluster."""
-    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry=tracing.FASTAPI_TELEMETRY_OFF)
     _install_error_handlers(app)
     app.openapi = lambda: openapi_document(app)
     if gateway.config.allowed_origins:
@@ -190,7 +191,7 @@ def create_admin_app(gateway: Gateway) -> FastAPI:
     """The admin port (127.0.0.1 unless --admin-host says otherwise): what probes, Prometheus
     and operators read; it lists worker addresses, so it never shares the public port."""
     app = FastAPI(title="splitserve gateway admin", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, telemetry=tracing.FASTAPI_TELEMETRY_OFF)
     _install_error_handlers(app)
     public = create_app(gateway)
 
