@@ -151,6 +151,18 @@ def test_probes_and_scrapes_make_no_traces(traced):
             ] == []
 
 
+def test_an_error_answer_carries_the_request_id_the_access_log_has(traced):
+    wrong = httpx.post(f"{traced.url}/v1/completions", timeout=30,
+                       headers={"x-request-id": "caller-err-1"},
+                       json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+    # The caller's id with the gateway's suffix, as on a success.
+    request_id = wrong.headers["x-request-id"]
+    assert wrong.status_code == 404 and request_id.startswith("caller-err-1-")
+    (line,) = _poll(lambda: [e for e in traced.access_log() if e["request_id"] == request_id],
+                    bool, "the access-log line")
+    assert line["status"] == 404 and line["reason"] == "model_not_found"
+
+
 def test_grpc_front_door_continues_the_callers_trace(traced):
     async def call() -> list[gateway_pb2.GenerateTextResponse]:
         async with grpc.aio.insecure_channel(traced.gateway.field("grpc")) as channel:

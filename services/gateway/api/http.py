@@ -269,6 +269,7 @@ def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError 
         request_id, bad_id = uuid.uuid4().hex, exc
     record = gateway.observer.begin("http", request_id,
                                     tracing.context_from_headers(request.headers))
+    request.state.request_id = record.request_id  # for an error answered by the handlers
     return record, bad_id
 
 
@@ -370,9 +371,15 @@ async def _collect(gateway: Gateway, ticket: Ticket, record: RequestRecord,
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
         if exc.status >= 500:
-            log.warning("%s %s -> %s", request.method, request.url.path, exc)
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+            log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status,
+                        exc.code or exc.type, exc.message,
+                        extra={"request_id": request_id} if request_id else None)
+        headers = exc.headers()
+        if request_id:  # the id the access log and the traces know it by
+            headers["x-request-id"] = request_id
+        return JSONResponse(exc.body(), exc.status, headers=headers)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
