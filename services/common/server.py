@@ -200,7 +200,7 @@ class Worker:
             else:
                 await self._join()
         self.startup.end_phase("serving")
-        self.metrics.registry.register(StartupCollector(self.startup, cfg.role))
+        self.metrics.registry.register(StartupCollector(self.startup, cfg.role, cfg.model_name))
         log.info(
             "worker ready role=%s id=%s grpc=%s:%d tls=%s kv_endpoint=%s kv_blocks=%d dtype=%s %s",
             cfg.role, self.state.worker_id, cfg.host, self.port, cfg.tls.describe(),

@@ -1,5 +1,5 @@
 """A worker's start-up by phase, from the process's own start to its ready line: printed there,
-exported as `splitserve_worker_startup_seconds{phase}` and read by the autoscaler.
+exported as `splitserve_worker_startup_seconds{model,role,phase}` and read by the autoscaler.
 
 Owned by the main thread while the worker starts; frozen once ready (read by /metrics threads)."""
 
@@ -89,12 +89,14 @@ def parse_ready_fields(fields: dict[str, str]) -> dict[str, float]:
 
 
 class StartupCollector:
-    """`splitserve_worker_startup_seconds{role,phase}` on the worker's /metrics; registered
-    once the worker is ready, so a scrape never sees a start-up still in progress."""
+    """`splitserve_worker_startup_seconds{model,role,phase}` on the worker's /metrics (`model`
+    the served model's name, as on every worker series); registered once the worker is ready,
+    so a scrape never sees a start-up still in progress."""
 
-    def __init__(self, clock: StartupClock, role: str) -> None:
+    def __init__(self, clock: StartupClock, role: str, model: str) -> None:
         self.clock = clock
         self.role = role
+        self.model = model
 
     def describe(self):
         return []
@@ -103,7 +105,7 @@ class StartupCollector:
         family = GaugeMetricFamily(
             "splitserve_worker_startup_seconds",
             "Seconds of this worker's start-up by phase, from process start to ready.",
-            labels=["role", "phase"])
+            labels=["model", "role", "phase"])
         for phase, seconds in self.clock.snapshot().items():
-            family.add_metric([self.role, phase], seconds)
+            family.add_metric([self.model, self.role, phase], seconds)
         yield family

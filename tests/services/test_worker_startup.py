@@ -41,7 +41,8 @@ def test_startup_phases_tile_process_start_to_ready(tiny_llama_dir, role):
 
         metrics = scrape_worker(worker)
         for phase, seconds in phases.items():
-            gauge = metrics[f'splitserve_worker_startup_seconds{{phase="{phase}",role="{role}"}}']
+            gauge = metrics[f'splitserve_worker_startup_seconds{{model="{tiny_llama_dir.name}",'
+                            f'phase="{phase}",role="{role}"}}']
             assert gauge == pytest.approx(seconds, abs=0.0006)
     finally:
         worker.kill()

@@ -30,7 +30,7 @@ class AdmissionMetrics:
             "splitserve_gateway_served_tokens", "Tokens served, by tenant and kind.",
             ["tenant", "kind"], registry=self.registry)
         self.ttft = Histogram(
-            "splitserve_gateway_ttft_seconds", "Arrival to first token, per tenant.",
+            "splitserve_gateway_ttft_seconds", "Admission to first token, per tenant.",
             ["model", "tenant"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.queue_wait = Histogram(
             "splitserve_gateway_queue_wait_seconds", "Time in the fair queue.",
