@@ -45,7 +45,7 @@ class AutoscalerConfig:
     max_decode_replicas: int = 16
     startup_s: float = -1.0  # <0: the workers' measured start-up, else the profile's
     scale_down_window_s: float = 60.0
-    scale_down_cooldown_s: float = 30.0
+    scale_down_cooldown_s: float = 15.0  # as PlannerConfig, what bench/autoscaler_sim.py runs
     hysteresis: float = 0.15
     backlog_drain_s: float = 10.0
     # status server (/health, /ready, /metrics)

@@ -114,3 +114,15 @@ def test_autoscaler_process_serves_probes_and_stops_on_sigterm(redis_server):
         if process.poll() is None:
             process.kill()
             process.wait(5)
+
+
+def test_the_shipped_planner_settings_are_the_simulated_ones():
+    """`splitserve autoscaler` without tuning flags plans as bench/autoscaler_sim.py and
+    tests/autoscaler/test_simulator.py measured it (PlannerConfig's defaults); the scale-down
+    cooldown once shipped at 30 s against a simulated 15 s."""
+    from services.autoscaler.planner import PlannerConfig
+
+    shipped, simulated = parse(["--redis-url", "redis://x:6379/0"]).planner_config(), PlannerConfig()
+    for knob in ("interval_s", "scale_down_window_s", "scale_down_cooldown_s",
+                 "scale_up_cooldown_s", "hysteresis", "backlog_drain_s"):
+        assert getattr(shipped, knob) == getattr(simulated, knob), knob
