@@ -21,6 +21,10 @@ class APIError(Exception):
     # closing spares reading and dropping the rest (and a client that sent `Expect:
     # 100-continue` from waiting to send it).
     close: bool = False
+    # False: answered with `x-should-retry: false`, which the OpenAI SDKs obey over their rule
+    # of retrying every 5xx (a request past the deadline its caller set would run, and fail,
+    # the same way again).
+    should_retry: bool | None = None
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -33,6 +37,8 @@ class APIError(Exception):
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
         if self.close:
             headers["Connection"] = "close"
+        if self.should_retry is not None:
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
         return headers
 
     @property
@@ -85,8 +91,10 @@ class APIError(Exception):
     @classmethod
     def timed_out(cls, message: str, code: str = "request_timeout") -> APIError:
         # 504, not 503: nothing is overloaded that a Retry-After would fix; this request
-        # took longer than its deadline (or stalled) upstream of the gateway.
-        return cls(504, message, "server_error", None, code)
+        # took longer than its deadline (or stalled) upstream of the gateway. Past the
+        # caller's own deadline, a retry would only do the work again.
+        return cls(504, message, "server_error", None, code,
+                   should_retry=False if code == "request_timeout" else None)
 
     @classmethod
     def internal(cls, message: str) -> APIError:

@@ -261,3 +261,42 @@ def test_owed_slots_stop_at_the_share_then_the_policy_decides():
     assert state == (3, [True, False, False])
     assert still == [False, False, True, False, False]
     assert picked == [True, False, True, False, False]
+
+
+def test_a_bursts_refusals_are_told_to_come_back_spread_at_the_drain_rate():
+    """Each refusal's Retry-After comes after the ones told before it, spaced by the measured
+    time per request, not all "1": the OpenAI SDK's two retries of a burst's refusals then land
+    as the cluster frees, instead of together a second later."""
+    async def scenario():
+        admission = make_admission(A, ttft_target_s=1.0)
+        admission.estimator.requests_per_s = 2.0  # two queued requests leave per second
+        admission.estimator.tokens_per_s = 1000.0
+        holder = await admission.admit(A, [spec()], 10)
+        waiting = [asyncio.create_task(admission.admit(A, [spec()], 10)) for _ in range(3)]
+        await settle()
+        retries = []
+        for _ in range(6):
+            with pytest.raises(APIError) as refused:
+                await admission.admit(A, [spec()], 10)
+            retries.append(refused.value.retry_after_s)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        holder.release()
+        return retries
+
+    retries = run(scenario)
+    # The first as soon as the backlog allows; each after by half a second (rounded up to
+    # whole seconds as the header has them), never sooner than the one before.
+    assert retries[0] == 1 and retries == sorted(retries) and retries[-1] >= 3, retries
+
+
+def test_the_retry_schedule_forgets_refusals_long_past():
+    from services.gateway.admission.retry_after import MAX_RETRY_AFTER_S, RetrySchedule
+
+    now = [100.0]
+    schedule = RetrySchedule(clock=lambda: now[0])
+    assert [schedule.retry_after_s(0.2, 0.5) for _ in range(5)] == [1, 1, 2, 2, 3]
+    now[0] += 30  # all of them came back and were served
+    assert schedule.retry_after_s(0.2, 0.5) == 1
+    assert schedule.retry_after_s(500, 0.5) == MAX_RETRY_AFTER_S

@@ -84,6 +84,13 @@ def test_the_callers_header_lowers_the_deadline_before_and_after_the_first_token
     status, events = _stream(url, {"model": model, "prompt": "hi", "max_tokens": 20}, header)
     assert status == 200 and _ends_with_error_event(events, "request_timeout")
     assert worker.servicer.cancelled.wait(5)
+    worker.servicer.cancelled.clear()
+    # Not streamed, the same 504 tells OpenAI's SDKs not to run it again (they retry every
+    # 5xx otherwise: three times the deadline, three times the work).
+    response = httpx.post(f"{url}/v1/completions", timeout=CLIENT_TIMEOUT_S, headers=header,
+                          json={"model": model, "prompt": "hi", "max_tokens": 10})
+    assert response.status_code == 504 and response.headers["x-should-retry"] == "false"
+    assert worker.servicer.cancelled.wait(5)
     # A header that is not a positive number of seconds is the caller's mistake.
     for bad in ("soon", "0", "-3", "nan", "inf"):
         response = httpx.post(f"{url}/v1/completions", timeout=CLIENT_TIMEOUT_S,

@@ -23,6 +23,7 @@ from services.gateway.admission.inflight import InFlight
 from services.gateway.admission.metered import MeteredDispatcher
 from services.gateway.admission.metrics import AdmissionMetrics
 from services.gateway.admission.quota import Lease, QuotaRefused, Quotas
+from services.gateway.admission.retry_after import RetrySchedule
 from services.gateway.admission.tenants import Tenant, TenantDirectory
 from services.gateway.admission.ttft_estimator import TTFTEstimator
 from services.gateway.errors import APIError
@@ -118,6 +119,7 @@ class Admission:
         self.room = room
         self.estimator = estimator or TTFTEstimator()
         self.ttft_target_s = ttft_target_s  # 0: no early rejection, no deadline
+        self.retry_schedule = RetrySchedule()  # the Retry-After of its 503s
         self.metrics = metrics or AdmissionMetrics()
         self.metrics.admission = self
         # The TTFT estimate counts the tokens a prefill computes, not the prompt's: a prompt
@@ -256,7 +258,8 @@ class Admission:
                       "-" if drain is None else f"{drain:.2f} req/s", self._service_s(ticket),
                       plain, predicted - plain, budget)
         if predicted > budget:
-            retry = max(1, math.ceil(predicted - budget))
+            retry = self.retry_schedule.retry_after_s(predicted - budget,
+                                                      self._per_request_s(ticket))
             uncached = ("" if ticket.prefill_tokens == ticket.prompt_tokens
                         else f", {ticket.prefill_tokens} of its tokens not cached")
             allowed = (f"the {self.ttft_target_s:g}s target" if budget <= self.ttft_target_s
@@ -309,6 +312,12 @@ class Admission:
             return False
         return ticket.deadline < now + self._service_s(ticket)
 
+    def _per_request_s(self, ticket: Ticket) -> float:
+        """The cluster's time per request: one over its measured drain rate, else this one's
+        service time."""
+        rate = self.estimator.requests_per_s
+        return 1.0 / rate if rate else self._service_s(ticket)
+
     def _service_s(self, ticket: Ticket) -> float:
         """Its release -> first token if released now, behind the prompts still prefilling."""
         return self.estimator.service_at(self.prefilling_tokens + ticket.prefill_tokens,
@@ -354,7 +363,7 @@ class Admission:
                               now - ticket.arrival + self._service_s(ticket))
         self.quotas.release(ticket.lease, 0)
         budget = ticket.deadline - ticket.arrival
-        retry = max(1, math.ceil(budget))
+        retry = self.retry_schedule.retry_after_s(budget, self._per_request_s(ticket))
         error = self._reject(ticket.tenant, "ttft_expired", APIError(
             503, f"Overloaded: the request waited past its {budget:.3g}s time-to-first-"
                  f"token target; retry in {retry}s.", "server_error", None,
