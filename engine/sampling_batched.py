@@ -74,6 +74,7 @@ def kept_index(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     cols = torch.arange(width, device=probs.device)
     nonzero = probs > 0
     last_before = torch.where(nonzero & (cols <= index.unsqueeze(1)), cols, -1).amax(-1)
-    first = torch.where(nonzero, cols, width).amin(-1)
+    # A row with no mass at all (never, from finite logits) still gets an id in the vocabulary.
+    first = torch.where(nonzero, cols, width).amin(-1).clamp(max=width - 1)
     moved = torch.where(last_before >= 0, last_before, first)
     return torch.where(probs.gather(1, index.unsqueeze(1)).squeeze(1) > 0, index, moved)

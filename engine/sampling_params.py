@@ -95,9 +95,17 @@ class SamplingParams:
     MAX_BAD_WORDS = 256  # token sequences: each is a check per step
     MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: [-100, 100]
 
+    # A temperature below this is greedy, as in vLLM: dividing logits by a tiny positive one
+    # overflowed them to inf (from about 1e-38), and the draw then returned token 0 on the CPU
+    # and an id past the vocabulary on the batched (CUDA) path, which broke the next step.
+    GREEDY_BELOW_TEMPERATURE = 1e-5
+    # The smallest repetition penalty: dividing a seen token's logit by a tiny one overflowed
+    # it the same way.
+    MIN_REPETITION_PENALTY = 0.01
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -129,8 +137,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < self.MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be >= {self.MIN_REPETITION_PENALTY}, "
+                             f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_finite(name, value)

@@ -449,3 +449,30 @@ def test_bad_words_ban_a_sequences_last_token_where_the_output_ends_with_the_res
     # Only the output counts: the prompt ending with 3 does not ban 0.
     assert sampler(logits, [row(temperature=0.0, token_ids=[3], num_prompt_tokens=1, position=1,
                                 bad_words_token_ids=words)])[0] == [0]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_tiny_positive_temperature_is_greedy_not_an_overflow(batched):
+    """Logits over a temperature of 1e-38 overflowed to inf: the draw returned token 0 on the
+    CPU path and the vocabulary size (an id past the end) on the batched one, which broke the
+    engine's next step. Below 1e-5 a temperature is greedy, as in vLLM."""
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.99]])
+    for temperature in (1e-38, 1e-30, 1e-6):
+        tokens, _ = Sampler(batched=batched)(
+            logits, [row(seed=s, temperature=temperature) for s in (1, 2)])
+        assert tokens == [1, 0], (temperature, tokens)
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_row_with_no_mass_still_draws_an_id_in_the_vocabulary():
+    from engine.sampling_batched import kept_index
+
+    probs = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, 0.5]])
+    index = kept_index(probs, torch.tensor([2, 0]))
+    assert index.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("penalty", [1e-38, 0.009, 0.0, -1.0])
+def test_a_repetition_penalty_that_would_overflow_the_logits_is_refused(penalty):
+    with pytest.raises(ValueError, match="repetition_penalty must be >= 0.01"):
+        SamplingParams(repetition_penalty=penalty).validate(100)

@@ -78,7 +78,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = _doc(minimum=-2, maximum=2)
     frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
-    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
+    repetition_penalty: float | None = _doc(minimum=SamplingParams.MIN_REPETITION_PENALTY)
     ignore_eos: bool = False
     # splitserve extension: opt this request out of speculative decoding (same output
     # distribution, only the speed changes)
