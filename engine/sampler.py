@@ -1,7 +1,7 @@
 """Turns logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling,
 logprobs. Randomness belongs to the request: a sampled token inverts its filtered distribution
 at a uniform keyed by (seed, position) (sampling_draw), so batch composition and the worker that
-samples do not matter."""
+samples do not change the draw (the logits, in bfloat16, can move with the batch's shape)."""
 
 from __future__ import annotations
 
