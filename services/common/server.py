@@ -150,6 +150,10 @@ class Worker:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
+            # The gateway pings every 10 s on a stream that sends it nothing (a decode stream):
+            # allowed, never a GOAWAY "too_many_pings".
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ])
         if cfg.role in ("prefill", "both"):
             endpoints = KVEndpointPolicy(cfg.kv_allowed_endpoints, cfg.redis_url,

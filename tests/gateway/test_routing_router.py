@@ -144,6 +144,25 @@ def test_backed_up_or_missing_prefill_workers_send_the_prompt_to_decode():
     assert strict.route(prompt(1), 8) is None and not strict.ready()
 
 
+def test_a_retry_after_every_prefill_worker_failed_prefills_on_decode():
+    """The retry of a request whose prefill failed (the worker crashed; its health poll and
+    breaker have not noticed yet) goes to the decode worker, not back to the dead worker;
+    without the local fallback it may only try the prefill workers again."""
+    p = worker("p", "prefill")
+    r = router(worker("d"), p, prefill_backlog_tokens=4096)
+    assert r.route(prompt(1), 8).prefill is p
+    retry = r.route(prompt(1), 8, exclude={"p"})
+    assert retry.prefill is None
+    assert retry.reason == "local: every prefill worker failed this request"
+    assert retry.reason_label == "local_no_prefill_worker"
+    # With another prefill worker left to try, that one takes it.
+    p2 = worker("p2", "prefill")
+    assert router(worker("d"), p, p2, prefill_backlog_tokens=4096).route(
+        prompt(1), 8, exclude={"p"}).prefill is p2
+    strict = router(worker("d"), p, prefill_backlog_tokens=0)
+    assert strict.route(prompt(1), 8, exclude={"p"}).prefill is p
+
+
 def test_prefill_and_decode_are_paired_by_model_version():
     old_d, new_d = worker("old-d", model="m-v1"), worker("new-d", model="m-v2", running=3)
     old_p, new_p = worker("old-p", "prefill", model="m-v1"), worker("new-p", "prefill", model="m-v2")

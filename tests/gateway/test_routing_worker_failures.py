@@ -92,3 +92,55 @@ def test_kill_9_of_a_prefill_worker_retries_its_queued_requests(cluster, long_mo
     retried = [line for line in gateway.lines if "failed before its first token" in line]
     assert retried, "no request was queued on the killed worker"
     assert all("retrying" in line for line in retried), retried
+
+
+def test_kill_9_of_the_only_prefill_worker_prefills_its_queue_on_decode(cluster, long_model):
+    """One prefill worker, as `splitserve up` runs: the requests queued on it when it dies are
+    retried on the decode worker (conditional disaggregation's local prefill), not sent back to
+    the dead worker before its health poll has seen it die (2 of 4 got a 503 that way)."""
+    cluster.start(("--num-kv-blocks", "512", "--max-num-batched-tokens", "16",
+                   "--long-prefill-token-threshold", "16"), p1="prefill")
+    cluster.start(("--num-kv-blocks", "1200"), d1="decode")
+    gateway = cluster.gateway()
+    url = f"http://{gateway.address}"
+    wait_until(lambda: len(routable(gateway)) == 2, what="both workers routable")
+    p1 = cluster.workers["p1"]
+
+    prompts = [[(i * 41 + j) % 700 + 3 for j in range(1000)] for i in range(6)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = [pool.submit(stream_completion, url, long_model.name, p, 6) for p in prompts]
+        p1.wait_for(lambda h: h.stats.waiting >= 2, timeout=30, what="requests queued on p1")
+        cluster.stop("p1", signal.SIGKILL)
+        results = [r.result() for r in results]
+
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(prompts)
+
+
+def test_streams_on_a_frozen_decode_worker_move_while_it_is_still_frozen(cluster, long_model):
+    """SIGSTOP (a hung process, a vanished node): the gateway's keepalive pings go unanswered
+    and its streams break and migrate within keepalive time + timeout (10 s + 10 s). gRPC sent
+    two pings and then no more on a stream that only receives, so they waited ~70 s."""
+    cluster.start(("--num-kv-blocks", "512"), p1="prefill", d1="decode", d2="decode")
+    gateway = cluster.gateway()
+    url = f"http://{gateway.address}"
+    wait_until(lambda: len(routable(gateway)) == 3, what="three workers routable")
+    d1, d2 = cluster.workers["d1"], cluster.workers["d2"]
+
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_completion, url, long_model.name, [30 + i] * 24, 1500,
+                               started[i], 120) for i in range(4)]
+        for event in started:
+            assert event.wait(60), "a stream never started"
+        wait_until(lambda: d1.health().stats.running + d2.health().stats.running == 4,
+                   what="all four streams decoding")
+        assert d1.health().stats.running, "no stream on d1"
+        d1.process.send_signal(signal.SIGSTOP)
+        try:
+            # Done while d1 is still frozen: the streams moved, they did not wait for it.
+            results = [s.result(timeout=45) for s in streams]
+        finally:
+            d1.process.send_signal(signal.SIGCONT)
+
+    assert [r[:3] for r in results] == [(200, "length", None)] * 4, results
+    assert [line for line in gateway.lines if "migrating (move 1" in line]

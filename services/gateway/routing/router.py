@@ -47,6 +47,7 @@ class Route:
 
 _REASON_LABELS = {
     "local: no prefill worker available": "local_no_prefill_worker",
+    "local: every prefill worker failed this request": "local_no_prefill_worker",
     "local: every prefill worker is backed up": "local_prefill_backlog",
 }
 
@@ -160,6 +161,13 @@ class ScoringRouter:
                 return Route(decode, None, "local: no prefill worker available",
                              cached_on_decode)
             return None
+        if self.prefill_backlog_tokens and all(p.address in exclude for p in candidates):
+            # Every prefill worker failed this request already (a crash the health poll has
+            # not seen yet): the retry prefills on the decode worker, not on the worker that
+            # just failed; with one prefill worker, as `splitserve up` runs, 2 of 4 long
+            # prompts queued there got a 503 when it was killed.
+            return Route(decode, None, "local: every prefill worker failed this request",
+                         cached_on_decode)
         if self.prefill_backlog_tokens:
             # Only where the decode worker's own line is shorter: its earlier local prefills
             # (spilled before, paced by its step-time target) are ahead of this one.

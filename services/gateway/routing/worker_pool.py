@@ -21,10 +21,19 @@ from services.gateway.routing.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
+# Keepalive: a worker that stops answering (a frozen process, a vanished node) breaks its
+# streams within keepalive time + ping timeout (at most 20 s), and the gateway migrates them.
+# gRPC waits for a ping's answer `grpc.http2.ping_timeout_ms` (60 s by default), whatever
+# `keepalive_timeout_ms` says: streams on a SIGSTOPped worker waited ~70 s. The workers'
+# servers accept pings this often (services/common/server.py).
+KEEPALIVE_TIME_MS = 10_000
+PING_TIMEOUT_MS = 10_000
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
 ]
 _EMPTY_STATS = common_pb2.WorkerStats()
 
