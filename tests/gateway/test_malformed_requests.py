@@ -31,6 +31,8 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("image part in a Responses input", "/v1/responses", {"model": model, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0.type"),
         ("prompt too long", comp, {"model": model, "prompt": LONG_PROMPT}, 400, "prompt"),
         ("prompt + max_tokens over context", comp, {"model": model, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+        ("prompt + max_completion_tokens over context", chat, {"model": model, "messages": hi, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
+        ("stream_options without stream", chat, {"model": model, "messages": hi, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("negative temperature", comp, {"model": model, "prompt": "hi", "temperature": -1}, 400, "temperature"),
         ("top_p above one", comp, {"model": model, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
         ("presence_penalty out of range", chat, {"model": model, "messages": hi, "presence_penalty": 7}, 400, "presence_penalty"),

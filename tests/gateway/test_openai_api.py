@@ -67,6 +67,12 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(disagg_stack
     plain = list(_chat(client, model_name, max_tokens=4, stream=True,
                        stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in plain)
+    # Chat's first chunk (the role) carries it too, with nothing generated yet, as vLLM's.
+    chat = list(_chat(client, model_name, max_tokens=4, stream=True, stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[0].usage.completion_tokens == 0
+    assert chat[0].usage.prompt_tokens == chat[-1].usage.prompt_tokens > 0
+    assert all(c.usage is not None for c in chat)
 
 
 def test_stream_without_include_usage_has_no_usage_chunk(disagg_stack, model_name):

@@ -277,7 +277,11 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(disagg_stack, engine, tiny_
     assert chat["count"] == served.usage.prompt_tokens
     text = httpx.post(url + "/detokenize", json={"model": model, "tokens": ids},
                       timeout=30).json()
-    assert text == {"prompt": engine.tokenizer.decode(ids)}
+    assert text == {"prompt": engine.tokenizer.decode(ids, skip_special_tokens=False)}
+    # Special tokens stay, as vLLM's: a rendered chat comes back with its markers.
+    rendered = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}, timeout=30).json()
+    assert rendered["prompt"] == engine.tokenizer.decode(chat["tokens"], skip_special_tokens=False)
+    assert rendered["prompt"] != engine.tokenizer.decode(chat["tokens"], skip_special_tokens=True)
     for path, body, param in (("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
@@ -323,3 +327,23 @@ def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, t
             "model": model, "input": "hi", field: value})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == param
+
+
+def test_an_assistant_refusal_part_in_the_history_is_its_text(disagg_stack, tiny_llama_dir):
+    """A history replayed from OpenAI can hold an assistant message whose content is a
+    `refusal` part: it renders as that text (it was a 400 "reads text only")."""
+    url, model = disagg_stack.url, tiny_llama_dir.name
+
+    def history(reply) -> list[dict]:
+        return [{"role": "user", "content": "Tell me a secret."},
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Then a joke."}]
+
+    as_part = history([{"type": "refusal", "refusal": "I can't share that."}])
+    as_text = history("I can't share that.")
+    tokens = [httpx.post(url + "/tokenize", json={"model": model, "messages": m},
+                         timeout=30).json()["tokens"] for m in (as_part, as_text)]
+    assert tokens[0] == tokens[1]
+    answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": as_part, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text

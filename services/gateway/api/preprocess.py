@@ -75,7 +75,9 @@ class Preprocessor:
         if bad is not None:
             raise APIError.invalid(f"token id {bad} is outside the vocabulary "
                                    f"[0, {limits.vocab_size})", param="tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        # Special tokens kept, as vLLM's /detokenize does: /tokenize's ids of a rendered chat
+        # come back as that chat, markers and all.
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
         self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
@@ -212,20 +214,24 @@ class Preprocessor:
                 f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
                 param=param)
 
-    def _check_length(self, num_prompt: int, max_tokens: int, limits: ModelLimits) -> None:
+    def _check_length(self, num_prompt: int, max_tokens: int, limits: ModelLimits,
+                      param: str = "max_tokens") -> None:
+        """`param`: the field the limit came from (chat's max_completion_tokens, when set)."""
         if max_tokens < 1:
-            raise APIError.invalid(f"max_tokens must be at least 1, got {max_tokens}",
-                                   param="max_tokens")
+            raise APIError.invalid(f"{param} must be at least 1, got {max_tokens}",
+                                   param=param)
         if num_prompt + max_tokens > limits.max_model_len:
             raise APIError.invalid(
                 f"This model's maximum context length is {limits.max_model_len} tokens. However, "
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion).",
-                param="max_tokens", code="context_length_exceeded")
+                param=param, code="context_length_exceeded")
 
     def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
                 logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        self._check_length(num_prompt, max_tokens, limits)
+        self._check_length(num_prompt, max_tokens, limits,
+                           "max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                           is not None else "max_tokens")
         top_k = _top_k(req.top_k if req.top_k is not None else 0, limits, "top_k")
         for name in _FLOAT32_FIELDS:
             value = getattr(req, name)

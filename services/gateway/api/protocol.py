@@ -156,9 +156,21 @@ class TextPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant's refusal, as OpenAI's answers carry it and a replayed history sends it
+    back: text to the model."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     # Checked by api/tools.py: an assistant's calls, and the call a tool message answers.
     tool_calls: JsonValue = None
@@ -245,6 +257,10 @@ def parse_body(model: type[Body], body: bytes) -> Body:
         raise _as_api_error(exc) from None
     if isinstance(parsed, _SamplingFields):
         refuse_unsupported(parsed, chat=isinstance(parsed, ChatCompletionRequest))
+        if parsed.stream_options is not None and not parsed.stream:
+            # As OpenAI and vLLM answer it: a client that sends it unstreamed would break there.
+            raise APIError.invalid("stream_options can only be set when stream is true.",
+                                   param="stream_options")
     return parsed
 
 

@@ -122,8 +122,9 @@ class BodyFormat:
 
     # -- the SSE stream around the chunks (api/streaming.py) ------------------------------
 
-    def opening(self, indexes: list[int]) -> list[bytes]:
-        """Events before the first chunk."""
+    def opening(self, indexes: list[int], usage: dict | None = None) -> list[bytes]:
+        """Events before the first chunk; `usage`: the usage so far, for a stream that
+        carries it on every chunk (continuous_usage)."""
         return []
 
     def encode(self, chunk: dict) -> bytes:
@@ -232,13 +233,16 @@ class ChatFormat(BodyFormat):
                                chunk=True)
                 for k, d in enumerate(deltas)]
 
-    def role_chunk(self, index: int) -> dict:
-        return {**self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}], chunk=True),
-                **self._prompt_ids(index)}
+    def role_chunk(self, index: int, usage: dict | None = None) -> dict:
+        chunk = {**self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}], chunk=True),
+                 **self._prompt_ids(index)}
+        if usage is not None:  # continuous usage: on this chunk too, as vLLM sends it
+            chunk["usage"] = usage
+        return chunk
 
-    def opening(self, indexes: list[int]) -> list[bytes]:
-        return [encode_sse(self.role_chunk(index)) for index in indexes]
+    def opening(self, indexes: list[int], usage: dict | None = None) -> list[bytes]:
+        return [encode_sse(self.role_chunk(index, usage)) for index in indexes]
 
     def chunk(self, delta: TextDelta) -> dict | None:
         if (not delta.text and not delta.logprobs and delta.finish_reason is None

@@ -83,7 +83,7 @@ class ResponsesFormat(BodyFormat):
         data = encode_sse(event).decode()
         return f"event: {event['type']}\n{data}".encode()
 
-    def opening(self, indexes: list[int]) -> list[bytes]:
+    def opening(self, indexes: list[int], usage: dict | None = None) -> list[bytes]:
         events = [
             self._event("response.created", response=self._object("in_progress", [], None)),
             self._event("response.in_progress", response=self._object("in_progress", [], None))]

@@ -93,7 +93,9 @@ async def sse_events(
     completion_tokens = cached_tokens = 0
     compute = ComputeSeconds()
     try:
-        for event in fmt.opening([first.index for first in firsts]):
+        for event in fmt.opening([first.index for first in firsts],
+                                 _usage_so_far(prompt_tokens, ()) if fmt.continuous_usage
+                                 else None):
             yield event
         remaining = len(pumps)
         while remaining:
