@@ -347,3 +347,30 @@ def test_an_assistant_refusal_part_in_the_history_is_its_text(disagg_stack, tiny
     answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": as_part, "max_tokens": 2})
     assert answer.status_code == 200, answer.text
+
+
+def test_the_responses_api_takes_a_structured_text_format(stack, tiny_llama_dir):
+    """`text.format` json_schema (the OpenAI SDK's client.responses.parse with a pydantic
+    model) and json_object constrain the output as chat's response_format does; the response
+    repeats the format; another format type is a 400 naming it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    client = openai_client(stack.url)
+    model = tiny_llama_dir.name
+    parsed = client.responses.parse(model=model, input="The capital of France?",
+                                    text_format=Capital, max_output_tokens=40, temperature=0)
+    assert parsed.output_parsed.city in ("Paris", "Rome")
+    assert parsed.text.format.type == "json_schema" and parsed.text.format.name == "Capital"
+    loose = client.responses.create(model=model, input="Some JSON, please.", temperature=0,
+                                    text={"format": {"type": "json_object"}},
+                                    max_output_tokens=24)
+    assert loose.output_text.lstrip().startswith("{")
+    refused = httpx.post(stack.url + "/v1/responses", timeout=30, json={
+        "model": model, "input": "hi", "text": {"format": {"type": "yaml"}}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "text.format.type"

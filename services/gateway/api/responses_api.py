@@ -46,7 +46,8 @@ class ResponsesFormat(BodyFormat):
                                     and self.echo.get("parallel_tool_calls") is not False),
             "tool_choice": self.echo.get("tool_choice") or "auto",
             "tools": self.echo.get("tools") or [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": self.echo.get("text") or {"format": {"type": "text"}},
+            "truncation": "disabled",
             "usage": None if usage_body is None else _responses_usage(usage_body),
         }
 

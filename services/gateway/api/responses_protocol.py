@@ -60,8 +60,8 @@ _RESPONSES_NO_OPS: dict[str, tuple] = {
     "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
     "prompt": (None,), "background": (None, False), "conversation": (None,),
     "truncation": (None, "disabled"), "top_logprobs": (None, 0),
-    "text": (None, {"format": {"type": "text"}}),
 }
+_TEXT_FORMAT = {"format": {"type": "text"}}  # the default: free text
 
 
 class ResponsesRequest(_Body):
@@ -134,13 +134,39 @@ class ResponsesRequest(_Body):
             "model": self.model, "messages": messages, "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
-            **_chat_tools(self.tools, self.tool_choice)})
+            **_chat_tools(self.tools, self.tool_choice), **_chat_response_format(self.text)})
 
     def echo(self) -> dict:
         return {"instructions": self.instructions, "metadata": self.metadata,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "tools": self.tools, "tool_choice": self.tool_choice,
-                "parallel_tool_calls": self.parallel_tool_calls}
+                "parallel_tool_calls": self.parallel_tool_calls,
+                "text": self.text if self.text is not None else _TEXT_FORMAT}
+
+
+def _chat_response_format(text: JsonValue) -> dict:
+    """`text.format` (structured output: the OpenAI SDK's `client.responses.parse`) as chat
+    completions' response_format, checked and compiled there: json_schema (name, schema,
+    strict) or json_object; text is the default."""
+    if text is None or text == _TEXT_FORMAT:
+        return {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    extra = sorted(set(text) - {"format"}) if isinstance(text, dict) else []
+    if not isinstance(fmt, dict) or extra:
+        raise APIError.invalid(
+            "text must be {\"format\": {...}} with format type text, json_object or "
+            f"json_schema{'; unsupported: ' + ', '.join(extra) if extra else ''}",
+            param="text", code="unsupported_parameter" if extra else None)
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}}
+    raise APIError.invalid(f"text.format type {kind!r} is not supported: text, json_object or "
+                           "json_schema", param="text.format.type")
 
 
 def _chat_tools(tools: JsonValue, tool_choice: JsonValue) -> dict:
