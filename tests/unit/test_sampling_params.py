@@ -28,7 +28,7 @@ VOCAB = 100
         ({"top_k": 1.5}, r"top_k must be an integer, got 1.5"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
         ({"min_p": math.nan}, r"min_p must be a finite number"),
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be > 0, got 0.0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be >= 0.01, got 0.0"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
         ({"frequency_penalty": -math.inf}, r"frequency_penalty must be a finite number"),
         ({"seed": "42"}, r"seed must be an integer, got '42'"),
@@ -82,3 +82,14 @@ def test_params_are_immutable():
     params = SamplingParams()
     with pytest.raises(AttributeError):
         params.max_tokens = 3  # type: ignore[misc]
+
+
+def test_a_seed_of_minus_one_asks_for_a_random_one_as_in_vllm():
+    """It sampled as a fixed seed (the same text as another seed's, after the modulus);
+    vLLM takes -1 as no seed."""
+    from services.gateway.api.preprocess import SEED_MODULUS, _seed
+
+    drawn = {_seed(-1, 0) for _ in range(4)}
+    assert len(drawn) == 4 and all(0 <= s < 2**62 for s in drawn)
+    assert _seed(-2, 0) == _seed(-2, 0) == SEED_MODULUS - 2
+    assert _seed(7, 1) == 8

@@ -395,8 +395,9 @@ def _top_k(top_k: int, limits: ModelLimits, param: str) -> int:
 
 def _seed(seed: int | None, offset: int) -> int:
     """The user's seed, or a random one: the gateway always sends a seed, so the prefill
-    worker's first token and the decode worker's continuation (or a recompute) agree."""
-    if seed is None:
+    worker's first token and the decode worker's continuation (or a recompute) agree. -1
+    asks for a random one, as in vLLM."""
+    if seed is None or seed == -1:
         return secrets.randbits(62)
     return (seed + offset) % SEED_MODULUS
 
