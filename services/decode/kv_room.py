@@ -11,7 +11,7 @@ vLLM's queue, instead of failing with RESOURCE_EXHAUSTED (which the gateway turn
 Waiters are served in arrival order, and a new reservation queues behind them even if it
 would fit: a long prompt is not starved by a stream of short ones (vLLM's waiting queue stops
 at its first request that does not fit, too). A wait ends when the reservation fits, when
-`wait_s` passes (KVCacheFull, as before), or when the caller goes away (cancelled: nothing was
+`wait_s` passes from its arrival, in line behind others included (KVCacheFull, as before), or when the caller goes away (cancelled: nothing was
 reserved). Owned by the gRPC event loop; it reads the engine loop's stats, which the engine
 thread refreshes after every step, so waiting costs the engine nothing.
 """
@@ -60,16 +60,25 @@ class KVRoom:
                 return await self.engine_loop.open(request_id, start)
             except KVCacheFull:
                 pass
+        loop = asyncio.get_running_loop()
+        began = loop.time()  # `wait_s` bounds the whole wait, in line behind others too
         self._set_waiting(+1)
         try:
-            async with self._turn:
-                return await self._wait_for_room(request_id, start, give_up)
+            try:
+                await asyncio.wait_for(self._turn.acquire(), self.wait_s)
+            except TimeoutError:
+                raise KVCacheFull(f"{blocks} KV blocks needed; waited {self.wait_s:.1f}s "
+                                  "behind other reservations for room") from None
+            try:
+                return await self._wait_for_room(request_id, start, give_up, began)
+            finally:
+                self._turn.release()
         finally:
             self._set_waiting(-1)
 
-    async def _wait_for_room(self, request_id, start, give_up) -> tuple[RequestStream, Any]:
+    async def _wait_for_room(self, request_id, start, give_up,
+                             began: float) -> tuple[RequestStream, Any]:
         loop = asyncio.get_running_loop()
-        began = loop.time()
         while True:
             seen = self._free_blocks()
             try:

@@ -8,6 +8,7 @@ whose KV never comes hold the blocks until their stream is closed."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -33,6 +34,10 @@ def loop(tiny_llama_dir):
     loop = EngineLoop(engine, idle_wait_s=0.01)
     loop.start()
     yield loop
+    # A closed stream's abort is a command the engine thread runs next: let it.
+    deadline = time.monotonic() + 10
+    while engine.kv.num_free_blocks != engine.kv.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
     loop.stop()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "a test left blocks reserved"
 
@@ -163,3 +168,31 @@ def test_a_worker_that_starts_draining_sends_its_waiters_elsewhere(loop):
 
     # UNAVAILABLE: the gateway retries it on another worker before any token is out.
     assert asyncio.run(scenario()).code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_wait_bound_counts_the_time_in_line_behind_others(loop):
+    servicer = DecodeServicer(loop, "127.0.0.1:1", WorkerState("decode", "d", "tiny"), 1.0)
+
+    async def timed(rid: str):
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        try:
+            await reserve(servicer, rid, THREE_BLOCKS).__anext__()
+        except Aborted as refused:
+            return refused, clock() - started
+        raise AssertionError(f"{rid} got room")
+
+    async def scenario() -> list:
+        held = await fill(servicer)
+        first = asyncio.ensure_future(timed("c"))
+        await asyncio.sleep(0.5)
+        second = asyncio.ensure_future(timed("d"))
+        outcomes = await asyncio.gather(first, second)
+        for stream in held:
+            await stream.aclose()
+        return outcomes
+
+    (first, first_s), (second, second_s) = asyncio.run(scenario())
+    assert first.code == second.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # "d" gives up a second after it came (at 1.5 s), not a second after "c" let it try (2 s).
+    assert 0.9 <= first_s < 1.3 and 0.9 <= second_s < 1.3, (first_s, second_s)
