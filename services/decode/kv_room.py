@@ -11,9 +11,10 @@ vLLM's queue, instead of failing with RESOURCE_EXHAUSTED (which the gateway turn
 Waiters are served in arrival order, and a new reservation queues behind them even if it
 would fit: a long prompt is not starved by a stream of short ones (vLLM's waiting queue stops
 at its first request that does not fit, too). A wait ends when the reservation fits, when
-`wait_s` passes from its arrival, in line behind others included (KVCacheFull, as before), or when the caller goes away (cancelled: nothing was
-reserved). Owned by the gRPC event loop; it reads the engine loop's stats, which the engine
-thread refreshes after every step, so waiting costs the engine nothing.
+`wait_s` passes from its arrival, the time in line behind others included (KVCacheFull, as
+before), or when the caller goes away (cancelled: nothing was reserved). Owned by the gRPC
+event loop; it reads the engine loop's stats, which the engine thread refreshes after every
+step, so waiting costs the engine nothing.
 """
 
 from __future__ import annotations
