@@ -248,3 +248,36 @@ def test_a_function_without_parameters_is_forced_to_empty_arguments(llg_tokenize
     assert _accepts(llg_tokenizer, smollm2_dir, grammar, call)
     assert not _accepts(llg_tokenizer, smollm2_dir, grammar,
                         call.replace("{}", '{"argument": "12:00"}'))
+
+
+def test_tool_parameters_with_refs_and_defs_constrain_the_call(llg_tokenizer, smollm2_dir):
+    """Parameters that use `$defs` and `$ref` (pydantic's nested models, as
+    openai.pydantic_function_tool writes them) were refused: embedded in the call's schema,
+    "#/$defs/X" pointed at its root. Each tool's definitions now travel with it, two tools'
+    same-named definitions kept apart, and "#" is the tool's own parameters."""
+    place = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}},
+             "required": ["where"], "additionalProperties": False,
+             "$defs": {"Place": {"type": "object", "additionalProperties": False,
+                                 "properties": {"city": {"type": "string"},
+                                                "units": {"$ref": "#/$defs/Units"}},
+                                 "required": ["city", "units"]},
+                       "Units": {"enum": ["C", "F"]}}}
+    count = {"type": "object", "properties": {"n": {"$ref": "#/definitions/Place"},
+                                              "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["n", "next"], "additionalProperties": False,
+             "definitions": {"Place": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": place}},
+             {"type": "function", "function": {"name": "count", "parameters": count}}]
+    grammar = tool_plan(tools, "required", HermesFormat()).grammar()
+
+    def call(name: str, arguments: dict) -> str:
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+    ok = [call("weather", {"where": {"city": "Paris", "units": "C"}}),
+          call("count", {"n": 1, "next": {"n": 2, "next": None}})]
+    bad = [call("weather", {"where": {"city": "Paris", "units": "K"}}),
+           call("weather", {"where": {"city": "Paris"}}),
+           call("count", {"n": "one", "next": None}),
+           call("count", {"n": 1, "next": {"n": 2}})]
+    assert all(_accepts(llg_tokenizer, smollm2_dir, grammar, text) for text in ok)
+    assert not any(_accepts(llg_tokenizer, smollm2_dir, grammar, text) for text in bad)

@@ -90,3 +90,49 @@ class ToolFormat(Protocol):
     def parser(self, tool_names: frozenset[str], stream_calls: bool) -> ToolCallParser:
         """`stream_calls`: the output is constrained to well-formed calls, so their arguments
         may be released as they come (otherwise a call is released once it is complete)."""
+
+
+def embed_parameters(parameters: list[dict]) -> tuple[list[dict], dict]:
+    """Tools' `parameters` schemas placed inside one larger schema (a call's `arguments`):
+    each becomes a root definition, `$defs` entry `tool<i>`, its own `$defs` / `definitions`
+    hoisted beside it as `tool<i>.<name>`, and every local `$ref` ("#", "#/$defs/X",
+    "#/definitions/X", "#/properties/...") rewritten to point there. Left where they were,
+    such references pointed at the larger schema's root, and a tool whose parameters use them
+    (pydantic's nested models: `openai.pydantic_function_tool`) was refused.
+    Returns each tool's `arguments` schema and the definitions to put at the root."""
+    arguments: list[dict] = []
+    definitions: dict = {}
+    for i, schema in enumerate(parameters):
+        root = f"tool{i}"
+        local = {key: schema.get(key) or {} for key in _DEFINITION_KEYS}
+        for defs in local.values():
+            for name, sub in defs.items():
+                definitions[f"{root}.{name}"] = _rewrite_refs(sub, root)
+        definitions[root] = _rewrite_refs(
+            {k: v for k, v in schema.items() if k not in _DEFINITION_KEYS}, root)
+        arguments.append({"$ref": f"#/$defs/{root}"})
+    return arguments, definitions
+
+
+_DEFINITION_KEYS = ("$defs", "definitions")
+
+
+def _moved_ref(ref: str, root: str) -> str:
+    """A local reference of the schema now at `#/$defs/{root}` (its definitions beside it)."""
+    if ref == "#":
+        return f"#/$defs/{root}"
+    for key in _DEFINITION_KEYS:
+        prefix = f"#/{key}/"
+        if ref.startswith(prefix):
+            name, _, rest = ref[len(prefix):].partition("/")
+            return f"#/$defs/{root}.{name}" + (f"/{rest}" if rest else "")
+    return f"#/$defs/{root}{ref[1:]}" if ref.startswith("#/") else ref
+
+
+def _rewrite_refs(node, root: str):
+    if isinstance(node, dict):
+        return {k: (_moved_ref(v, root) if k == "$ref" and isinstance(v, str)
+                    else _rewrite_refs(v, root)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rewrite_refs(v, root) for v in node]
+    return node

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from services.gateway.api.tool_parsers.base import ParsedCall, ParsedPiece
+from services.gateway.api.tool_parsers.base import ParsedCall, ParsedPiece, embed_parameters
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The start of a call as the forcing grammar writes it; the arguments follow.
@@ -38,12 +38,14 @@ class HermesFormat:
 
     def grammar(self, tools: list[dict]) -> str:
         """A Lark grammar (llguidance syntax) for one call of one of `tools`."""
+        arguments, definitions = embed_parameters(
+            [t.get("parameters") or _NO_ARGUMENTS for t in tools])
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
-                  "properties": {"name": {"const": t["name"]},
-                                 "arguments": t.get("parameters") or _NO_ARGUMENTS}}
-                 for t in tools]
+                  "properties": {"name": {"const": t["name"]}, "arguments": args}}
+                 for t, args in zip(tools, arguments, strict=True)]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {**schema, "$defs": definitions}
         # json.dumps's separators and no other whitespace: what a parser and a reader expect,
         # and a small model cannot spend its tokens on blank lines. Keywords the grammar engine
         # does not implement (uniqueItems, not, unknown formats: common in MCP tool schemas,
