@@ -72,8 +72,10 @@ def workers_by_state(gateway) -> dict[tuple[str, str], float]:
 def test_the_pool_by_role_and_state_follows_a_frozen_worker(cluster):
     """A decode worker stopped with SIGSTOP (its Health polls time out) leaves the available
     count and shows as unreachable, then comes back after SIGCONT; every pair is exported,
-    zeros included, so "no decode worker available" is a plain comparison."""
-    cluster.start(p1="prefill", d1="decode", d2="decode")
+    zeros included, so "no decode worker available" is a plain comparison. The heartbeat TTL
+    outlasts the freeze: a frozen worker's registry entry expiring takes it out of the pool
+    (counted nowhere), which is not what this watches."""
+    cluster.start(("--heartbeat-ttl-s", "120"), p1="prefill", d1="decode", d2="decode")
     gateway = cluster.gateway()
     addresses = {w.address for w in cluster.workers.values()}
     wait_until(lambda: routable(gateway) == addresses, what="the gateway routing to all three")
