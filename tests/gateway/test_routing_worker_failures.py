@@ -71,24 +71,31 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster, long_model):
                what="the dead decode worker out of rotation")
 
 
-def test_kill_9_of_a_prefill_worker_retries_its_queued_requests(cluster, long_model):
-    # A 16-token step budget stretches each 1000-token prompt over ~60 steps: a queue forms.
+def _kill_p1_with_a_queue(cluster, long_model, prefillers: dict[str, str], num_prompts: int,
+                          stride: int) -> tuple:
+    """Long prompts streamed through the gateway while p1 (one of `prefillers`, each with a
+    16-token step budget: each 1000-token prompt takes ~60 steps, so a queue forms) is killed
+    with requests queued on it; the gateway and each stream's result."""
     cluster.start(("--num-kv-blocks", "512", "--max-num-batched-tokens", "16",
-                   "--long-prefill-token-threshold", "16"), p1="prefill", p2="prefill")
+                   "--long-prefill-token-threshold", "16"), **prefillers)
     cluster.start(("--num-kv-blocks", "1200"), d1="decode")
     gateway = cluster.gateway()
     url = f"http://{gateway.address}"
-    wait_until(lambda: len(routable(gateway)) == 3, what="three workers routable")
+    wait_until(lambda: len(routable(gateway)) == len(prefillers) + 1, what="workers routable")
     p1 = cluster.workers["p1"]
 
-    prompts = [[(i * 37 + j) % 700 + 3 for j in range(1000)] for i in range(10)]
+    prompts = [[(i * stride + j) % 700 + 3 for j in range(1000)] for i in range(num_prompts)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = [pool.submit(stream_completion, url, long_model.name, p, 6) for p in prompts]
         p1.wait_for(lambda h: h.stats.waiting >= 2, timeout=30, what="requests queued on p1")
         cluster.stop("p1", signal.SIGKILL)
-        results = [r.result() for r in results]
+        return gateway, [r.result() for r in results]
 
-    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(prompts)
+
+def test_kill_9_of_a_prefill_worker_retries_its_queued_requests(cluster, long_model):
+    gateway, results = _kill_p1_with_a_queue(cluster, long_model,
+                                             {"p1": "prefill", "p2": "prefill"}, 10, 37)
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(results)
     retried = [line for line in gateway.lines if "failed before its first token" in line]
     assert retried, "no request was queued on the killed worker"
     assert all("retrying" in line for line in retried), retried
@@ -98,22 +105,8 @@ def test_kill_9_of_the_only_prefill_worker_prefills_its_queue_on_decode(cluster,
     """One prefill worker, as `splitserve up` runs: the requests queued on it when it dies are
     retried on the decode worker (conditional disaggregation's local prefill), not sent back to
     the dead worker before its health poll has seen it die (2 of 4 got a 503 that way)."""
-    cluster.start(("--num-kv-blocks", "512", "--max-num-batched-tokens", "16",
-                   "--long-prefill-token-threshold", "16"), p1="prefill")
-    cluster.start(("--num-kv-blocks", "1200"), d1="decode")
-    gateway = cluster.gateway()
-    url = f"http://{gateway.address}"
-    wait_until(lambda: len(routable(gateway)) == 2, what="both workers routable")
-    p1 = cluster.workers["p1"]
-
-    prompts = [[(i * 41 + j) % 700 + 3 for j in range(1000)] for i in range(6)]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        results = [pool.submit(stream_completion, url, long_model.name, p, 6) for p in prompts]
-        p1.wait_for(lambda h: h.stats.waiting >= 2, timeout=30, what="requests queued on p1")
-        cluster.stop("p1", signal.SIGKILL)
-        results = [r.result() for r in results]
-
-    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(prompts)
+    _, results = _kill_p1_with_a_queue(cluster, long_model, {"p1": "prefill"}, 6, 41)
+    assert [(r[0], r[1], r[2]) for r in results] == [(200, "length", None)] * len(results)
 
 
 def test_streams_on_a_frozen_decode_worker_move_while_it_is_still_frozen(cluster, long_model):
