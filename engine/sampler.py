@@ -141,10 +141,17 @@ def _bad_word_ends(sequences: Sequence[tuple[int, ...]], row: SamplingRow) -> li
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Top-k then top-p then min-p on temperature-scaled logits; returns probabilities that
-    sum to 1 over the kept tokens (the rejection sampler uses them as p and q, not only as
-    weights for a draw)."""
+    """Min-p, top-k, then top-p on temperature-scaled logits, in vLLM's order: min-p against
+    the most likely token, top-k, then top-p on the mass left by the two (renormalised over
+    it). Returns probabilities that sum to 1 over the kept tokens (the rejection sampler uses
+    them as p and q, not only as weights for a draw)."""
     device = logits.device
+    min_ps = [r.params.min_p for r in rows]
+    if any(m > 0 for m in min_ps):
+        probs = logits.softmax(dim=-1)
+        ms = to_device(min_ps, probs.dtype, device).unsqueeze(1)
+        logits = logits.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values,
+                                    float("-inf"))
     top_ks = [r.params.top_k for r in rows]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[-1]
@@ -163,11 +170,6 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # which would drop tail tokens only when a neighbour in the batch uses top_p.
         sorted_probs = sorted_probs.masked_fill((before >= ps) & (ps < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    min_ps = [r.params.min_p for r in rows]
-    if any(m > 0 for m in min_ps):
-        ms = to_device(min_ps, probs.dtype, device).unsqueeze(1)
-        probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
-    if any(p < 1.0 for p in top_ps) or any(m > 0 for m in min_ps):
         probs = probs / probs.sum(dim=-1, keepdim=True)  # the top token always survives: sum > 0
     return probs
 
@@ -251,10 +253,10 @@ class Sampler:
             raw_logprobs = (logits if whole else logits[asked]).log_softmax(-1)
         if penalised or processed:
             logits = logits.clone()
+        if processed:  # before the penalties, as vLLM applies them
+            self.processing.apply(logits, rows, processed)
         if penalised:
             _apply_penalties_to_rows(logits, [rows[i] for i in penalised], penalised)
-        if processed:
-            self.processing.apply(logits, rows, processed)
         if batched:
             return self._sample_batched(logits, rows, asked, raw_logprobs)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

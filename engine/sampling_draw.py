@@ -99,11 +99,13 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
     else:
         top_k_inside = torch.zeros(len(rows), dtype=torch.bool)
         probs = (values - logits.logsumexp(-1, keepdim=True)).exp()
-    top_ps = torch.tensor([params[i].top_p for i in rows], dtype=probs.dtype).unsqueeze(1)
-    before = probs.cumsum(-1) - probs  # mass strictly ahead of each candidate
-    keep = (probs > 0) & ((before < top_ps) | (top_ps >= 1.0))
     min_ps = torch.tensor([params[i].min_p for i in rows], dtype=probs.dtype).unsqueeze(1)
-    keep &= probs >= min_ps * probs[:, :1]
+    by_min_p = probs >= min_ps * probs[:, :1]
+    top_ps = torch.tensor([params[i].top_p for i in rows], dtype=probs.dtype).unsqueeze(1)
+    top_ps = _top_p_after_min_p(top_ps, min_ps, probs.masked_fill(~by_min_p, 0.0), logits,
+                                unlimited)
+    before = probs.cumsum(-1) - probs  # mass strictly ahead of each candidate
+    keep = (probs > 0) & ((before < top_ps) | (top_ps >= 1.0)) & by_min_p
     # The kept set lies within the candidates when the whole top-k set does, or (without a
     # top-k) when the last candidate is dropped: every token after it is too, with more mass
     # ahead and a smaller probability.
@@ -120,6 +122,25 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
         for a, token in zip(done, picked, strict=True):
             tokens[rows[a]] = token
     return [rows[at] for at, ok in enumerate(covered) if not ok]
+
+
+def _top_p_after_min_p(top_ps, min_ps, kept_by_min_p, logits, unlimited) -> torch.Tensor:
+    """Top-p as it applies to candidates' probabilities once min-p has cut (vLLM's order: top-p
+    runs on the mass min-p and top-k left, renormalised): top_p times that mass, for the rows
+    with both. `kept_by_min_p`: the candidates' probabilities, zero where min-p drops them; a
+    row without a top-k (`unlimited`) has min-p's set counted over its whole vocabulary, as
+    it may reach past its candidates."""
+    both = ((top_ps < 1.0) & (min_ps > 0)).squeeze(1)
+    if not bool(both.any()):
+        return top_ps
+    mass = kept_by_min_p.sum(-1, keepdim=True)
+    whole = both & unlimited
+    if bool(whole.any()):
+        at = torch.nonzero(whole).squeeze(1)
+        full = (logits[at] - logits[at].logsumexp(-1, keepdim=True)).exp()
+        floor = min_ps[at] * full.amax(-1, keepdim=True)
+        mass[at] = full.masked_fill(full < floor, 0.0).sum(-1, keepdim=True)
+    return torch.where(both.unsqueeze(1), top_ps * mass, top_ps)
 
 
 def _draw_binned(scaled, params, uniforms, rows: list[int]) -> list[int]:
@@ -140,7 +161,11 @@ def _draw_binned(scaled, params, uniforms, rows: list[int]) -> list[int]:
     keep = (probs > 0) & (probs >= min_ps * probs.amax(-1, keepdim=True))
     # Top-p: the last bin whose mass ahead is below top_p holds the edge; the bins before it
     # are kept, those after dropped, and its own tokens kept while the mass ahead of them is.
+    # Its mass is what min-p left (min-p drops a suffix of the order: the bins ahead of any
+    # kept token hold only kept tokens, but for the bin where min-p's floor falls).
     top_ps = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64).unsqueeze(1)
+    top_ps = torch.where((top_ps < 1.0) & (min_ps > 0),
+                         top_ps * (probs * keep).sum(-1, keepdim=True, dtype=torch.float64), top_ps)
     edge = (torch.searchsorted(ahead, top_ps, right=False) - 1).clamp(min=0)
     truncated = (top_ps < 1.0).squeeze(1)
     edge = torch.where(truncated.unsqueeze(1), edge, _NUM_BINS - 1)

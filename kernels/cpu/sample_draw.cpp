@@ -314,11 +314,25 @@ void collect_top_k(const T* row, const float* e, int64_t n, float temperature, i
   }
 }
 
+// The mass of what min-p keeps among `count` tokens' exponentials, read through `at`: those
+// with e >= min_p times the largest e among them.
+template <typename At>
+double min_p_mass(int64_t count, float min_p, At at) {
+  float top_e = 0.0f;
+  for (int64_t i = 0; i < count; ++i) top_e = std::max(top_e, at(i));
+  const double floor = static_cast<double>(min_p) * top_e;
+  double mass = 0.0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (static_cast<double>(at(i)) >= floor) mass += at(i);
+  }
+  return mass;
+}
+
 // A cut row. The candidates are the tokens within a span of nats below the top (or, with a
 // min-p and no top-k, those min-p keeps: e >= min_p, the top token's e being 1), cut to
-// top-k's set (with every token tied with the k-th); top-p runs over them in order of falling
-// probability on the mass renormalised to the top-k set, min-p against the top token; the draw
-// inverts the kept tokens in that order. A span that may not hold the kept set (fewer tokens
+// top-k's set (with every token tied with the k-th); min-p against the top token, then top-p
+// over them in order of falling probability on the mass min-p and top-k left, renormalised
+// (vLLM's order); the draw inverts the kept tokens in that order. A span that may not hold the kept set (fewer tokens
 // than the top-k; without a top-k or a min-p, its last token still kept by top-p) is widened,
 // up to every token.
 template <typename T>
@@ -328,6 +342,11 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
   std::vector<Candidate>& candidates = scratch.candidates;
   const bool limited = top_k > 0 && top_k < n;
   const float min_p_floor = min_p > 0.0f ? min_p * (1.0f - 1e-6f) : 0.0f;  // rounding's margin
+  // Top-p's cut in units of the normaliser: top_p times the share min-p keeps of its mass.
+  const bool both = top_p < 1.0f && min_p > 0.0f;
+  float cut_p = top_p;
+  if (both && !limited)
+    cut_p = static_cast<float>(top_p * min_p_mass(n, min_p, [e](int64_t i) { return e[i]; }) / total);
   float span = kFirstSpan;
   for (int attempt = 0; attempt <= kSpans; ++attempt, span *= 2.0f) {
     const float span_floor = attempt == kSpans ? 0.0f : splitserve_cpu::exp_nonpositive(-span);
@@ -360,9 +379,13 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
       normaliser = 0.0;
       for (const Candidate& c : candidates) normaliser += e[c.index];
       whole = true;
+      if (both) {
+        const auto at = [&](int64_t i) { return e[candidates[i].index]; };
+        cut_p = static_cast<float>(top_p * min_p_mass(count, min_p, at) / normaliser);
+      }
     }
     if (!limited && (top_p < 1.0f || min_p > 0.0f) && count > 2 * kHead) {
-      const int64_t drawn = invert_top_p_binned(e, normaliser, top, top_p, min_p, whole, u,
+      const int64_t drawn = invert_top_p_binned(e, normaliser, top, cut_p, min_p, whole, u,
                                                 scratch);
       if (drawn >= 0) return drawn;
       // Every candidate kept: the tokens beyond may be too. Flat rows get here, and one more
@@ -386,7 +409,7 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
       int64_t kept_end = 0;  // the kept tokens are a prefix of the order (both cuts are)
       for (int64_t j = 0; j < ordered; ++j) {
         const double p = e[candidates[j].index] / normaliser;
-        const bool keep = p > 0.0 && (top_p >= 1.0f || before < top_p) &&
+        const bool keep = p > 0.0 && (cut_p >= 1.0f || before < cut_p) &&
                           p >= static_cast<double>(min_p) * first;
         if (!keep) break;
         before += p;

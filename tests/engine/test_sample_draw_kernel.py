@@ -73,7 +73,8 @@ def test_a_vocabulary_sized_batch_of_mixed_rows_draws_each_as_the_torch_draw():
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, min_p=0.02),
-                                    dict(temperature=1.0, top_p=0.9, min_p=0.001)])
+                                    dict(temperature=1.0, top_p=0.9, min_p=0.001),
+                                    dict(temperature=1.0, top_p=0.7, min_p=0.01)])
 @pytest.mark.parametrize("shape", ["gaussian", "tied"])
 def test_a_cut_over_thousands_of_tokens_draws_as_the_ordered_walk(shape, params):
     """Rows whose kept set runs to thousands of tokens (Gaussian logits over SmolLM2's

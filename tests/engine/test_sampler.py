@@ -54,6 +54,16 @@ def test_top_p_applies_after_top_k_renormalises():
     assert kept(LOGITS, top_k=3, top_p=0.8) == {0, 1}
 
 
+def test_min_p_cuts_first_and_top_p_runs_on_the_mass_it_left():
+    # vLLM's order. Min-p 0.25 keeps {0, 1, 2} (mass 0.9); top_p 0.8 on that mass renormalised
+    # has 0.75 / 0.9 = 0.83 ahead of token 2, so it is dropped. (Top-p first, on the whole
+    # distribution, would keep token 2: 0.75 ahead of it.)
+    assert kept(LOGITS, min_p=0.25) == {0, 1, 2}
+    assert kept(LOGITS, top_p=0.8) == {0, 1, 2}
+    assert kept(LOGITS, min_p=0.25, top_p=0.8) == {0, 1}
+    assert kept(LOGITS, min_p=0.25, top_k=3, top_p=0.8) == {0, 1}
+
+
 def test_filtered_probabilities_keep_the_ratios_of_the_kept_tokens():
     probs = _filter(LOGITS.clone(), [row(top_k=2)])[0]
     assert probs[2] == 0 and probs[3] == 0
@@ -96,10 +106,11 @@ def test_filters_agree_with_transformers_warpers(seed):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, 64, generator=generator) * 3
     settings = dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    # vLLM's order: min-p on the whole distribution, then top-k, then top-p renormalised.
     ref = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    ref = MinPLogitsWarper(0.05)(None, ref)
     ref = TopKLogitsWarper(20)(None, ref)
     ref = TopPLogitsWarper(0.8)(None, ref)
-    ref = MinPLogitsWarper(0.05)(None, ref)
     ours = _filter(logits.clone() / 0.7, [row(**settings)])
     assert set(torch.nonzero(ours[0]).flatten().tolist()) == set(torch.nonzero(ref[0] > -math.inf).flatten().tolist())
     torch.testing.assert_close(ours[0] / ours[0].sum(), ref[0].softmax(-1))
@@ -350,6 +361,16 @@ def test_logit_bias_moves_the_greedy_choice_and_leaves_the_logprobs_and_other_ro
     assert math.isclose(logprobs[0].logprob, math.log(0.1), rel_tol=1e-5)
     assert logprobs[0].rank == 4
     assert torch.equal(logits, torch.tensor([PROBS, PROBS]).log()), "the caller's logits changed"
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_logit_bias_applies_before_the_penalties_as_in_vllm(batched):
+    # Token 0 was seen: biased first, -1 + 1.2 = 0.2 is positive and halves to 0.1, above
+    # token 1's 0; penalised first, -1 x 2 + 1.2 = -0.8 would lose to it.
+    logits = torch.tensor([[-1.0, 0.0, -5.0]])
+    params = dict(temperature=0.0, token_ids=[0], num_prompt_tokens=1, repetition_penalty=2.0)
+    assert Sampler(batched=batched)(logits, [row(**params)])[0] == [1]
+    assert Sampler(batched=batched)(logits, [row(logit_bias=((0, 1.2),), **params)])[0] == [0]
 
 
 def test_a_bias_of_minus_100_bans_a_token_from_sampling():

@@ -48,6 +48,7 @@ CASES = [
     ("flat", dict(temperature=1.0, top_p=0.99)),
     ("flat", dict(temperature=1.0, top_k=2000)),
     ("flat", dict(temperature=1.0, min_p=0.9)),
+    ("flat", dict(temperature=1.0, top_p=0.5, min_p=0.9)),  # top-p on min-p's mass: past 64
     ("ties", dict(temperature=1.0, top_k=10)),
     ("ties", dict(temperature=1.0, top_k=10, top_p=0.5)),
     ("masked", dict(temperature=1.0, top_k=50)),
@@ -132,6 +133,7 @@ def test_a_flat_top_p_row_is_drawn_from_bins_not_a_sort_of_the_vocabulary():
 
 
 @pytest.mark.parametrize("params", [dict(top_p=0.99), dict(top_p=0.9, min_p=0.5),
+                                    dict(top_p=0.5, min_p=0.05),
                                     dict(min_p=0.95), dict(temperature=0.7, top_p=0.95)])
 def test_the_binned_draw_picks_the_token_the_sorted_draw_picks(params):
     """The same token as inverting over the whole vocabulary sorted by probability, on a grid

@@ -70,7 +70,8 @@ def test_rejection_rule_outputs_the_target_distribution_at_every_position():
 
 def _warped_target(logits: torch.Tensor, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
     """The distribution a request with these settings must see, from transformers' warpers
-    (an independent implementation of temperature, top-p and min-p)."""
+    (an independent implementation of temperature, top-p and min-p), applied in vLLM's order:
+    min-p, then top-p on what it left."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
         TemperatureLogitsWarper,
@@ -78,10 +79,10 @@ def _warped_target(logits: torch.Tensor, temperature: float, top_p: float, min_p
     )
 
     warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
-    if top_p < 1.0:
-        warped = TopPLogitsWarper(top_p)(None, warped)
     if min_p > 0.0:
         warped = MinPLogitsWarper(min_p)(None, warped)
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
     return warped.softmax(-1)
 
 
