@@ -1,6 +1,7 @@
 """Scheduler against a fake model runner: token budget, chunked prefill, priority order,
-preemption (newest / lowest priority first, resumed with identical output), aborts, remote KV,
-and that every block is free once every request has finished."""
+preemption (newest / lowest priority first, resumed with identical output), aborts, and that
+every block is free once every request has finished (prefix cache and remote KV: the
+test_scheduler_* files beside it, on the same runner)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MIN_SHARED_TOKENS_TO_WAIT, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
 _arrival = itertools.count()
@@ -89,8 +90,9 @@ def make_scheduler(num_blocks: int = 64, prefix_caching: bool = True, **config) 
     return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BLOCK, prefix_caching))
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, **kw) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0,
+                 params: SamplingParams | None = None, **kw) -> Request:
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return Request(rid, prompt, params, priority=priority, arrival_time=next(_arrival), **kw)
 
 
@@ -308,133 +310,6 @@ def test_cached_prompt_tokens_never_exceed_the_prompt_after_preemption():
             assert out.num_cached_tokens <= out.num_prompt_tokens
 
 
-# -- prefix cache -------------------------------------------------------------------------
-
-
-def test_second_request_with_a_shared_prefix_skips_the_cached_blocks():
-    scheduler = make_scheduler()
-    shared = prompt_of(12)
-    scheduler.add_request(make_request("a", shared + [1, 2], max_tokens=3))
-    run_to_completion(scheduler)
-    b = make_request("b", shared + [3], max_tokens=3)
-    scheduler.add_request(b)
-    sched = scheduler.schedule()
-    assert sched.num_scheduled_tokens == {"b": 1}
-    assert sched.new_requests[0].num_computed_tokens == 12
-    assert sched.new_requests[0].block_ids[:3] == [0, 1, 2]
-    assert b.num_cached_tokens == 12
-
-
-def test_prefix_hit_reads_the_right_kv_end_to_end():
-    scheduler = make_scheduler(num_blocks=16)
-    runner = FakeRunner(16)
-    shared = prompt_of(12)
-    scheduler.add_request(make_request("a", shared + [1, 2], max_tokens=3))
-    run_to_completion(scheduler, runner)
-    # Fill the cache with another request so eviction order matters, then hit the prefix.
-    scheduler.add_request(make_request("filler", prompt_of(20, 40), max_tokens=2))
-    run_to_completion(scheduler, runner)
-    scheduler.add_request(make_request("b", shared + [3, 4, 5], max_tokens=4))
-    trace = run_to_completion(scheduler, runner)
-    assert trace.outputs["b"] == expected_output(shared + [3, 4, 5], 4)
-    assert scheduler.kv.prefix_hits >= 12
-    assert_no_blocks_held(scheduler)
-
-
-def test_prompts_sent_together_behind_a_new_prefix_compute_it_once():
-    """Prompts that arrive together behind a prefix no block holds yet: the first computes
-    it, the others wait one step and read it from the cache (before, the token budget took
-    several of them whole, each computing the prefix); a prompt queued behind them that
-    shares nothing is not held up; every output is unchanged."""
-    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
-    shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT)
-    prompts = {f"p{i}": shared + [i + 1, i + 2] for i in range(3)}
-    prompts["other"] = prompt_of(6, start=50)
-    for rid, prompt in prompts.items():
-        scheduler.add_request(make_request(rid, prompt, max_tokens=3))
-    trace = run_to_completion(scheduler)
-    first, second = trace.steps[0].num_scheduled_tokens, trace.steps[1].num_scheduled_tokens
-    assert first == {"p0": len(shared) + 2, "other": 6}
-    assert second["p1"] == second["p2"] == 2  # the shared tokens come from the cache
-    for rid, prompt in prompts.items():
-        assert trace.outputs[rid] == expected_output(prompt, 3)
-    assert_no_blocks_held(scheduler)
-
-
-def test_a_short_shared_prefix_is_taken_in_the_same_step():
-    """Waiting costs a step (~30 ms on SmolLM2 here): below MIN_SHARED_TOKENS_TO_WAIT shared
-    tokens the second prompt goes in the same step, and takes the first one's blocks as they
-    are computed (every layer stores the step's K/V before attention reads the cache), so it
-    computes only its own last token."""
-    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
-    shared = prompt_of(MIN_SHARED_TOKENS_TO_WAIT - BLOCK)
-    scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
-    scheduler.add_request(make_request("b", shared + [2], max_tokens=2))
-    assert scheduler.schedule().num_scheduled_tokens == {"a": len(shared) + 1, "b": 1}
-
-
-def test_identical_prompts_share_every_full_block_but_compute_their_last_one():
-    """n choices of one prompt (the gateway sends each as a request): the blocks before the
-    last token's are computed once; each request computes its own last block, which it will
-    write its output into."""
-    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=400)
-    prompt = prompt_of(3 * BLOCK - 1)  # two full blocks, then the last token's block
-    for i in range(4):
-        scheduler.add_request(make_request(f"c{i}", prompt, max_tokens=3))
-    trace = run_to_completion(scheduler)
-    own = len(prompt) - 2 * BLOCK
-    assert trace.steps[0].num_scheduled_tokens == {"c0": len(prompt), "c1": own, "c2": own,
-                                                   "c3": own}
-    assert all(trace.outputs[f"c{i}"] == expected_output(prompt, 3) for i in range(4))
-    assert_no_blocks_held(scheduler)
-
-
-def test_a_prompt_taking_blocks_in_flight_keeps_them_when_their_owner_is_aborted():
-    """The owner of the blocks computed this step is aborted while the step runs (it never
-    registers them in the prefix cache): the prompt that took them still reads its prefix
-    through them, and every block is freed in the end."""
-    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=400)
-    runner = FakeRunner(64)
-    shared = prompt_of(3 * BLOCK)
-    scheduler.add_request(make_request("owner", shared + [1], max_tokens=4))
-    scheduler.add_request(make_request("taker", shared + [2], max_tokens=4))
-    sched = scheduler.schedule()
-    assert sched.num_scheduled_tokens == {"owner": len(shared) + 1, "taker": 1}
-    result = runner.execute(sched)
-    scheduler.abort("owner")
-    scheduler.update(sched, result)
-    trace = run_to_completion(scheduler, runner)
-    assert trace.outputs["taker"] == expected_output(shared + [2], 4)[1:]
-    assert_no_blocks_held(scheduler)
-
-
-def test_a_prompt_waits_for_a_shared_prefix_chunked_over_several_steps():
-    """The first prompt's prefill is cut into chunks: the one sharing its prefix waits while
-    the chunk being computed holds its next blocks, and computes only what is its own."""
-    chunk = MIN_SHARED_TOKENS_TO_WAIT
-    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=4 * chunk,
-                               long_prefill_token_threshold=chunk)
-    shared = prompt_of(3 * chunk)
-    scheduler.add_request(make_request("a", shared + [1], max_tokens=2))
-    scheduler.add_request(make_request("b", shared + [2, 3], max_tokens=2))
-    trace = run_to_completion(scheduler)
-    b_tokens = [step.num_scheduled_tokens.get("b") for step in trace.steps]
-    assert [n for n in b_tokens if n] == [2, 1]  # its own two tokens, then its decode
-    assert trace.outputs["b"] == expected_output(shared + [2, 3], 2)
-    assert scheduler.kv.prefix_hits >= len(shared)
-
-
-def test_prompt_logprobs_requests_do_not_use_the_prefix_cache():
-    scheduler = make_scheduler()
-    shared = prompt_of(12)
-    scheduler.add_request(make_request("a", shared + [1], max_tokens=1))
-    run_to_completion(scheduler)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    scheduler.add_request(Request("b", shared + [2], params, arrival_time=next(_arrival)))
-    sched = scheduler.schedule()
-    assert sched.num_scheduled_tokens == {"b": 13}
-
-
 # -- aborts -------------------------------------------------------------------------------
 
 
@@ -495,111 +370,6 @@ def test_a_request_aborted_while_its_step_runs_gets_no_output():
     result = runner.execute(sched)
     scheduler.abort("a")
     assert scheduler.update(sched, result) == []
-    assert_no_blocks_held(scheduler)
-
-
-# -- remote KV (decode role) and held KV (prefill role) -------------------------------------
-
-
-def test_reserve_for_remote_kv_allocates_the_prompt_blocks_up_front():
-    scheduler = make_scheduler(num_blocks=8)
-    request = make_request("r", prompt_of(9), max_tokens=3)
-    assert scheduler.reserve_for_remote_kv(request) == [0, 1, 2]
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-    assert scheduler.num_unfinished == 1
-    assert scheduler.schedule().is_empty  # nothing to run until the KV arrives
-
-
-def test_reserve_for_remote_kv_refuses_without_changing_anything_when_full():
-    scheduler = make_scheduler(num_blocks=4)
-    assert scheduler.reserve_for_remote_kv(make_request("a", prompt_of(9), max_tokens=3)) is not None
-    big = make_request("b", prompt_of(9, 3), max_tokens=3)
-    assert scheduler.reserve_for_remote_kv(big) is None
-    assert big.status == RequestStatus.WAITING
-    assert "b" not in scheduler.requests and "b" not in scheduler.waiting_for_kv
-    assert scheduler.kv.num_free_blocks == 1
-
-
-def test_remote_kv_arrival_starts_decoding_after_the_first_token():
-    scheduler = make_scheduler(num_blocks=8)
-    runner = FakeRunner(8)
-    prompt = prompt_of(9)
-    expected = expected_output(prompt, 4)
-    request = make_request("r", prompt, max_tokens=4)
-    block_ids = scheduler.reserve_for_remote_kv(request)
-    # The prefill worker would have written the prompt's KV into these blocks.
-    for pos, token in enumerate(prompt):
-        runner.kv[block_ids[pos // BLOCK] * BLOCK + pos % BLOCK] = token
-    assert scheduler.remote_kv_arrived("r", expected[0]) is request
-    assert request.status == RequestStatus.RUNNING
-    trace = run_to_completion(scheduler, runner)
-    assert trace.steps[0].num_scheduled_tokens == {"r": 1}
-    assert trace.steps[0].new_requests[0].num_computed_tokens == 9
-    assert [expected[0]] + trace.outputs["r"] == expected
-    assert_no_blocks_held(scheduler)
-
-
-def test_remote_first_token_that_ends_the_request_frees_the_reservation():
-    scheduler = make_scheduler(num_blocks=8)
-    request = make_request("r", prompt_of(9), max_tokens=1)
-    scheduler.reserve_for_remote_kv(request)
-    scheduler.remote_kv_arrived("r", 42)
-    assert request.status == RequestStatus.FINISHED_LENGTH
-    assert scheduler.num_unfinished == 0
-    assert_no_blocks_held(scheduler)
-
-
-def test_remote_kv_for_an_unknown_request_is_ignored():
-    scheduler = make_scheduler()
-    assert scheduler.remote_kv_arrived("ghost", 5) is None
-    assert scheduler.recompute_locally("ghost") is False
-
-
-def test_abort_while_waiting_for_remote_kv_frees_the_reservation():
-    scheduler = make_scheduler(num_blocks=8)
-    scheduler.reserve_for_remote_kv(make_request("r", prompt_of(9), max_tokens=3))
-    assert scheduler.abort("r") is not None
-    assert scheduler.remote_kv_arrived("r", 5) is None  # late KV is dropped
-    assert scheduler.num_unfinished == 0
-    assert_no_blocks_held(scheduler)
-
-
-def test_recompute_locally_drops_the_reservation_and_prefills_here():
-    scheduler = make_scheduler(num_blocks=8)
-    prompt = prompt_of(9)
-    request = make_request("r", prompt, max_tokens=4)
-    scheduler.reserve_for_remote_kv(request)
-    assert scheduler.recompute_locally("r") is True
-    assert request.status == RequestStatus.WAITING
-    assert scheduler.kv.num_free_blocks == 8
-    trace = run_to_completion(scheduler)
-    assert trace.outputs["r"] == expected_output(prompt, 4)
-    assert_no_blocks_held(scheduler)
-
-
-def test_held_kv_request_stops_after_its_first_token_and_keeps_its_blocks_until_released():
-    scheduler = make_scheduler(num_blocks=8)
-    request = make_request("p", prompt_of(9), max_tokens=5, hold_kv=True)
-    scheduler.add_request(request)
-    trace = run_to_completion(scheduler)
-    assert trace.outputs == {"p": expected_output(prompt_of(9), 1)}
-    assert request.status == RequestStatus.FINISHED_HANDED_OFF
-    assert trace.finish_reasons == {"p": None}  # not finished: it continues on a decode worker
-    assert scheduler.kv.block_ids("p") == [0, 1, 2]
-    scheduler.release_held_kv(request)
-    assert_no_blocks_held(scheduler)
-
-
-@pytest.mark.parametrize(("max_tokens", "first", "reason"), [(1, None, "length"), (5, 0, "stop")])
-def test_held_kv_request_keeps_a_real_finish_reason(max_tokens, first, reason):
-    scheduler = make_scheduler(num_blocks=8)
-    prompt = prompt_of(9)
-    eos = expected_output(prompt, 1)[0] if first is not None else 1
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    request = Request("p", prompt, params, eos_token_ids=(eos,), hold_kv=True)
-    scheduler.add_request(request)
-    assert run_to_completion(scheduler).finish_reasons == {"p": reason}
-    scheduler.release_held_kv(request)
     assert_no_blocks_held(scheduler)
 
 
