@@ -49,6 +49,9 @@ class JsonLinesSpanExporter(SpanExporter):
                 "start_ns": span.start_time,
                 "end_ns": span.end_time,
                 "attributes": dict(span.attributes or {}),
+                "events": [{"name": event.name, "time_ns": event.timestamp,
+                            "attributes": dict(event.attributes or {})}
+                           for event in span.events],
             }))
         data = ("\n".join(lines) + "\n").encode()
         with self._lock:

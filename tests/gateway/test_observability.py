@@ -121,6 +121,12 @@ def test_one_request_is_one_trace_across_the_three_processes(traced):
         by_name["prefill"]["attributes"]["splitserve.transfer_bytes"] > 0
     assert attrs["splitserve.decode_worker"] and attrs["splitserve.prefill_worker"]
     assert "splitserve.cached_prefix_tokens" in attrs
+    # The span file has the request's events: where it went, when its first token came.
+    events = {event["name"]: event for event in root["events"]}
+    assert {"route", "first_token"} <= set(events), root["events"]
+    assert events["route"]["attributes"]["attempt"] == 0  # the first attempt
+    assert events["route"]["attributes"]["decode_worker"] == attrs["splitserve.decode_worker"]
+    assert root["start_ns"] < events["first_token"]["time_ns"] <= root["end_ns"]
     # The prompt is never logged by default; the access line carries the same trace id.
     (line,) = _poll(lambda: [e for e in traced.access_log() if e["request_id"] == request_id],
                     bool, "the access-log line")
