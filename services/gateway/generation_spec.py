@@ -24,6 +24,7 @@ class GenerationSpec:
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: keep the matched stop
     skip_special_tokens: bool = True  # special tokens' text left out of the output
     return_token_ids: bool = False  # vLLM's: token ids beside the text (RL and eval clients)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     # Prefix-cache salt of the tenant (admission sets it): the workers and the router hash the
     # prompt's blocks from it, so tenants never share cached KV unless their group says so.

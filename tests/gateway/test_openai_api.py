@@ -198,6 +198,37 @@ def test_completion_echo_with_logprobs_includes_prompt_tokens(stack, model_name)
     assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stack, model_name):
+    """vLLM's return_tokens_as_token_ids: every logprob token is "token_id:N", N the id that
+    return_token_ids gives; the text, its offsets and the chosen token's bytes stay the text's."""
+    client = openai_client(stack.url)
+    settings = dict(max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    plain = _chat(client, model_name, **settings).choices[0]
+    choice = _chat(client, model_name, **settings, extra_body={
+        "return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    content = choice.logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in choice.token_ids]
+    assert choice.message.content == plain.message.content
+    assert [e.bytes for e in content] == [e.bytes for e in plain.logprobs.content]
+    for entry in content:
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+        assert all(bytes(t.bytes).decode() == t.token for t in entry.top_logprobs)
+    plain = client.completions.create(model=model_name, prompt="A small cat", max_tokens=6,
+                                      temperature=0, logprobs=1, echo=True)
+    named = client.completions.create(model=model_name, prompt="A small cat", max_tokens=6,
+                                      temperature=0, logprobs=1, echo=True,
+                                      extra_body={"return_tokens_as_token_ids": True,
+                                                  "return_token_ids": True})
+    lp, choice = named.choices[0].logprobs, named.choices[0]
+    ids = [*choice.prompt_token_ids, *choice.token_ids]
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert choice.text == plain.choices[0].text
+    assert lp.text_offset == plain.choices[0].logprobs.text_offset
+    assert lp.token_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs)
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+        assert token in top and all(name.startswith("token_id:") for name in top)
+
+
 def test_token_id_prompts_and_prompt_lists(disagg_stack, model_name, tiny_llama_dir):
     from tokenizers import Tokenizer
 

@@ -27,7 +27,6 @@ REFUSED = [
     (CHAT, "echo", True),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "logits_processors", ["my.module:Processor"]),
-    (COMPLETIONS, "return_tokens_as_token_ids", True),
 ]
 # Values that change nothing, and fields that never change what is generated.
 ACCEPTED = [
@@ -39,7 +38,7 @@ ACCEPTED = [
     (COMPLETIONS, {"logit_bias": {"50": 3}, "min_tokens": 1, "allowed_token_ids": [5, 6, 7],
                    "include_stop_str_in_output": True, "skip_special_tokens": False}),
     (COMPLETIONS, {"best_of": 1, "suffix": "", "user": "u-2", "use_beam_search": False}),
-    (CHAT, {"echo": False, "logits_processors": [], "return_tokens_as_token_ids": False}),
+    (CHAT, {"echo": False, "logits_processors": []}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
 ]
 

@@ -112,6 +112,9 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     # vLLM's: token ids beside the text (the prompt's once, each choice's output).
     return_token_ids: bool = False
+    # vLLM's: logprob tokens written as "token_id:N" (a token whose text is not valid UTF-8,
+    # or that several ids share, is then still told apart).
+    return_tokens_as_token_ids: bool = False
     # vLLM's: a salt of the caller's own for the prefix cache, within its tenant's cache.
     cache_salt: str | None = Field(default=None, json_schema_extra={
         "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
@@ -131,7 +134,6 @@ class _SamplingFields(_Body):
     length_penalty: JsonValue = None
     spaces_between_special_tokens: JsonValue = None
     logits_processors: JsonValue = None
-    return_tokens_as_token_ids: JsonValue = None
 
     @property
     def include_usage(self) -> bool:

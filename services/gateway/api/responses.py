@@ -25,6 +25,11 @@ _LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
                                          "\u2029": "\\u2029"})
 
 
+def token_placeholder(token_id: int) -> str:
+    """A logprob token named by its id (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}"
+
+
 def encode_sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(
         payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
@@ -275,16 +280,22 @@ class ChatFormat(BodyFormat):
                 **self._ids(c.index, c.token_ids)}
 
     def _logprobs(self, token_ids, logprobs, index: int) -> dict | None:
-        if self.specs[index].logprobs is None:
+        spec = self.specs[index]
+        if spec.logprobs is None:
             return None
-        return {"content": [self._entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=False)]}
+        return {"content": [self._entry(t, lp, spec.tokens_as_ids)
+                            for t, lp in zip(token_ids, logprobs, strict=False)]}
 
-    def _entry(self, token_id: int, lp: Logprobs) -> dict:
-        entry = self._top(token_id, lp.logprob)
-        entry["top_logprobs"] = [self._top(t, v) for t, v in _likeliest(lp)]
+    def _entry(self, token_id: int, lp: Logprobs, as_ids: bool) -> dict:
+        entry = self._top(token_id, lp.logprob, as_ids)
+        entry["bytes"] = list(self.tokenizer.token_bytes(token_id))  # its text's, either way
+        entry["top_logprobs"] = [self._top(t, v, as_ids) for t, v in _likeliest(lp)]
         return entry
 
-    def _top(self, token_id: int, logprob: float) -> dict:
+    def _top(self, token_id: int, logprob: float, as_ids: bool) -> dict:
+        if as_ids:  # vLLM's return_tokens_as_token_ids: the bytes are the placeholder's
+            token = token_placeholder(token_id)
+            return {"token": token, "logprob": self._lp(logprob), "bytes": list(token.encode())}
         return {"token": self.tokenizer.token_text(token_id), "logprob": self._lp(logprob),
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
 
@@ -337,13 +348,14 @@ class CompletionFormat(BodyFormat):
         body["usage"] = usage_body
         return body
 
-    def _top_logprobs(self, token_id: int, lp: Logprobs) -> dict[str, float]:
+    def _top_logprobs(self, token_id: int, lp: Logprobs, name) -> dict[str, float]:
         """OpenAI's legacy completions (and vLLM): the chosen token, then the `logprobs`
         likeliest, so up to logprobs + 1 entries (logprobs=0: the chosen one alone). Keyed by
-        text: a likelier token with the chosen one's text does not replace it."""
-        top = {self.tokenizer.token_text(token_id): self._lp(lp.logprob)}
+        `name` (text, or the id placeholder): a likelier token with the chosen one's text does
+        not replace it."""
+        top = {name(token_id): self._lp(lp.logprob)}
         for other, value in _likeliest(lp):
-            top.setdefault(self.tokenizer.token_text(other), self._lp(value))
+            top.setdefault(name(other), self._lp(value))
         return top
 
     def _logprobs(self, spec, token_ids, logprobs, prompt_part) -> dict | None:
@@ -357,13 +369,13 @@ class CompletionFormat(BodyFormat):
             prompt_lps = prompt_lps or (None,) * len(prompt_ids)
             entries += list(zip(prompt_ids, prompt_lps, strict=False))
         entries += list(zip(token_ids, logprobs, strict=False))
+        name = token_placeholder if spec.tokens_as_ids else self.tokenizer.token_text
         for token_id, lp in entries:
-            token = self.tokenizer.token_text(token_id)
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
+            tokens.append(name(token_id))
+            offsets.append(offset)  # into the text, whatever the tokens are named
+            offset += len(self.tokenizer.token_text(token_id))
             token_logprobs.append(None if lp is None else self._lp(lp.logprob))
-            tops.append(None if lp is None else self._top_logprobs(token_id, lp))
+            tops.append(None if lp is None else self._top_logprobs(token_id, lp, name))
         self._text_offset[spec.index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}

@@ -69,7 +69,6 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     "echo": ("the last message echoed before the answer", _one_of(False)),
     "prompt_embeds": ("prompts as embeddings", _ABSENT),
     "logits_processors": ("caller-named logits processors", _EMPTY),
-    "return_tokens_as_token_ids": ("logprob tokens written as 'token_id:N'", _one_of(False)),
 }
 CHAT_ONLY = frozenset({"functions", "function_call", "reasoning_effort",
                        "web_search_options", "audio", "modalities", "chat_template",
