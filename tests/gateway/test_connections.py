@@ -1,7 +1,7 @@
 """The gateway's client connections, probed with raw sockets against a real gateway process over
 real workers: a request's headers and body must arrive in time however they trickle
 (slowloris), open connections are capped below the open-file limit, a refused body closes the
-connection instead of being read and dropped, a client that leaves mid-upload is a client that
+connection instead of being read (gently: the client still reads the refusal), a client that leaves mid-upload is a client that
 left (499), not a server error, JSON is the only body taken, and CORS is off unless asked."""
 
 from __future__ import annotations
@@ -149,6 +149,27 @@ def test_a_body_over_the_limit_closes_the_connection_unread(body, gateway):
         assert status == 413, data[:300]
         assert b"connection: close" in data.lower()
         assert _closed_within(sock, 3) is not None
+
+
+def test_a_client_still_uploading_a_body_over_the_limit_reads_its_413(gateway_factory,
+                                                                    disagg_workers):
+    """The gateway answers 413 on the Content-Length and reads no more of the body, but it
+    half-closes and drops what still comes instead of closing outright: a socket closed with
+    unread data sends a reset, and the client, still sending, got that instead of the 413."""
+    prefill, decode = disagg_workers
+    gateway = gateway_factory("--prefill", prefill.address, "--decode", decode.address,
+                              "--max-body-bytes", "64KiB")
+    sock = _connect(gateway)
+    with sock:
+        sock.sendall(_head("/v1/completions", 8 << 20) + b"x" * (1 << 20))
+        time.sleep(0.5)  # the 413 is out and the gateway is done with the request
+        for _ in range(8):
+            sock.sendall(b"x" * (256 << 10))  # the client goes on uploading
+        status, data = _response(sock)
+    assert status == 413, data[:300]
+    assert b"request_too_large" in data
+    time.sleep(0.3)
+    assert httpx.get(f"http://{gateway.address}/health", timeout=10).status_code == 200
 
 
 def test_a_client_that_leaves_mid_upload_is_counted_gone_not_an_error(body, gateway):

@@ -10,6 +10,9 @@ server needs and uvicorn lacks.
   descriptors never run out under a flood of idle connections (the listener would fail every
   accept, real clients included, and log each failure).
 
+- A connection closed while its client may still be sending a body the server did not read
+  (a 413 on Content-Length, a 408) closes gently: see LingeringClose.
+
 An idle kept-alive connection is closed by uvicorn's own keep-alive timeout."""
 
 from __future__ import annotations
@@ -22,6 +25,52 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # Descriptors kept for everything but client connections (worker channels, logs, Redis, files).
 RESERVED_DESCRIPTORS = 256
+# How long a connection closed on an unread body goes on reading (and dropping) it.
+LINGER_S = 5.0
+
+
+class LingeringClose:
+    """A connection's transport whose close(), while the client may still be sending a body
+    the server will not read, first half-closes (the response goes out, then a FIN), drops
+    whatever the client still sends, and closes when the client does or after LINGER_S.
+    Closed at once, a socket with unread data sends a reset, which can destroy the response
+    before the client reads it: a client still uploading a body over --max-body-bytes got a
+    connection reset instead of its 413 (6 of 6 in a soak test under load). Everything else
+    is the transport's."""
+
+    def __init__(self, transport, unread_body: Callable[[], bool], loop) -> None:
+        self._transport = transport
+        self._unread_body = unread_body
+        self._loop = loop
+        self.lingering = False
+        self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if not (self._unread_body() and self._transport.can_write_eof()):
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()  # after what is still buffered
+        self._transport.resume_reading()
+        self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def closed(self) -> None:
+        """The connection is gone: nothing more to linger for."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._closing = True
+        self._transport.close()
 
 
 def raise_open_file_limit() -> int:
@@ -54,14 +103,20 @@ def connection_protocol(read_timeout_s: float, max_connections: int,
         _awaited_after = None  # the request cycle that was current when the header clock started
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(LingeringClose(transport, self._unread_body,
+                                                   asyncio.get_running_loop()))
             if len(self.connections) > max_connections:
                 on_closed("limit")
                 transport.close()  # connection_lost follows and forgets it
                 return
             self._start_header_clock()
 
+        def _unread_body(self) -> bool:
+            return self.cycle is not None and self.cycle.more_body
+
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:
+                return  # the rest of a body it will not read
             if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._start_header_clock()  # the first byte of the next request
             super().data_received(data)
@@ -70,6 +125,7 @@ def connection_protocol(read_timeout_s: float, max_connections: int,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_clock()
+            self.transport.closed()
             super().connection_lost(exc)
 
         def _start_header_clock(self) -> None:
