@@ -53,7 +53,8 @@ def _draw_sorted(scaled, top_k, top_p, min_p, uniforms) -> torch.Tensor:
     top_p, min_p = top_p.unsqueeze(1), min_p.unsqueeze(1)
     by_min_p = probs >= min_p * probs[:, :1]
     # Top-p runs on the mass min-p and top-k left (vLLM's order), renormalised over it.
-    top_p = torch.where((min_p > 0) & (top_p < 1.0), top_p * probs.masked_fill(~by_min_p, 0.0).sum(-1, True), top_p)
+    kept_by_min_p = probs.masked_fill(~by_min_p, 0.0).sum(-1, keepdim=True)
+    top_p = torch.where((min_p > 0) & (top_p < 1.0), top_p * kept_by_min_p, top_p)
     before = probs.cumsum(-1) - probs  # mass strictly ahead of each token
     keep = (probs > 0) & ((before < top_p) | (top_p >= 1.0)) & by_min_p
     kept = probs.masked_fill(~keep, 0.0)

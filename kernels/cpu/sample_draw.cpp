@@ -332,9 +332,9 @@ double min_p_mass(int64_t count, float min_p, At at) {
 // min-p and no top-k, those min-p keeps: e >= min_p, the top token's e being 1), cut to
 // top-k's set (with every token tied with the k-th); min-p against the top token, then top-p
 // over them in order of falling probability on the mass min-p and top-k left, renormalised
-// (vLLM's order); the draw inverts the kept tokens in that order. A span that may not hold the kept set (fewer tokens
-// than the top-k; without a top-k or a min-p, its last token still kept by top-p) is widened,
-// up to every token.
+// (vLLM's order); the draw inverts the kept tokens in that order. A span that may not hold
+// the kept set (fewer tokens than the top-k; without a top-k or a min-p, its last token still
+// kept by top-p) is widened, up to every token.
 template <typename T>
 int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float temperature,
                    float top, int64_t top_k, float top_p, float min_p, double u,
@@ -345,8 +345,10 @@ int64_t invert_cut(const T* row, const float* e, int64_t n, double total, float 
   // Top-p's cut in units of the normaliser: top_p times the share min-p keeps of its mass.
   const bool both = top_p < 1.0f && min_p > 0.0f;
   float cut_p = top_p;
-  if (both && !limited)
-    cut_p = static_cast<float>(top_p * min_p_mass(n, min_p, [e](int64_t i) { return e[i]; }) / total);
+  if (both && !limited) {
+    const double kept = min_p_mass(n, min_p, [e](int64_t i) { return e[i]; });
+    cut_p = static_cast<float>(top_p * kept / total);
+  }
   float span = kFirstSpan;
   for (int attempt = 0; attempt <= kSpans; ++attempt, span *= 2.0f) {
     const float span_floor = attempt == kSpans ? 0.0f : splitserve_cpu::exp_nonpositive(-span);
