@@ -288,7 +288,8 @@ class ChatFormat(BodyFormat):
 
     def _entry(self, token_id: int, lp: Logprobs, as_ids: bool) -> dict:
         entry = self._top(token_id, lp.logprob, as_ids)
-        entry["bytes"] = list(self.tokenizer.token_bytes(token_id))  # its text's, either way
+        if as_ids:  # the chosen token's bytes stay its text's (as vLLM sends them)
+            entry["bytes"] = list(self.tokenizer.token_bytes(token_id))
         entry["top_logprobs"] = [self._top(t, v, as_ids) for t, v in _likeliest(lp)]
         return entry
 
