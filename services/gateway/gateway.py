@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.common.security import read_cluster_secret
-from services.gateway.admission.admission import Ticket
 from services.gateway.admission.config import make_admission
+from services.gateway.admission.ticket import Ticket
 from services.gateway.api.deadline import RequestDeadline
 from services.gateway.api.preprocess import ModelLimits, Preprocessor
 from services.gateway.api.request_body import BodiesInFlight

@@ -12,7 +12,7 @@ TYPE_CHECKING alike): no import circles, and every import points down this order
 
 So admission and routing never import api, request_record, gateway, config or the process.
 Between the parts only these entry points are used: api reaches routing through
-routing.dispatcher (the token events it streams) and admission through admission.admission
+routing.dispatcher (the token events it streams) and admission through admission.ticket
 (Ticket) and admission.tenants (Tenant); admission reads routing only through
 routing.worker_pool (the cluster's state, for capacity).
 """
@@ -39,7 +39,7 @@ ORDER = [  # top to bottom; a module may import its own level or any level below
 ]
 ENTRY_POINTS = {  # (importing part, imported part): the only modules it may name there
     ("api", "routing"): {"routing.dispatcher"},
-    ("api", "admission"): {"admission.admission", "admission.tenants"},
+    ("api", "admission"): {"admission.ticket", "admission.tenants"},
     ("admission", "routing"): {"routing.worker_pool"},
 }
 DOCSTRING_ONLY = {"", "api", "admission", "routing"}  # package __init__s: no re-export shims

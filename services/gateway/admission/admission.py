@@ -15,16 +15,15 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from services.gateway.admission.capacity import ClusterRoom
 from services.gateway.admission.fair_queue import FairQueue
 from services.gateway.admission.inflight import InFlight
-from services.gateway.admission.metered import MeteredDispatcher
 from services.gateway.admission.metrics import AdmissionMetrics
-from services.gateway.admission.quota import Lease, QuotaRefused, Quotas
+from services.gateway.admission.quota import QuotaRefused, Quotas
 from services.gateway.admission.retry_after import RetrySchedule
 from services.gateway.admission.tenants import Tenant, TenantDirectory
+from services.gateway.admission.ticket import Ticket
 from services.gateway.admission.ttft_estimator import TTFTEstimator
 from services.gateway.errors import APIError
 from services.gateway.generation_spec import GenerationSpec
@@ -34,69 +33,6 @@ log = logging.getLogger(__name__)
 TICK_S = 0.02  # how often a non-empty queue is re-checked for room and deadlines
 # Prompt tokens released to be prefilled before any first token was measured (Admission._blind).
 BLIND_PREFILL_TOKENS = 8192
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One admitted request, from the quota charge to its end; `release` it exactly once."""
-
-    admission: Admission
-    tenant: Tenant
-    specs: list[GenerationSpec]  # max_tokens capped to the tenant's limit
-    prompt_tokens: int
-    reserved_tokens: int  # charged at admission: prompt + every choice's max_tokens
-    blocks: int  # decode KV blocks it may need
-    arrival: float
-    deadline: float
-    lease: Lease | None = None
-    seq: int = 0
-    released_at: float | None = None  # left the queue for the workers
-    # Its prompt tokens not already in a worker's prefix cache (estimated at admission): what
-    # its prefill computes, and what the TTFT estimate counts.
-    prefill_tokens: int = 0
-    prefill_at_release: int = 0  # tokens to prefill before its first token, its own too
-    extra_at_release: int = 0  # and choices beyond each request's first
-    first_token_at: float | None = None
-    predicted_ttft_s: float | None = None  # the plain estimate it was admitted on
-    output_tokens: int = 0
-    finished_choices: int = 0
-    done: bool = False
-    _ready: asyncio.Future | None = field(default=None, repr=False)
-
-    @property
-    def slots(self) -> int:
-        return len(self.specs)
-
-    @property
-    def extra_choices(self) -> int:
-        return len(self.specs) - 1
-
-    @property
-    def max_output_tokens(self) -> int:
-        return self.reserved_tokens - self.prompt_tokens
-
-    def metered(self, dispatcher) -> MeteredDispatcher:
-        """`dispatcher`, counting this request's tokens (first token, fair-queue service,
-        the refund) and releasing it when every choice has its last token."""
-        return MeteredDispatcher(dispatcher, self._tokens, self._choice_done)
-
-    def release(self) -> None:
-        if not self.done:
-            self.done = True
-            self.admission._finish(self)
-
-    def _choice_done(self) -> None:
-        self.finished_choices += 1
-        if self.finished_choices == self.slots:
-            self.release()
-
-    def _tokens(self, count: int) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-            self.admission._first_token(self)
-        self.output_tokens += count
-        self.admission.running.tokens(self, count)
-        self.admission.queue.charge_output(self.tenant, count)
 
 
 # cached_tokens(prompt token ids, cache salt): how many of the prompt's tokens a worker that
@@ -371,7 +307,9 @@ class Admission:
         if not ticket._ready.done():
             ticket._ready.set_exception(error)
 
-    def _finish(self, ticket: Ticket) -> None:
+    # -- what a ticket reports (ticket.TicketEvents) ------------------------------------------
+
+    def finished(self, ticket: Ticket) -> None:
         if ticket.released_at is None:
             self.queue.remove(ticket)
         else:
@@ -390,7 +328,11 @@ class Admission:
         tokens.labels(ticket.tenant.name, "output").inc(ticket.output_tokens)
         self._drain()
 
-    def _first_token(self, ticket: Ticket) -> None:
+    def tokens(self, ticket: Ticket, count: int) -> None:
+        self.running.tokens(ticket, count)
+        self.queue.charge_output(ticket.tenant, count)
+
+    def first_token(self, ticket: Ticket) -> None:
         self.prefilling_tokens -= ticket.prefill_tokens
         self.prefilling_extra -= ticket.extra_choices
         self.metrics.ttft.labels(self.metrics.model, ticket.tenant.name).observe(

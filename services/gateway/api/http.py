@@ -18,8 +18,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine.outputs import ComputeSeconds
 from services.common import tracing
-from services.gateway.admission.admission import Ticket
 from services.gateway.admission.tenants import Tenant
+from services.gateway.admission.ticket import Ticket
 from services.gateway.api.deadline import TIMEOUT_CODES, RequestDeadline
 from services.gateway.api.protocol import (
     ChatCompletionRequest,
