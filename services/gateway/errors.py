@@ -89,6 +89,12 @@ class APIError(Exception):
         return cls(503, message, "server_error", None, "overloaded", retry_after_s)
 
     @classmethod
+    def shutting_down(cls) -> APIError:
+        # Nothing was sent: another replica can serve it (UNAVAILABLE over gRPC).
+        return cls(503, "The server is shutting down; retry the request.", "server_error",
+                   None, "server_shutting_down", 1)
+
+    @classmethod
     def timed_out(cls, message: str, code: str = "request_timeout") -> APIError:
         # 504, not 503: nothing is overloaded that a Retry-After would fix; this request
         # took longer than its deadline (or stalled) upstream of the gateway. Past the

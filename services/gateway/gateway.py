@@ -20,7 +20,7 @@ from typing import TypeVar
 from services.common.security import read_cluster_secret
 from services.gateway.admission.config import make_admission
 from services.gateway.admission.ticket import Ticket
-from services.gateway.api.deadline import RequestDeadline
+from services.gateway.api.deadline import RequestDeadline, StreamCutoff
 from services.gateway.api.preprocess import ModelLimits, Preprocessor
 from services.gateway.api.request_body import BodiesInFlight
 from services.gateway.api.request_limits import RequestLimits
@@ -74,6 +74,7 @@ class Gateway:
                                          config.registry_interval_s,
                                          secret) if config.redis_url else None
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
+        self.cutoff = StreamCutoff()  # and ending those still open a little before the grace ends
         self.bodies = BodiesInFlight()  # request bodies being received (api/request_body.py)
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,

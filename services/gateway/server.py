@@ -97,6 +97,7 @@ async def serve(config: GatewayConfig) -> None:
         # Drain: not ready, no new connections or RPCs, open streams finish within the grace.
         log.info("stopping: finishing requests in flight (grace %.0fs)", config.shutdown_grace_s)
         gateway.draining = True
+        gateway.cutoff.drain(config.shutdown_grace_s)
         server.should_exit = True
         if grpc_server is not None and not grpc_stopping:
             grpc_stopping.append(asyncio.ensure_future(grpc_server.stop(config.shutdown_grace_s)))

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
+import httpx
 import pytest
-from fake_workers import FakeDecode, exhausted, fails_after, hangs
-from gateway_processes import openai_client
+from fake_workers import FakeDecode, delta, exhausted, fails_after, hangs
+from gateway_processes import admin_url, openai_client
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+from tests.metrics_text import scrape
 
 
 def _generate(address: str, **fields) -> list[gateway_pb2.GenerateTextResponse]:
@@ -84,6 +93,62 @@ def test_a_failure_after_output_is_a_final_error_message_not_a_retryable_status(
     assert all(list(c.resumed_output_token_ids) == [40, 41, 42] for c in calls[1:])
 
 
+def test_streams_still_open_at_the_end_of_a_drain_end_as_failures_do(servers, gateway_factory,
+                                                                     tiny_llama_dir):
+    """SIGTERM, with streams that will not finish within the grace (their worker hangs after
+    two tokens): a second before the grace runs out each ends as a failure after output does,
+    a last message with FINISH_REASON_ERROR and status OK over gRPC, an error event and [DONE]
+    over SSE. Left to the servers' stop, the gRPC call ended UNAVAILABLE "Cancelling all
+    calls" (a status retry policies replay, delivered text and all)."""
+    worker = servers(FakeDecode(hangs([40, 41], start_index=0), role="both"))
+    gateway = gateway_factory("--worker", worker.address, "--shutdown-grace-s", "3")
+    started = [threading.Event(), threading.Event()]
+    ended: dict[str, float] = {}
+
+    def over_grpc():
+        with grpc.insecure_channel(gateway.field("grpc")) as channel:
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateTextRequest(text="hi", sampling=_greedy(100)), timeout=60)
+            responses = []
+            for response in call:
+                responses.append(response)
+                started[0].set()
+            ended["grpc"] = time.monotonic()
+            return call.code(), responses
+
+    def over_sse():
+        body = {"model": tiny_llama_dir.name, "prompt": "hi", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", f"http://{gateway.address}/v1/completions", json=body,
+                          timeout=60) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                started[1].set()
+            ended["sse"] = time.monotonic()
+            return response.status_code, lines
+
+    with ThreadPoolExecutor(2) as pool:
+        grpc_call, sse_call = pool.submit(over_grpc), pool.submit(over_sse)
+        assert all(event.wait(30) for event in started)
+        time.sleep(0.3)
+        stopped = time.monotonic()
+        gateway.process.send_signal(signal.SIGTERM)
+        code, responses = grpc_call.result(30)
+        status, lines = sse_call.result(30)
+    assert code == grpc.StatusCode.OK
+    assert [t for r in responses for t in r.token_ids] == [40, 41]
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert "shutting down" in responses[-1].error
+    assert status == 200 and [line for line in lines if line][-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-2]["choices"][0]["finish_reason"] == "error"
+    errors = [event["error"] for event in events if "error" in event]
+    assert [e["code"] for e in errors] == ["server_shutting_down"]
+    for name, at in ended.items():  # at the cutoff: the 3 s grace less its 1 s margin
+        assert 1.5 < at - stopped < 2.9, (name, at - stopped)
+    assert gateway.process.wait(30) == 0, gateway.output()
+
+
 def test_a_failure_before_output_keeps_its_status_code(servers, gateway_factory):
     worker = servers(FakeDecode(exhausted(), role="both"))
     gateway = gateway_factory("--worker", worker.address)
@@ -114,6 +179,41 @@ def test_a_deadline_that_passes_mid_stream_ends_deadline_exceeded(servers, gatew
                 codes.append(error.code())
             assert dict(call.initial_metadata())["x-request-id"].startswith(f"mine-{timeout}")
     assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+
+
+def _paced(request, context, fake):
+    """A decode script: a token every 10 ms, for longer than any deadline below (4 s)."""
+    for i in range(400):
+        yield delta([40 + i % 50], i)
+        time.sleep(0.01)
+
+
+def test_a_callers_deadline_passing_mid_stream_counts_as_a_timeout(servers, gateway_factory):
+    """While tokens flow, the caller's cancellation at its deadline reaches the gateway a few
+    ms before the gateway's own clock (reckoned from arrival) gets there: 8 of 9 such calls
+    were counted as client disconnects in an audit. Each counts as a timeout."""
+    worker = servers(FakeDecode(_paced, role="both"))
+    gateway = gateway_factory("--worker", worker.address)
+    timeouts = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
+    with grpc.insecure_channel(gateway.field("grpc")) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for timeout in timeouts:
+            with pytest.raises(grpc.RpcError) as caught:
+                for _ in stub.Generate(gateway_pb2.GenerateTextRequest(
+                        text="hi", sampling=_greedy(400)), timeout=timeout):
+                    pass
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def outcomes() -> dict[str, float]:
+        return {name.split('reason="')[1].split('"')[0]: value
+                for name, value in scrape(admin_url(f"http://{gateway.address}")).items()
+                if name.startswith("splitserve_gateway_requests_total{") and value}
+
+    for _ in range(50):
+        if sum(outcomes().values()) >= len(timeouts):
+            break
+        time.sleep(0.1)
+    assert outcomes() == {"request_timeout": len(timeouts)}
 
 
 def test_request_bytes_that_do_not_parse_are_invalid_argument(disagg_stack):

@@ -1,11 +1,13 @@
 """A request's time bounds: its deadline (--request-timeout-s, lowered by the caller with the
-`x-request-timeout-s` header or a gRPC deadline) over every stage, and the inter-token stall
-timeout (--stall-timeout-s) once a choice has its first token.
+`x-request-timeout-s` header or a gRPC deadline) over every stage, the inter-token stall
+timeout (--stall-timeout-s) once a choice has its first token, and the cutoff of a draining
+gateway (StreamCutoff).
 
-Before any output a breach is a 504 (DEADLINE_EXCEEDED over gRPC); after it, the choice ends
-with a final delta whose finish_reason is "error". Either way the choice stream is closed,
-which cancels its worker RPCs, so the workers free the request's KV wherever it was stuck.
-A RequestDeadline belongs to the event-loop task serving its request.
+Before any output a breach is a 504 (DEADLINE_EXCEEDED over gRPC; the cutoff: 503, UNAVAILABLE,
+to be retried elsewhere); after it, the choice ends with a final delta whose finish_reason is
+"error". Either way the choice stream is closed, which cancels its worker RPCs, so the workers
+free the request's KV wherever it was stuck. A RequestDeadline belongs to the event-loop task
+serving its request.
 """
 
 from __future__ import annotations
@@ -21,51 +23,99 @@ from services.gateway.errors import APIError
 
 TIMEOUT_HEADER = "x-request-timeout-s"
 TIMEOUT_CODES = ("request_timeout", "stream_stalled")  # TextDelta.error_code of a breach
+SHUTTING_DOWN = "server_shutting_down"  # TextDelta.error_code of a stream the cutoff ended
+CUTOFF_MARGIN_S = 1.0  # how long before the end of a drain's grace the cutoff comes
 T = TypeVar("T")
+
+
+class StreamCutoff:
+    """When a draining gateway ends the requests it still has open: CUTOFF_MARGIN_S before its
+    grace runs out (at half the grace, if that is shorter), so that each ends as a failure
+    does, a stream with its final error message and a request without output with a 503 that
+    may be retried elsewhere. At the end of the grace the servers stop on their own, and cut
+    what is left: gRPC with UNAVAILABLE "Cancelling all calls" after output (a status a retry
+    policy replays, delivered text and all), an HTTP stream without its last event.
+    Owned by the event loop."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None  # time.monotonic() of the cutoff; None: not draining
+        self._waits: set[asyncio.Timeout] = set()  # the bounded waits under way
+
+    def drain(self, grace_s: float) -> None:
+        """The drain began: cut at the end of its grace, less the margin, the waits under way
+        as well as those to come."""
+        self.at = time.monotonic() + max(grace_s - CUTOFF_MARGIN_S, grace_s / 2)
+        when = asyncio.get_running_loop().time() + (self.at - time.monotonic())
+        for wait in self._waits:
+            if wait.when() is None or wait.when() > when:
+                wait.reschedule(when)
+
+    def passed(self, deadline_at: float | None) -> bool:
+        """Whether a timed-out wait was cut by the cutoff rather than a deadline at
+        `deadline_at` (monotonic; None: none)."""
+        return (self.at is not None and time.monotonic() >= self.at
+                and (deadline_at is None or self.at < deadline_at))
 
 
 class RequestDeadline:
     def __init__(self, arrival: float, timeout_s: float | None, stall_s: float | None,
-                 callers: bool = False) -> None:
+                 callers: bool = False, cutoff: StreamCutoff | None = None) -> None:
         """`timeout_s`, `stall_s`: seconds, None for no limit; `callers`: the deadline is the
-        caller's own (a gRPC deadline), not the server's limit."""
+        caller's own (a gRPC deadline), not the server's limit; `cutoff`: the gateway's."""
         self.timeout_s = timeout_s
         self.at = None if timeout_s is None else arrival + timeout_s
         self.stall_s = stall_s
         self.callers = callers
+        self.cutoff = cutoff or StreamCutoff()
 
     @classmethod
-    def for_http(cls, config, headers, arrival: float) -> RequestDeadline:
+    def for_http(cls, config, headers, arrival: float,
+                 cutoff: StreamCutoff | None = None) -> RequestDeadline:
         """The server's limits, the deadline lowered by the caller's header (never raised)."""
         return cls(arrival, _lowest(_limit(config.request_timeout_s), _header(headers)),
-                   _limit(config.stall_timeout_s))
+                   _limit(config.stall_timeout_s), cutoff=cutoff)
 
     @classmethod
-    def for_grpc(cls, config, context, arrival: float) -> RequestDeadline:
+    def for_grpc(cls, config, context, arrival: float,
+                 cutoff: StreamCutoff | None = None) -> RequestDeadline:
         """The server's limits, the deadline lowered by the call's own deadline."""
         remaining = context.time_remaining()
         caller = None if remaining is None else time.monotonic() - arrival + remaining
         server = _limit(config.request_timeout_s)
         return cls(arrival, _lowest(server, caller), _limit(config.stall_timeout_s),
-                   callers=caller is not None and (server is None or caller <= server))
+                   callers=caller is not None and (server is None or caller <= server),
+                   cutoff=cutoff)
 
     def remaining(self) -> float | None:
-        return None if self.at is None else max(0.0, self.at - time.monotonic())
+        """Seconds to the deadline or the cutoff, whichever is first (None: neither)."""
+        ends = [at for at in (self.at, self.cutoff.at) if at is not None]
+        return max(0.0, min(ends) - time.monotonic()) if ends else None
 
     def expired(self, stage: str) -> APIError:
+        if self.cutoff.passed(self.at):
+            return APIError.shutting_down()
         return APIError.timed_out(f"The request did not finish within its deadline of "
                                   f"{self.timeout_s:g}s ({stage}); it was aborted.")
 
     async def within(self, awaitable: Awaitable[T], stage: str) -> T:
-        """`awaitable`, cancelled with a 504 when the deadline passes first."""
+        """`awaitable`, cancelled with a 504 when the deadline passes first (a 503 when the
+        cutoff does)."""
         scope = asyncio.timeout(self.remaining())
         try:
             async with scope:
-                return await awaitable
+                return await self._cut_at_cutoff(scope, awaitable)
         except TimeoutError:
             if scope.expired():
                 raise self.expired(stage) from None
             raise
+
+    async def _cut_at_cutoff(self, scope: asyncio.Timeout, awaitable: Awaitable[T]) -> T:
+        """`awaitable` in an entered `scope` that a drain beginning meanwhile reschedules."""
+        self.cutoff._waits.add(scope)
+        try:
+            return await awaitable
+        finally:
+            self.cutoff._waits.discard(scope)
 
     async def bound(self, stream: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
         """`stream` under the deadline and, from its first token on, the stall timeout. Only
@@ -81,7 +131,7 @@ class RequestDeadline:
                 scope = asyncio.timeout(budget)
                 try:
                     async with scope:
-                        delta = await anext(stream)
+                        delta = await self._cut_at_cutoff(scope, anext(stream))
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -89,7 +139,8 @@ class RequestDeadline:
                         raise
                     if last is None:  # nothing sent for this choice: a status code is possible
                         raise self.expired("before the first token") from None
-                    yield _failed(last, stalled, stall, self)
+                    cut = self.cutoff.passed(self.at)
+                    yield _failed(last, stalled and not cut, stall, self, cut)
                     return
                 last = delta
                 yield delta
@@ -99,8 +150,11 @@ class RequestDeadline:
             await stream.aclose()  # cancels the worker RPCs if they are still open
 
 
-def _failed(last: TextDelta, stalled: bool, stall_s, deadline: RequestDeadline) -> TextDelta:
-    if stalled:
+def _failed(last: TextDelta, stalled: bool, stall_s, deadline: RequestDeadline,
+            cut: bool) -> TextDelta:
+    if cut:
+        error, code = "the server is shutting down; the request was aborted", SHUTTING_DOWN
+    elif stalled:
         error, code = (f"no token for {stall_s:g}s (--stall-timeout-s); the request was "
                        "aborted"), "stream_stalled"
     else:

@@ -20,7 +20,7 @@ from engine.outputs import ComputeSeconds
 from services.common import tracing
 from services.gateway.admission.tenants import Tenant
 from services.gateway.admission.ticket import Ticket
-from services.gateway.api.deadline import TIMEOUT_CODES, RequestDeadline
+from services.gateway.api.deadline import SHUTTING_DOWN, TIMEOUT_CODES, RequestDeadline
 from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -234,7 +234,8 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         tenant = gateway.admission.authenticate(request.headers.get("authorization"))
         record.authenticated(tenant.name)
         config = gateway.config
-        deadline = RequestDeadline.for_http(config, request.headers, record.arrival)
+        deadline = RequestDeadline.for_http(config, request.headers, record.arrival,
+                                            gateway.cutoff)
         body = await deadline.within(read_body(request, config, gateway.bodies),
                                      "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
@@ -314,6 +315,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
     if failed is not None:  # nothing was sent yet: a status code says what happened
         if failed.error_code == "invalid_structured_output":  # the constraint's, not ours
             raise APIError.invalid(failed.error, code=failed.error_code)
+        if failed.error_code == SHUTTING_DOWN:  # another replica may serve it
+            raise APIError.shutting_down()
         timed_out = failed.error_code in TIMEOUT_CODES
         raise APIError(504 if timed_out else 500,
                        failed.error or "a worker failed mid-generation", "server_error",
