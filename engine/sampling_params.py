@@ -35,7 +35,8 @@ class StructuredOutput:
         set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError("structured_output must set exactly one of "
-                             f"{', '.join(self.KINDS)}; got {set_kinds or 'none'}")
+                             f"{', '.join(self.KINDS)} (json_object true); got "
+                             f"{set_kinds or 'none'}")
         for name in ("json_schema", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
