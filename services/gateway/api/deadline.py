@@ -25,6 +25,7 @@ TIMEOUT_HEADER = "x-request-timeout-s"
 TIMEOUT_CODES = ("request_timeout", "stream_stalled")  # TextDelta.error_code of a breach
 SHUTTING_DOWN = "server_shutting_down"  # TextDelta.error_code of a stream the cutoff ended
 CUTOFF_MARGIN_S = 1.0  # how long before the end of a drain's grace the cutoff comes
+_TIMER_SLACK_S = 0.001  # an event-loop timer may fire up to its clock's resolution early
 T = TypeVar("T")
 
 
@@ -43,7 +44,9 @@ class StreamCutoff:
 
     def drain(self, grace_s: float) -> None:
         """The drain began: cut at the end of its grace, less the margin, the waits under way
-        as well as those to come."""
+        as well as those to come. A second signal changes nothing."""
+        if self.at is not None:
+            return
         self.at = time.monotonic() + max(grace_s - CUTOFF_MARGIN_S, grace_s / 2)
         when = asyncio.get_running_loop().time() + (self.at - time.monotonic())
         for wait in self._waits:
@@ -53,7 +56,7 @@ class StreamCutoff:
     def passed(self, deadline_at: float | None) -> bool:
         """Whether a timed-out wait was cut by the cutoff rather than a deadline at
         `deadline_at` (monotonic; None: none)."""
-        return (self.at is not None and time.monotonic() >= self.at
+        return (self.at is not None and time.monotonic() >= self.at - _TIMER_SLACK_S
                 and (deadline_at is None or self.at < deadline_at))
 
 
