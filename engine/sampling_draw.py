@@ -85,6 +85,8 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
     width = min(vocab, max(count, max(limited, default=0)))
     values, ids = logits.topk(width, dim=-1)
     unlimited = torch.tensor([k == vocab for k in top_ks])
+    # Each row without a top-k normalises over its whole row.
+    whole_lse = logits.logsumexp(-1, keepdim=True) if len(limited) < len(rows) else None
     if limited:
         # Top-k keeps every token tied with the k-th (as _filter does): its set ends among the
         # candidates unless the last candidate ties the k-th, and then more are needed.
@@ -93,17 +95,17 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
         in_top_k = (values >= kth) | unlimited.unsqueeze(1)
         top_k_inside = (values[:, -1:] < kth).squeeze(1) & ~unlimited
         lse = values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, keepdim=True)
-        if not all(k < vocab for k in top_ks):
-            lse = torch.where(unlimited.unsqueeze(1), logits.logsumexp(-1, keepdim=True), lse)
+        if whole_lse is not None:
+            lse = torch.where(unlimited.unsqueeze(1), whole_lse, lse)
         probs = (values - lse).exp().masked_fill(~in_top_k, 0.0)
     else:
         top_k_inside = torch.zeros(len(rows), dtype=torch.bool)
-        probs = (values - logits.logsumexp(-1, keepdim=True)).exp()
+        probs = (values - whole_lse).exp()
     min_ps = torch.tensor([params[i].min_p for i in rows], dtype=probs.dtype).unsqueeze(1)
     by_min_p = probs >= min_ps * probs[:, :1]
     top_ps = torch.tensor([params[i].top_p for i in rows], dtype=probs.dtype).unsqueeze(1)
     top_ps = _top_p_after_min_p(top_ps, min_ps, probs.masked_fill(~by_min_p, 0.0), logits,
-                                unlimited)
+                                whole_lse, unlimited)
     before = probs.cumsum(-1) - probs  # mass strictly ahead of each candidate
     keep = (probs > 0) & ((before < top_ps) | (top_ps >= 1.0)) & by_min_p
     # The kept set lies within the candidates when the whole top-k set does, or (without a
@@ -124,12 +126,13 @@ def _draw_truncated(scaled, params, uniforms, rows: list[int], count: int,
     return [rows[at] for at, ok in enumerate(covered) if not ok]
 
 
-def _top_p_after_min_p(top_ps, min_ps, kept_by_min_p, logits, unlimited) -> torch.Tensor:
+def _top_p_after_min_p(top_ps, min_ps, kept_by_min_p, logits, whole_lse,
+                       unlimited) -> torch.Tensor:
     """Top-p as it applies to candidates' probabilities once min-p has cut (vLLM's order: top-p
     runs on the mass min-p and top-k left, renormalised): top_p times that mass, for the rows
     with both. `kept_by_min_p`: the candidates' probabilities, zero where min-p drops them; a
-    row without a top-k (`unlimited`) has min-p's set counted over its whole vocabulary, as
-    it may reach past its candidates."""
+    row without a top-k (`unlimited`, normalised by `whole_lse`) has min-p's set counted over
+    its whole vocabulary, as it may reach past its candidates."""
     both = ((top_ps < 1.0) & (min_ps > 0)).squeeze(1)
     if not bool(both.any()):
         return top_ps
@@ -137,7 +140,7 @@ def _top_p_after_min_p(top_ps, min_ps, kept_by_min_p, logits, unlimited) -> torc
     whole = both & unlimited
     if bool(whole.any()):
         at = torch.nonzero(whole).squeeze(1)
-        full = (logits[at] - logits[at].logsumexp(-1, keepdim=True)).exp()
+        full = (logits[at] - whole_lse[at]).exp()
         floor = min_ps[at] * full.amax(-1, keepdim=True)
         mass[at] = full.masked_fill(full < floor, 0.0).sum(-1, keepdim=True)
     return torch.where(both.unsqueeze(1), top_ps * mass, top_ps)

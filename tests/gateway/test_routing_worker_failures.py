@@ -34,6 +34,18 @@ def cluster(long_model, redis_server):
         cluster.close()
 
 
+def _started_streams(pool, url: str, model: str, count: int, first_token: int,
+                     max_tokens: int, *timeout: float) -> list:
+    """`count` streams of 24-token prompts (stream i repeats token first_token + i) submitted
+    to `pool`, returned once each has its first token."""
+    started = [threading.Event() for _ in range(count)]
+    streams = [pool.submit(stream_completion, url, model, [first_token + i] * 24, max_tokens,
+                           started[i], *timeout) for i in range(count)]
+    for event in started:
+        assert event.wait(60), "a stream never started"
+    return streams
+
+
 def test_kill_9_of_a_decode_worker_mid_stream(cluster, long_model):
     cluster.start(("--num-kv-blocks", "512"), p1="prefill", p2="prefill", d1="decode",
                   d2="decode")
@@ -42,12 +54,8 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster, long_model):
     wait_until(lambda: len(routable(gateway)) == 4, what="four workers routable")
     d1, d2 = cluster.workers["d1"], cluster.workers["d2"]
 
-    started = [threading.Event() for _ in range(6)]
     with ThreadPoolExecutor(6) as pool:
-        streams = [pool.submit(stream_completion, url, long_model.name, [20 + i] * 24, 700,
-                               started[i]) for i in range(6)]
-        for event in started:
-            assert event.wait(60), "a stream never started"
+        streams = _started_streams(pool, url, long_model.name, 6, 20, 700)
         # A stream starts with its first token, from prefill; its KV may still be on the way
         # to a decoder. Count d1's streams only once every stream is running on one.
         wait_until(lambda: d1.health().stats.running + d2.health().stats.running == 6,
@@ -119,12 +127,8 @@ def test_streams_on_a_frozen_decode_worker_move_while_it_is_still_frozen(cluster
     wait_until(lambda: len(routable(gateway)) == 3, what="three workers routable")
     d1, d2 = cluster.workers["d1"], cluster.workers["d2"]
 
-    started = [threading.Event() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(stream_completion, url, long_model.name, [30 + i] * 24, 1500,
-                               started[i], 120) for i in range(4)]
-        for event in started:
-            assert event.wait(60), "a stream never started"
+        streams = _started_streams(pool, url, long_model.name, 4, 30, 1500, 120)
         wait_until(lambda: d1.health().stats.running + d2.health().stats.running == 4,
                    what="all four streams decoding")
         assert d1.health().stats.running, "no stream on d1"

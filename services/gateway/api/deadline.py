@@ -53,6 +53,14 @@ class StreamCutoff:
             if wait.when() is None or wait.when() > when:
                 wait.reschedule(when)
 
+    async def bounded(self, scope: asyncio.Timeout, awaitable: Awaitable[T]) -> T:
+        """`awaitable` in an entered `scope`, which a drain beginning meanwhile reschedules."""
+        self._waits.add(scope)
+        try:
+            return await awaitable
+        finally:
+            self._waits.discard(scope)
+
     def passed(self, deadline_at: float | None) -> bool:
         """Whether a timed-out wait was cut by the cutoff rather than a deadline at
         `deadline_at` (monotonic; None: none)."""
@@ -106,19 +114,11 @@ class RequestDeadline:
         scope = asyncio.timeout(self.remaining())
         try:
             async with scope:
-                return await self._cut_at_cutoff(scope, awaitable)
+                return await self.cutoff.bounded(scope, awaitable)
         except TimeoutError:
             if scope.expired():
                 raise self.expired(stage) from None
             raise
-
-    async def _cut_at_cutoff(self, scope: asyncio.Timeout, awaitable: Awaitable[T]) -> T:
-        """`awaitable` in an entered `scope` that a drain beginning meanwhile reschedules."""
-        self.cutoff._waits.add(scope)
-        try:
-            return await awaitable
-        finally:
-            self.cutoff._waits.discard(scope)
 
     async def bound(self, stream: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
         """`stream` under the deadline and, from its first token on, the stall timeout. Only
@@ -134,7 +134,7 @@ class RequestDeadline:
                 scope = asyncio.timeout(budget)
                 try:
                     async with scope:
-                        delta = await self._cut_at_cutoff(scope, anext(stream))
+                        delta = await self.cutoff.bounded(scope, anext(stream))
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
