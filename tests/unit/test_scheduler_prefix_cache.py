@@ -1,4 +1,4 @@
-"""The scheduler's prefix cache against the fake runner of test_scheduler: shared prompt
+"""The scheduler's prefix cache against the fake runner of scheduler_harness: shared prompt
 blocks reused, a request that shares a prefix with one being prefilled waits for it, eviction
 and salts, and every block free at the end."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler import MIN_SHARED_TOKENS_TO_WAIT
-from tests.unit.test_scheduler import (
+from tests.unit.scheduler_harness import (
     BLOCK,
     FakeRunner,
     assert_no_blocks_held,

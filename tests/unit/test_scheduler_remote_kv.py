@@ -1,7 +1,7 @@
 """The scheduler's remote KV (decode role: blocks reserved for a prompt whose KV comes from a
 prefill worker, then arrival, local recompute or abort) and held KV (prefill role: a request
 that stops after its first token and keeps its blocks until released), against the fake
-runner of test_scheduler."""
+runner of scheduler_harness."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from tests.unit.test_scheduler import (
+from tests.unit.scheduler_harness import (
     BLOCK,
     FakeRunner,
     assert_no_blocks_held,

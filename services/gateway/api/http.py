@@ -10,7 +10,6 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,6 +20,7 @@ from services.common import tracing
 from services.gateway.admission.tenants import Tenant
 from services.gateway.admission.ticket import Ticket
 from services.gateway.api.deadline import SHUTTING_DOWN, TIMEOUT_CODES, RequestDeadline
+from services.gateway.api.openapi import body_doc, openapi_document
 from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +46,6 @@ from services.gateway.api.streaming import (
     sse_events,
     until_disconnected,
 )
-from services.gateway.api.unsupported_fields import document_accepted_values
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
 from services.gateway.request_record import RequestRecord
@@ -85,13 +84,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.check_model(model_id)
         return gateway.model_card()
 
-    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _generate(gateway, request, CompletionRequest,
                                lambda *args: (gateway.preprocessor.completion(*args), {}),
                                CompletionFormat)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         def chat(*args):
             specs, tools = gateway.preprocessor.chat_with_tools(*args)
@@ -99,7 +98,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         return await _generate(gateway, request, ChatCompletionRequest, chat, ChatFormat)
 
-    @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
+    @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, text only: served as the chat completion it amounts to."""
         def respond(request_id, req: ResponsesRequest, limits):
@@ -109,7 +108,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         return await _generate(gateway, request, ResponsesRequest, respond, ResponsesFormat)
 
-    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         """vLLM's: a prompt's (or a conversation's templated) token ids, nothing generated."""
         def run(body: bytes, limits):
@@ -121,7 +120,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         return await _tokenizer_call(gateway, request, run)
 
-    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         def run(body: bytes, limits):
             req = parse_body(DetokenizeRequest, body)
@@ -140,51 +139,6 @@ async def _tokenizer_call(gateway: Gateway, request: Request, run) -> dict:
     gateway.admission.authenticate(request.headers.get("authorization"))
     body = await read_body(request, gateway.config, gateway.bodies)
     return await gateway.off_loop(len(body), run, body, gateway.limits())
-
-
-def _body_doc(body_type) -> dict:
-    """The routes read their raw bodies (size-limited, parsed off the event loop), so FastAPI
-    cannot see the body model: the document names it here."""
-    ref = {"$ref": f"#/components/schemas/{body_type.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-            "responses": {str(status): {"description": what, "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
-                for status, what in _ERRORS.items()}}
-
-
-_ERRORS = {400: "invalid request (names the parameter)", 401: "missing or unknown API key",
-           404: "unknown model or path", 408: "body not in within --request-read-timeout-s",
-           413: "body over --max-body-bytes", 415: "body not JSON, or compressed",
-           429: "over the tenant's quota", 503: "no capacity now (Retry-After)",
-           504: "the request's deadline passed"}
-
-
-def openapi_document(app: FastAPI) -> dict:
-    """The public API's OpenAPI document, with the real request bodies (protocol.py's models
-    in the strict JSON schema pydantic derives from them) and OpenAI's error body."""
-    if app.openapi_schema is None:
-        document = get_openapi(title=app.title, version="1", routes=app.routes)
-        # FastAPI's 422 never leaves: _install_error_handlers answers a bad parameter with 400.
-        for operation in (op for path in document["paths"].values() for op in path.values()):
-            if operation["responses"].pop("422", None) is not None:
-                operation["responses"].setdefault("400", _body_doc(CompletionRequest)[
-                    "responses"]["400"])
-        schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        schemas.pop("HTTPValidationError", None)
-        schemas.pop("ValidationError", None)
-        for body_type in (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
-                          TokenizeRequest, TokenizeChatRequest, DetokenizeRequest):
-            schema = body_type.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas[body_type.__name__] = schema
-        document_accepted_values(schemas)
-        schemas["ErrorBody"] = {"type": "object", "required": ["error"], "properties": {
-            "error": {"type": "object", "required": ["message", "type", "param", "code"],
-                      "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                                     "param": {"type": ["string", "null"]},
-                                     "code": {"type": ["string", "null"]}}}}}
-        app.openapi_schema = document
-    return app.openapi_schema
 
 
 def create_admin_app(gateway: Gateway) -> FastAPI:

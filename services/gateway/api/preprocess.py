@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams, StructuredOutput
+from services.gateway.api.logit_processing import logit_processing
 from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -253,8 +254,7 @@ class Preprocessor:
             disable_speculation=req.disable_speculation,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            **_logit_processing(req),
-            bad_words_token_ids=self._bad_words(req.bad_words),
+            **logit_processing(req, self.tokenizer),
         )
         _validate(params, limits)
         constraint = structured_output_field(req)
@@ -263,26 +263,6 @@ class Preprocessor:
             self.structured.check(so, limits.vocab_size, param=param)
             params = dataclasses.replace(params, structured_output=so)
         return params
-
-    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
-        """vLLM's bad_words as token sequences: each word as it reads at the start of the
-        output and after a space (two spellings, most tokenizers; one where they agree)."""
-        if words is None:
-            return ()
-        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
-                                                  for w in words):
-            raise APIError.invalid("bad_words must be a list of non-empty strings",
-                                   param="bad_words")
-        sequences: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for spelling in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
-                if ids:
-                    sequences[ids] = None
-        if len(sequences) > SamplingParams.MAX_BAD_WORDS:
-            raise APIError.invalid(f"bad_words come to {len(sequences)} token sequences; at most "
-                                   f"{SamplingParams.MAX_BAD_WORDS}", param="bad_words")
-        return tuple(sequences)
 
     def _choices(self, request_id, prompt_index, prompt_ids, params, req, echo) -> list[GenerationSpec]:
         stop = _stop_list(req.stop)
@@ -321,40 +301,6 @@ def _most(*counts: int | None) -> int | None:
     """The larger of the logprob counts asked for (echo's and prompt_logprobs'), None for none."""
     asked = [count for count in counts if count is not None]
     return max(asked) if asked else None
-
-
-def _logit_processing(req: _SamplingFields) -> dict:
-    """logit_bias, allowed_token_ids and min_tokens as SamplingParams fields; a 400 naming the
-    field for a value of the wrong shape (ranges: SamplingParams.validate)."""
-    out: dict = {}
-    bias = req.logit_bias
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise APIError.invalid("logit_bias must be an object mapping token ids (as strings) "
-                                   "to biases in [-100, 100]", param="logit_bias")
-        pairs = []
-        for key, value in bias.items():
-            if not key.strip().isdigit():
-                raise APIError.invalid(f"logit_bias keys must be token ids, got {key!r}",
-                                       param="logit_bias")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise APIError.invalid(f"logit_bias of token {key} must be a number, got "
-                                       f"{value!r}", param="logit_bias")
-            pairs.append((int(key), float(value)))
-        out["logit_bias"] = tuple(pairs)
-    allowed = req.allowed_token_ids
-    if allowed is not None:
-        if not isinstance(allowed, list) or not allowed or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in allowed):
-            raise APIError.invalid("allowed_token_ids must be a non-empty list of token ids",
-                                   param="allowed_token_ids")
-        out["allowed_token_ids"] = tuple(dict.fromkeys(allowed))
-    if req.min_tokens is not None:
-        if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int):
-            raise APIError.invalid(f"min_tokens must be an integer, got {req.min_tokens!r}",
-                                   param="min_tokens")
-        out["min_tokens"] = req.min_tokens
-    return out
 
 
 def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
