@@ -2,7 +2,12 @@
 the kept sets of the two filter orders computed from vLLM's raw top-20 logprobs: vLLM 0.32's
 (min-p, then top-p on the mass it left) and the older one (top-p on the whole distribution,
 then min-p). Start both servers on the same model first (`make run`, and vLLM as
-bench/compare/vllm_peer.py starts it), then:
+bench/compare/vllm_peer.py starts it; splitserve at its defaults), then run the command below.
+It counts which tokens each server draws, not how fast: there is no timing to compare, and the
+prompt repeats on purpose, so later draws meet a warm prefix cache on both servers alike,
+which changes no kept set.
+
+
 
     .venv/bin/python bench/sampling_vs_vllm.py --splitserve http://127.0.0.1:8000 \
         --vllm http://127.0.0.1:8300
