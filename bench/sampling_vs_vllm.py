@@ -7,8 +7,6 @@ It counts which tokens each server draws, not how fast: there is no timing to co
 prompt repeats on purpose, so later draws meet a warm prefix cache on both servers alike,
 which changes no kept set.
 
-
-
     .venv/bin/python bench/sampling_vs_vllm.py --splitserve http://127.0.0.1:8000 \
         --vllm http://127.0.0.1:8300
 """
