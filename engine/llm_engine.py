@@ -295,11 +295,8 @@ class LLMEngine:
             self.num_computed_tokens += sched.total_num_scheduled_tokens
         self.last_step_size = (len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens)
         copy_seconds = 0.0
-        finished: dict[str, Request] | None = None
         for out in outputs:
             if out.finished:
-                if finished is None:
-                    finished = {row[0].request_id: row[0] for row in rows}
                 if out.request_id in self._held:
                     request = self._held.pop(out.request_id)
                     copy_started = time.perf_counter()
@@ -313,9 +310,12 @@ class LLMEngine:
                     self.scheduler.release_held_kv(request)
         self.last_step_seconds = time.perf_counter() - started
         charge_step(rows, row_tokens, self.last_step_seconds - copy_seconds)
-        if finished is not None:
+        if outputs:
+            # Every output carries the running total, so a stream cut before its end (the
+            # client left, a deadline, a worker failed) is still charged what it used.
+            in_step = {row[0].request_id: row[0] for row in rows}
             for out in outputs:
-                request = finished.get(out.request_id) if out.finished else None
+                request = in_step.get(out.request_id)
                 if request is not None:
                     out.compute = request.compute_seconds
         return outputs

@@ -88,6 +88,13 @@ class ComputeSeconds:
         return ComputeSeconds(self.prefill + other.prefill, self.decode + other.decode,
                               self.transfer + other.transfer)
 
+    def since(self, earlier: ComputeSeconds) -> ComputeSeconds:
+        """What a running total charged after `earlier`, an earlier value of it (a phase that
+        went down, from a confused peer, counts as nothing, never as a credit)."""
+        return ComputeSeconds(max(0.0, self.prefill - earlier.prefill),
+                              max(0.0, self.decode - earlier.decode),
+                              max(0.0, self.transfer - earlier.transfer))
+
 
 @dataclass
 class RequestOutput:
@@ -108,5 +115,5 @@ class RequestOutput:
     # Wall-clock milestones (ns since epoch) for tracing.
     first_scheduled_ns: int | None = None
     kv_arrived_ns: int | None = None
-    # On a finished output: the engine time charged to the request on this worker.
+    # The engine time charged to the request on this worker so far (a running total).
     compute: ComputeSeconds | None = None

@@ -246,6 +246,8 @@ def _delta(run: list[RequestOutput], prompt: list[int]) -> decode_pb2.TokenDelta
                 convert.logprob_to_pb(t, lp)
                 for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)
             )
+    if last.compute is not None:
+        delta.compute_seconds.CopyFrom(convert.compute_to_pb(last.compute))
     if first.prompt_logprobs is not None:
         delta.prompt_logprobs.extend(
             convert.logprob_to_pb(t, lp) for t, lp in zip(prompt, first.prompt_logprobs, strict=False)

@@ -46,6 +46,7 @@ class _Choice:
     output_tokens: int = 0
     finish_reason: str | None = None
     error_code: str | None = None  # with finish_reason "error": why (None: a worker failed)
+    compute: ComputeSeconds = ComputeSeconds()  # the choice's running total
 
 
 class RequestRecord:
@@ -62,7 +63,6 @@ class RequestRecord:
         self.first_token_at: float | None = None
         self.cached_tokens = 0
         self.transfer_bytes = 0
-        self.compute = ComputeSeconds()  # what the workers charged, all choices
         self.decode_worker = self.prefill_worker = ""
         self.migrations: list[str] = []  # reasons, one per move of any choice
         self._migration_spans: list = []  # open "gateway.migration" spans, until resumed
@@ -73,6 +73,11 @@ class RequestRecord:
             attributes={"splitserve.request_id": request_id, "splitserve.api": api})
         # Sent with every worker RPC of this request: the worker spans become its children.
         self.grpc_metadata: tuple[tuple[str, str], ...] = tuple(tracing.grpc_metadata(self.span))
+
+    @property
+    def compute(self) -> ComputeSeconds:
+        """What the workers charged, all choices, whether or not their streams finished."""
+        return sum((c.compute for c in self.choices), ComputeSeconds())
 
     # -- what the front door tells it -----------------------------------------------------
 
@@ -233,11 +238,11 @@ class RequestRecord:
                             itl.observe(gap)
                     choice.last_at = now
                     choice.output_tokens = delta.num_output_tokens
+                choice.compute = delta.compute
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
                     choice.error_code = delta.error_code
                     self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-                    self.compute = self.compute + delta.compute
                 yield delta
         finally:
             await stream.aclose()

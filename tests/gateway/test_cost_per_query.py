@@ -180,7 +180,52 @@ def test_the_grpc_front_door_returns_compute_seconds_in_the_last_usage(chunked_a
     assert compute.prefill > 0 and compute.decode > 0 and compute.transfer == 0
 
 
+@pytest.mark.parametrize("stack_name", ["chunked_agg_stack", "disagg_stack"])
+def test_a_stream_the_client_leaves_is_charged_what_it_used(stack_name, request):
+    """A streamed request whose client goes away mid-answer never gets a last usage: the
+    decode seconds it used still reach the tenant counter and the access log (before, only
+    the seconds a finished stream reported counted, so a client that left paid nothing)."""
+    stack = request.getfixturevalue(stack_name)
+    workers = [w for w in (stack.prefill, stack.decode) if w is not None]
+    request_id = f"left-{_RNG.getrandbits(48):x}"
+    busy_before, tenant_before = _busy_seconds(*workers), _tenant_seconds(stack)
+    body = {"model": MODEL_NAME, "prompt": _prompt(40), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    chunks = 0
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body,
+                      headers={"x-request-id": request_id}, timeout=60) as response:
+        for line in response.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 60:
+                break  # leaves: the connection closes with the answer unfinished
+    mine: list[dict] = []
+    deadline = time.monotonic() + 10
+    while not mine and time.monotonic() < deadline:
+        mine = [json.loads(line) for line in list(stack.gateway.lines)
+                if request_id in line and '"splitserve.access"' in line]
+        time.sleep(0.05)
+    assert len(mine) == 1 and mine[0]["outcome"] == "cancelled", stack.gateway.output()
+    time.sleep(0.5)  # the worker's abort and its last step's histogram sample
+    busy = _busy_seconds(*workers) - busy_before
+    tenant = _tenant_seconds(stack)
+    charged = {phase: tenant[phase] - tenant_before[phase] for phase in tenant}
+    logged = mine[0]["compute_seconds"]
+    assert logged["decode"] > 0 and logged["prefill"] > 0, logged
+    assert all(abs(logged[p] - charged[p]) < 1e-4 for p in charged), (logged, charged)
+    # What the worker ran after its last message (the abort lands between steps) is not
+    # charged: a few steps of the dozens the stream ran.
+    assert 0.7 * busy <= sum(charged.values()) <= busy * 1.005 + charged["transfer"], (
+        charged, busy)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_seconds_a_bad_peer_reports_count_as_none(bad):
     pb = common_pb2.ComputeSeconds(prefill=bad, decode=0.25, transfer=bad)
     assert compute_from_pb(pb) == ComputeSeconds(decode=0.25)
+
+
+def test_a_running_total_that_goes_down_adds_nothing():
+    """The gateway charges what a worker's running total grew by; a phase a confused peer
+    reports lower than before is no credit."""
+    assert ComputeSeconds(1.0, 2.0, 3.0).since(ComputeSeconds(2.0, 1.5, 0.0)) == ComputeSeconds(
+        0.0, 0.5, 3.0)

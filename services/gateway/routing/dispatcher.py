@@ -43,7 +43,8 @@ class TokenEvent:
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    # Engine time a worker charged to the request (prefill response, last decode message).
+    # Engine time a worker charged to the request since the last event (the prefill
+    # response's, or what a decode worker's running total grew by).
     compute: ComputeSeconds | None = None
 
 
@@ -320,9 +321,10 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
     then fails (FAILED_PRECONDITION, not the worker's health) and the request moves with the
     tokens sent so far. `pending` is a read already started on the stream; its message comes
     first. A `resumed` (migrated) stream reports no cached tokens: usage keeps the first
-    attempt's."""
+    attempt's. Each event's `compute` is what the worker charged since the last one."""
     seen = list(have)  # every token the caller has, this attempt's included
     healthy = False
+    charged = ComputeSeconds()  # the worker's running total at the last message
     while True:
         if pending is not None:
             message, pending = await pending, None
@@ -346,6 +348,12 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
                 grpc.StatusCode.FAILED_PRECONDITION))
         token_ids = tuple(delta.token_ids[skip:])
         seen.extend(token_ids)
+        compute = None
+        running = (delta.compute_seconds if delta.HasField("compute_seconds")
+                   else delta.usage.compute_seconds if delta.HasField("usage") else None)
+        if running is not None:
+            running = convert.compute_from_pb(running)
+            compute, charged = running.since(charged), running
         finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
         if finish == "abort":
             finish = "error"
@@ -357,8 +365,7 @@ async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
             num_cached_tokens=(delta.usage.cached_tokens
                                if delta.HasField("usage") and not resumed else 0),
             error="the worker failed" if finish == "error" else None,
-            compute=(convert.compute_from_pb(delta.usage.compute_seconds)
-                     if delta.HasField("usage") else None),
+            compute=compute,
         )
         if finish is not None:
             return
