@@ -23,6 +23,8 @@ class GenerationSpec:
     echo_text: str | None = None  # completions' echo: the prompt text to prepend
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: keep the matched stop
     skip_special_tokens: bool = True  # special tokens' text left out of the output
+    # vLLM's: False writes adjacent added tokens' texts with nothing between (detokenizer.py).
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: token ids beside the text (RL and eval clients)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response

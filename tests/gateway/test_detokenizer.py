@@ -81,6 +81,49 @@ def test_leading_space_survives_a_decoder_that_strips_it_from_the_first_token(tm
     assert "".join(_stream(tokenizer, output, prompt_ids=prompt)) == " world"
 
 
+def _wordpiece_with_added_tokens(tmp_path) -> ModelTokenizer:
+    """A WordPiece decoder, which puts a space between adjacent added tokens."""
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3},
+                                         unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(["<a>", "<b>"])
+    backend.add_tokens(["<tool>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    return ModelTokenizer(tmp_path)
+
+
+def test_spaces_between_special_tokens_false_joins_adjacent_added_tokens(tmp_path):
+    """vLLM's rule: with special tokens kept, an added token right after another is written
+    as its own text, so no space comes between them; the other spaces stay."""
+    tokenizer = _wordpiece_with_added_tokens(tmp_path)
+    a, b, tool, hello, world = (tokenizer.backend.token_to_id(t)
+                                for t in ("<a>", "<b>", "<tool>", "hello", "world"))
+    output = [hello, a, b, tool, world, hello, a, b]
+
+    def text(spaces: bool, skip: bool = False) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, [world], skip_special_tokens=skip,
+                                             spaces_between_special_tokens=spaces)
+        return "".join([detokenizer.push(t) for t in output] + [detokenizer.flush()])
+
+    assert text(spaces=True) == " hello <a> <b> <tool> world hello <a> <b>"
+    assert text(spaces=False) == " hello <a><b><tool> world hello <a><b>"
+    # Without special tokens there is nothing to join (vLLM ignores the field then).
+    assert text(spaces=False, skip=True) == text(spaces=True, skip=True) == (
+        " hello <tool> world hello")
+
+
+def test_spaces_between_special_tokens_changes_nothing_for_smollm2(smollm2_dir):
+    tokenizer = ModelTokenizer(smollm2_dir)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) + [0, 1, 2, 1, 0]
+    texts = []
+    for spaces in (True, False):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False,
+                                             spaces_between_special_tokens=spaces)
+        texts.append("".join([detokenizer.push(t) for t in ids] + [detokenizer.flush()]))
+    assert texts[0] == texts[1] == tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def test_token_bytes_reassemble_the_text(tokenizer):
     text = TEXTS[0]
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -21,7 +21,6 @@ REFUSED = [
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "modalities", ["text", "audio"]),
     (COMPLETIONS, "use_beam_search", True),
-    (CHAT, "spaces_between_special_tokens", False),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "documents", [{"title": "a", "text": "b"}]),
     (CHAT, "echo", True),
@@ -39,6 +38,7 @@ ACCEPTED = [
                    "include_stop_str_in_output": True, "skip_special_tokens": False}),
     (COMPLETIONS, {"best_of": 1, "suffix": "", "user": "u-2", "use_beam_search": False}),
     (CHAT, {"echo": False, "logits_processors": []}),
+    (CHAT, {"spaces_between_special_tokens": False, "skip_special_tokens": False}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
 ]
 

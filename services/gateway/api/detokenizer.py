@@ -29,10 +29,15 @@ class IncrementalDetokenizer:
 
     def __init__(
         self, tokenizer: ModelTokenizer, prompt_token_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
+        skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # vLLM's spaces_between_special_tokens=False with special tokens kept: an added token
+        # right after another is written as its own text, without the space some decoders
+        # (WordPiece) put between them. Byte-level and SentencePiece decoders put none.
+        self._join_added = not skip_special_tokens and not spaces_between_special_tokens
+        self._last_added = False
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         # A prompt (token ids) may end inside a character: as context its bytes would join the
         # output's first ones into a character neither text has, and those output bytes would
@@ -48,6 +53,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now complete (possibly "")."""
+        if self._join_added:
+            added = self._tokenizer.added_token_text(token_id)
+            after_added, self._last_added = self._last_added, added is not None
+            if added is not None and after_added:
+                held = self.flush()
+                self._token_ids.append(token_id)
+                # The added token is the context the next token's text is decoded after.
+                self._prefix_offset, self._read_offset = (len(self._token_ids) - 1,
+                                                          len(self._token_ids))
+                return held + added
         self._token_ids.append(token_id)
         prefix_text, full_text = self._window_texts()
         if len(full_text) > len(prefix_text) and (not full_text.endswith(REPLACEMENT_CHAR)

@@ -278,6 +278,7 @@ class Preprocessor:
                 echo_text=echo,
                 include_stop_str=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
                 return_token_ids=req.return_token_ids,
                 tokens_as_ids=req.return_tokens_as_token_ids,
                 return_prompt_logprobs=req.prompt_logprobs is not None,

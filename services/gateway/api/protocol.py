@@ -110,6 +110,8 @@ class _SamplingFields(_Body):
     # vLLM's: a matched stop string stays at the end of the text; special tokens' text kept.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: False puts nothing between adjacent added tokens' texts (with special tokens kept).
+    spaces_between_special_tokens: bool = True
     # vLLM's: token ids beside the text (the prompt's once, each choice's output).
     return_token_ids: bool = False
     # vLLM's: logprob tokens written as "token_id:N" (a token whose text is not valid UTF-8,
@@ -132,7 +134,6 @@ class _SamplingFields(_Body):
     # Refused unless their value changes nothing (unsupported_fields.REFUSED).
     use_beam_search: JsonValue = None
     length_penalty: JsonValue = None
-    spaces_between_special_tokens: JsonValue = None
     logits_processors: JsonValue = None
 
     @property

@@ -45,7 +45,9 @@ async def stream_text(
     complete the constraint (StructuredOutputChecker.incomplete); such an end is an error,
     not a stop."""
     detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids,
-                                         skip_special_tokens=spec.skip_special_tokens)
+                                         skip_special_tokens=spec.skip_special_tokens,
+                                         spaces_between_special_tokens=(
+                                             spec.spaces_between_special_tokens))
     matcher = StopStringMatcher(spec.stop, include_stop=spec.include_stop_str)
     events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb(),
                                  cache_salt=spec.cache_salt)

@@ -40,9 +40,9 @@ class ModelTokenizer:
         self.template_renders_tools = bool(template) and _reads_tools(template)
         self._byte_level = _uses_byte_level(self.backend.decoder)
         self._token_bytes: dict[int, bytes] = {}
-        self._special_ids = frozenset(
-            token_id for token_id, token in self.backend.get_added_tokens_decoder().items()
-            if token.special)
+        added = self.backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
+        self._added_text = {token_id: token.content for token_id, token in added.items()}
 
     @property
     def has_chat_template(self) -> bool:
@@ -106,6 +106,10 @@ class ModelTokenizer:
     def is_special(self, token_id: int) -> bool:
         """A special token: what `decode(..., skip_special_tokens=True)` leaves out."""
         return token_id in self._special_ids
+
+    def added_token_text(self, token_id: int) -> str | None:
+        """An added token's (special or not) own text; None for the model's other tokens."""
+        return self._added_text.get(token_id)
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

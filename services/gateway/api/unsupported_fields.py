@@ -63,7 +63,6 @@ REFUSED: dict[str, tuple[str, NoOp]] = {
     # vLLM's extensions (its structured_outputs and guided_* are implemented: api/structured.py)
     "use_beam_search": ("beam search", _one_of(False)),
     "length_penalty": ("beam search length penalty", _one_of(1, 1.0)),
-    "spaces_between_special_tokens": ("special-token spacing", _one_of(True)),
     "chat_template": ("a caller-supplied chat template", _ABSENT),
     "documents": ("documents in the chat template", _EMPTY),
     "echo": ("the last message echoed before the answer", _one_of(False)),
