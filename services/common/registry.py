@@ -25,7 +25,14 @@ log = logging.getLogger(__name__)
 
 WORKER_KEY = "splitserve:worker:"
 PREFIX_STREAM = "splitserve:prefix-events"
-PREFIX_STREAM_MAXLEN = 200_000
+# The stream is bounded in bytes, not only in entries: at most this many entries (trimmed
+# approximately) of at most this many block hashes each. An entry of 128 signed hashes takes
+# ~6.4 KB in Redis, so the stream stays under ~52 MB however busy the workers are (the chart's
+# Redis has 256 MB and evicts nothing; tests/services/test_registry_bounds.py measures it).
+# Gateways replay it to rebuild their prefix index: up to 1M events reach further back than
+# the index keeps (200k blocks).
+PREFIX_STREAM_MAXLEN = 8_000
+PREFIX_EVENT_MAX_HASHES = 128
 ENTRY_DOMAIN = b"splitserve-registry-entry-v1"
 EVENT_DOMAIN = b"splitserve-prefix-event-v1"
 # A signed entry written longer ago than this is a replay (heartbeats rewrite entries every
@@ -178,9 +185,10 @@ class RegistryPublisher:
             events = self.drain_events()
             for kind in ("stored", "evicted"):
                 hashes = [str(h) for k, h in events if k == kind]
-                if hashes:
+                for start in range(0, len(hashes), PREFIX_EVENT_MAX_HASHES):
+                    chunk = ",".join(hashes[start:start + PREFIX_EVENT_MAX_HASHES])
                     pipe.xadd(PREFIX_STREAM, prefix_event_fields(
-                        info.worker_id, kind, ",".join(hashes), self.secret),
+                        info.worker_id, kind, chunk, self.secret),
                               maxlen=PREFIX_STREAM_MAXLEN, approximate=True)
         await pipe.execute()
 
