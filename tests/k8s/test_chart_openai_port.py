@@ -31,6 +31,34 @@ def test_openai_port_reaches_the_worker_its_service_and_network_policy() -> None
     assert {"ports": [{"port": "openai", "protocol": "TCP"}]} in policy["spec"]["ingress"]
 
 
+def test_a_workers_openai_port_holds_clients_to_the_gateways_api_keys_and_tenants() -> None:
+    """The worker's endpoint is a gateway of its own, configured from SPLITSERVE_GATEWAY_*:
+    without the keys and tenants there it served anyone who reached the pod, past the API
+    keys, quotas and fair share the gateway holds clients to."""
+    tenants = {"acme": {"keys": ["sk-acme"], "weight": 2}}
+    rendered = render({**AGGREGATED, "worker": {"openaiPort": 8000},
+                       "gateway": {"apiKeys": {"existingSecret": "keys"}, "tenants": tenants}})
+    container = worker_container(rendered)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SPLITSERVE_GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "keys"
+    assert env["SPLITSERVE_TENANTS_FILE"]["value"] == "/etc/splitserve/tenants/tenants.yaml"
+    assert {"name": "tenants", "mountPath": "/etc/splitserve/tenants",
+            "readOnly": True} in container["volumeMounts"]
+    pod = rendered.get("Deployment", f"{FULLNAME}-worker")["spec"]["template"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["tenants"]["configMap"]["name"] == f"{FULLNAME}-tenants"
+    # A rotated key or an edited tenants file rolls the workers as it rolls the gateways.
+    gateway = rendered.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]
+    for checksum in ("checksum/tenants", "checksum/api-keys"):
+        assert pod["metadata"]["annotations"][checksum] == (
+            gateway["metadata"]["annotations"][checksum])
+    # Without its own port a worker gets neither.
+    quiet = worker_container(render({**AGGREGATED, "gateway": {
+        "apiKeys": {"existingSecret": "keys"}, "tenants": tenants}}))
+    names = {e["name"] for e in quiet["env"]}
+    assert not names & {"SPLITSERVE_GATEWAY_API_KEYS", "SPLITSERVE_TENANTS_FILE"}
+
+
 @pytest.mark.parametrize("values", [AGGREGATED, {}])
 def test_openai_port_is_off_by_default(values: dict) -> None:
     rendered = render(values)

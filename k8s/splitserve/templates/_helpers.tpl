@@ -144,7 +144,8 @@ checkov.io/skipN: "CHECK_ID=reason". Pass (dict "root" $ "component" "gateway").
 {{- $skips = append $skips "CKV_K8S_43=Pin by digest with image.digest (redis.image.digest for Redis): only the operator knows the digest of the image it built or mirrored, so the chart cannot default one" -}}
 {{- end -}}
 {{- $secretEnv := and (ne .component "redis") $v.redis.external.existingSecret (not $v.redis.enabled) -}}
-{{- if and (eq .component "gateway") (include "splitserve.apiKeysSecretName" .root) -}}
+{{- $keysHere := or (eq .component "gateway") (and (eq .component "worker") (gt (int $v.worker.openaiPort) 0)) -}}
+{{- if and $keysHere (include "splitserve.apiKeysSecretName" .root) -}}
 {{- $secretEnv = true -}}
 {{- end -}}
 {{- if $secretEnv -}}
