@@ -20,6 +20,8 @@ DEFAULT_PROFILE = Path(__file__).with_name("default_profile.json")
 @dataclass(frozen=True)
 class AutoscalerConfig:
     redis_url: str = ""
+    # The workers' cluster secret: only registry entries signed with it are counted.
+    cluster_secret_file: str = ""
     actuator: str = "dry-run"
     source: str = "registry"
     profile: str = ""  # JSON from `splitserve profile`; empty: the bundled default profile
@@ -97,7 +99,8 @@ class AutoscalerConfig:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
-_ENV = {"redis_url": "REDIS_URL", "log_level": "SPLITSERVE_LOG_LEVEL"}
+_ENV = {"redis_url": "REDIS_URL", "log_level": "SPLITSERVE_LOG_LEVEL",
+        "cluster_secret_file": "SPLITSERVE_CLUSTER_SECRET_FILE"}
 
 
 def env_name(field_name: str) -> str:
@@ -106,6 +109,8 @@ def env_name(field_name: str) -> str:
 
 _HELP = {
     "redis_url": "the worker registry",
+    "cluster_secret_file": "the workers' --cluster-secret-file: registry entries not signed "
+                           "with it are left out of the plan (empty: every entry is trusted)",
     "actuator": "k8s (patch Deployment scale), local (start/drain worker processes) or dry-run",
     "source": "registry (heartbeat stats) or prometheus (scrape each worker's /metrics)",
     "profile": "JSON from `splitserve profile` (empty: the bundled SmolLM2-on-CPU profile)",

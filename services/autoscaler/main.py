@@ -39,7 +39,12 @@ def build(config: AutoscalerConfig):
     if not config.profile:
         log.warning("no --profile: using the bundled %s profile (%s, %s); capacity numbers are "
                     "only right on that hardware", profile.model, profile.device, profile.host)
-    registry = RegistrySource(config.redis_url)
+    secret = None
+    if config.cluster_secret_file:
+        from services.common.security import read_cluster_secret
+
+        secret = read_cluster_secret(config.cluster_secret_file)
+    registry = RegistrySource(config.redis_url, secret)
     source = registry if config.source == "registry" else PrometheusSource(registry)
     if config.actuator == "k8s":
         actuator = KubernetesActuator(config.namespace, {"prefill": config.prefill_deployment,

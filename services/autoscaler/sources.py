@@ -13,7 +13,7 @@ from typing import Protocol
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.registry import WORKER_KEY, WorkerInfo
+from services.common.registry import WORKER_KEY, RejectedEntry, WorkerInfo, decode_entry
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +40,35 @@ class WorkerSource(Protocol):
 
 
 class RegistrySource:
-    """The workers registered in Redis (services.common.registry), read synchronously."""
+    """The workers registered in Redis (services.common.registry), read synchronously. With
+    the workers' cluster secret only entries signed with it count (as the gateways read them):
+    anything that can write to Redis could otherwise ask for the pools' maximum. An entry
+    left out is logged once and never hides the others."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, secret: bytes | None = None) -> None:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.secret = secret
+        self.rejected: dict[str, str] = {}  # key -> reason, as of the last read
 
     def workers(self) -> list[WorkerInfo]:
         keys = list(self.redis.scan_iter(match=WORKER_KEY + "*", count=500))
         if not keys:
+            self.rejected = {}
             return []
-        return [WorkerInfo.from_json(v) for v in self.redis.mget(keys) if v is not None]
+        found, rejected = [], {}
+        for key, raw in zip(keys, self.redis.mget(keys), strict=True):
+            if raw is None:  # expired between the scan and the read
+                continue
+            name = key.decode(errors="replace") if isinstance(key, bytes) else key
+            try:
+                found.append(decode_entry(name, raw, self.secret))
+            except RejectedEntry as exc:
+                rejected[name] = exc.reason
+                if self.rejected.get(name) != exc.reason:
+                    log.warning("leaving registry entry %s out of the plan (%s)", name,
+                                exc.reason)
+        self.rejected = rejected
+        return found
 
     def close(self) -> None:
         self.redis.close()

@@ -65,13 +65,6 @@ class WorkerInfo:
                                           _signed_bytes(self.worker_id, body, prefix))
         return json.dumps(body)
 
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> WorkerInfo:
-        """Trusts what it reads (a signature is ignored): see decode_entry to check one."""
-        body = json.loads(raw)
-        body.pop("signature", None)
-        return cls(**body)
-
 
 _INFO_FIELDS = frozenset(f.name for f in fields(WorkerInfo))
 
@@ -97,9 +90,11 @@ def decode_entry(key: str, raw: str | bytes, secret: bytes | None,
     key space (the standby pool's entries are signed for theirs, so none passes as a worker's)."""
     try:
         body = json.loads(raw)
-        if not isinstance(body, dict) or set(body) - _INFO_FIELDS - {"signature"}:
+        if not isinstance(body, dict):
             raise ValueError("not a worker entry")
-        info = WorkerInfo(**{k: v for k, v in body.items() if k != "signature"})
+        # Fields a newer worker adds are ignored (a rolling update has both versions at
+        # once); the signature still covers them.
+        info = WorkerInfo(**{k: v for k, v in body.items() if k in _INFO_FIELDS})
         if not all(isinstance(getattr(info, name), str) for name in ("worker_id", "address")):
             raise ValueError("worker_id and address must be strings")
         if info.role not in _ROLES:

@@ -110,7 +110,7 @@ def test_a_signed_entry_verifies_only_unchanged_under_its_own_key_and_secret():
              (key, _entry().to_json(None), "unsigned"),
              (key, _entry(updated=float("nan")).to_json(SECRET), "stale"),
              (key, json.dumps({**body, "signature": 7}), "bad_signature"),
-             (key, json.dumps({**body, "extra": 1}), "malformed"),
+             (key, json.dumps({**body, "extra": 1}), "bad_signature"),  # not what was signed
              (key, json.dumps({**body, "role": "root"}), "malformed"),
              (key, b"\xff\xfe", "malformed"), (key, "[]", "malformed")]
     for entry_key, value, reason in cases:

@@ -81,6 +81,19 @@ def test_operator_secrets_and_cert_manager_replace_the_generated_ones() -> None:
         render({"security": {"tls": {"certManager": {"enabled": True}}}})
 
 
+def test_the_autoscaler_reads_the_cluster_secret_and_no_tls_key() -> None:
+    """It counts only registry entries the workers signed (services/autoscaler/sources.py);
+    it dials no worker over gRPC, so the TLS key is not mounted there."""
+    pod = _pod(render({}), "autoscaler")
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    path = FILES["SPLITSERVE_CLUSTER_SECRET_FILE"]
+    assert env["SPLITSERVE_CLUSTER_SECRET_FILE"] == path
+    assert _mounted_file(pod, path) == (f"{FULLNAME}-cluster-secret", "cluster-secret")
+    assert not {"SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CERT"} & set(env)
+    off = _pod(render({"security": {"clusterSecret": {"enabled": False}}}), "autoscaler")
+    assert "SPLITSERVE_CLUSTER_SECRET_FILE" not in {e["name"] for e in off["containers"][0]["env"]}
+
+
 def test_tls_and_the_secret_can_be_turned_off() -> None:
     rendered = render({"security": {"tls": {"enabled": False},
                                     "clusterSecret": {"enabled": False}}})

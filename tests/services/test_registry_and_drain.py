@@ -12,7 +12,7 @@ import pytest
 import redis
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
-from services.common.registry import PREFIX_STREAM, WORKER_KEY, WorkerInfo
+from services.common.registry import PREFIX_STREAM, WORKER_KEY, decode_entry
 from splitserve_cli.processes import start_worker
 from tests.services.flows import aggregated, greedy, read_deltas
 
@@ -34,7 +34,7 @@ def test_worker_registers_publishes_prefix_events_and_deregisters(tiny_llama_dir
     try:
         key = WORKER_KEY + worker.health().worker_id
         wait_until(lambda: r.get(key) is not None, what="registration")
-        info = WorkerInfo.from_json(r.get(key))
+        info = decode_entry(key, r.get(key), None)
         assert info.role == "both" and info.address == worker.address
         assert info.kv_endpoint == worker.kv_endpoint
         assert info.stats["kv_blocks_total"] == 64
