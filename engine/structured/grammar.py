@@ -87,6 +87,22 @@ def grammar_for(so: StructuredOutput) -> str:
 
 
 def _compile(so: StructuredOutput) -> str:
+    """Every failure is a GrammarError: llguidance's GBNF reader raises bare Exceptions for
+    an undefined or repeated rule, and deep nesting a RecursionError. One that escaped on a
+    worker's engine thread stopped the worker (a bad constraint fails its request only)."""
+    try:
+        return _compile_unchecked(so)
+    except GrammarError:
+        raise
+    except RecursionError:
+        raise GrammarError(f"the {_NAMES.get(so.kind, 'constraint')} is nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a converter raises for bad input
+        first_line = (str(exc) or type(exc).__name__).split("\n", 1)[0]
+        raise GrammarError(f"the {_NAMES.get(so.kind, 'constraint')} cannot be read: "
+                           f"{first_line}") from None
+
+
+def _compile_unchecked(so: StructuredOutput) -> str:
     kind = so.kind
     if kind == "json_schema":
         try:

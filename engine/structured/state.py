@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from engine.sampling_params import StructuredOutput
-from engine.structured.grammar import GrammarCompiler
+from engine.structured.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +22,15 @@ class GrammarState:
     def __init__(self, compiler: GrammarCompiler, so: StructuredOutput,
                  output_token_ids: Sequence[int], request_id: str = "") -> None:
         self.request_id = request_id
-        self.matcher = compiler.matcher(so)
         self.matcher_eos = frozenset(compiler.tokenizer.eos_tokens)
         self.failed: str | None = None
+        try:
+            self.matcher = compiler.matcher(so)
+        except GrammarError as exc:  # a peer that skipped the gateway's check sent it
+            self.matcher = None
+            self.failed = str(exc)
+            log.warning("request %s: structured output %s; only EOS is allowed", request_id, exc)
+            return
         if self.matcher.is_error():
             self._fail("the grammar did not compile")
         elif output_token_ids:

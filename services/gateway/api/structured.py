@@ -146,6 +146,8 @@ def _field(kind: str, value: Any, param: str) -> StructuredOutput:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise APIError.invalid(f"{param} is not valid JSON: {exc}", param=param) from None
+            except RecursionError:
+                raise APIError.invalid(f"{param} is nested too deeply", param=param) from None
         if not isinstance(value, dict):
             raise APIError.invalid(f"{param} must be a JSON schema object", param=param)
         return StructuredOutput(json_schema=json.dumps(value))
