@@ -25,7 +25,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import (
@@ -55,6 +54,7 @@ from engine.tp_messages import (
     gathered_handle,
 )
 from engine.tp_worker import rank_threads, run_rank
+from kv_transfer.store import bound_store
 
 log = logging.getLogger("splitserve.tp")
 
@@ -133,8 +133,8 @@ class TensorParallelExecutor:
                                  f"{torch.cuda.device_count()} visible")
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        # The ranks' rendezvous, on loopback only (torch's own would listen everywhere).
+        self._store = bound_store("127.0.0.1", 0, datetime.timedelta(seconds=START_TIMEOUT_S))
         self._ranks: list[_RankProcess] = []
         ready = [self._expect(RankReady, rank) for rank in range(1, size)]
         for rank in range(1, size):

@@ -31,6 +31,7 @@ from kv_transfer.inbound_channel import WAKE, InboundChannel
 from kv_transfer.layout import KVLayout, LayoutMismatchError
 from kv_transfer.shared_memory import SharedRegion
 from kv_transfer.stats import KVStats
+from kv_transfer.store import bound_store
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,7 @@ class KVReceiver:
         self._channels: dict[int, InboundChannel] = {}
         self._closed = False
         # Only __init__ and close() touch the master store object; threads use clones.
-        self._store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(timeout_s)
-        )
+        self._store = bound_store(host, port, timedelta(timeout_s))
         self.endpoint = f"{host}:{self._store.port}"
         if self.secret is None and not _warned_no_secret.is_set():
             _warned_no_secret.set()
