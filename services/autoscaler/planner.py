@@ -2,8 +2,10 @@
 
 Scale-up sizes each pool for the demand forecast one start-up time ahead (a replica asked for
 now serves only after it has loaded). Scale-down waits until the pool has been oversized for a
-whole stabilisation window, with a hysteresis margin, and then removes one replica at a time
-(the actuators remove replicas by draining them). Plain arithmetic: no I/O, no clock of its
+whole stabilisation window, with a hysteresis margin, and then removes at most
+max_scale_down_fraction of it per decision (the actuators remove replicas by draining them).
+Capacity is never given away faster than it comes back: the window is at least two start-ups
+and scale-downs are at least one start-up apart. Plain arithmetic: no I/O, no clock of its
 own, so the simulator drives exactly this code.
 """
 
@@ -39,6 +41,7 @@ class PlannerConfig:
     # A prefill backlog is planned to be worked off within this time after new replicas start.
     backlog_drain_s: float = 10.0
     scale_up_cooldown_s: float = 0.0
+    # Both at least as long as the start-up asks (Planner.down_window_s, down_cooldown_s).
     scale_down_cooldown_s: float = 15.0
     scale_down_window_s: float = 60.0
     hysteresis: float = 0.15  # scale down only if the smaller pool keeps this margin spare
@@ -90,7 +93,7 @@ class Planner:
         self.prompt_rate = TrendForecaster()
         self.output_rate = TrendForecaster()
         self.latest: DemandSample | None = None
-        # Samples of the last scale_down_window_s: scale-down follows their mean, which is
+        # Samples of the last down_window_s: scale-down follows their mean, which is
         # steadier than any short-term estimate (a handful of requests per interval is noise).
         self._window: deque[DemandSample] = deque()
         self._last_up = {r: -math.inf for r in ROLES}
@@ -107,6 +110,18 @@ class Planner:
             return self.measured_startup_s
         return self.profile.startup_s
 
+    @property
+    def down_window_s(self) -> float:
+        """The mean scale-down follows spans at least two start-ups: a pool drained on a
+        shorter lull than it takes to bring a replica back is short when the load returns (with
+        GPU workers' minutes of start-up, 60 s took 16 replicas down to 1 in under a minute)."""
+        return max(self.config.scale_down_window_s, 2 * self.startup_s)
+
+    @property
+    def down_cooldown_s(self) -> float:
+        """Scale-downs are at least one start-up apart (and after any change)."""
+        return max(self.config.scale_down_cooldown_s, self.startup_s)
+
     def observe_startup(self, seconds: list[float]) -> None:
         """The start-ups the live workers report; the slowest sets the horizon (a replica asked
         for now may be as slow as any). Nothing reported keeps the last figure."""
@@ -118,7 +133,7 @@ class Planner:
         self.output_rate.observe(sample.time, sample.output_tokens_per_s)
         self.latest = sample
         self._window.append(sample)
-        while self._window[0].time < sample.time - self.config.scale_down_window_s:
+        while self._window[0].time < sample.time - self.down_window_s:
             self._window.popleft()
 
     def _window_mean(self, value) -> float:
@@ -199,10 +214,11 @@ class Planner:
         elif down < current:
             # Never drain while replicas asked for are still starting: until they serve, the
             # metrics cannot show that they were needed.
-            settled = (now - self._last_change[role] >= cfg.scale_down_cooldown_s
-                       and now - self._last_up[role] >= self.startup_s + cfg.scale_down_cooldown_s)
+            cooldown = self.down_cooldown_s
+            settled = (now - self._last_change[role] >= cooldown
+                       and now - self._last_up[role] >= self.startup_s + cooldown)
             window_full = bool(self._window) and (
-                self._window[0].time <= now - cfg.scale_down_window_s + cfg.interval_s)
+                self._window[0].time <= now - self.down_window_s + cfg.interval_s)
             if settled and window_full:
                 step = max(1, math.floor(current * cfg.max_scale_down_fraction))
                 desired = max(down, current - step)

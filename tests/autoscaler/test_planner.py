@@ -139,3 +139,28 @@ def test_below_the_minimum_under_load_goes_straight_to_the_demand():
 def test_no_samples_yet_changes_nothing_above_the_minimum():
     decision = planner().plan(0.0, {"prefill": 3, "decode": 2})
     assert (decision.prefill.desired, decision.decode.desired) == (3, 2)
+
+
+def test_with_minutes_of_start_up_capacity_goes_no_faster_than_it_comes_back():
+    """GPU workers take minutes to start: the window spans two start-ups and scale-downs are a
+    start-up apart. (With the 60 s window and 15 s cooldown alone, an audit's 16 idle replicas
+    went to 1 in 48 s after one quiet minute.)"""
+    startup = 180.0
+    p = planner(startup_s=startup)
+    current, t = 16, 0.0
+    history = []
+    while t <= 3600:
+        p.observe(DemandSample(t, 0.0, 0.0))
+        decision = p.plan(t, {"prefill": current, "decode": 1}).prefill
+        if decision.desired < current:
+            history.append(t)
+            current = decision.desired
+        t += 2
+    assert current == 1
+    assert history[0] >= 2 * startup - 2  # a full window of two start-ups first
+    assert all(b - a >= startup for a, b in zip(history, history[1:], strict=False))
+
+
+def test_a_short_start_up_keeps_the_configured_window_and_cooldown():
+    p = planner(startup_s=4.8)
+    assert (p.down_window_s, p.down_cooldown_s) == (60.0, 15.0)
