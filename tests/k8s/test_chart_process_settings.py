@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 
 import pytest
-from chart_render import RELEASE, SCENARIOS, render_scenario, worker_deployments
+from chart_render import RELEASE, SCENARIOS, render, render_scenario, worker_deployments
 
 FULLNAME = f"{RELEASE}-splitserve"
 # Interfaces the chart is designed for but the process does not read yet (drop them when it does).
@@ -73,9 +73,17 @@ def test_worker_env_values_parse_as_the_worker_would() -> None:
                  "SPLITSERVE_BLOCK_SIZE"):
         int(env[name])
     float(env["SPLITSERVE_DRAIN_GRACE_S"])
-    from services.common.worker_config import parse_size
+    from services.common.worker_config import kv_cache_bytes
 
-    assert parse_size(env["SPLITSERVE_KV_CACHE_MEMORY"]) == 8 * 2**30
+    # auto, as the worker's own default: the pool is what the GPU has left at 90% of it (a
+    # fixed 8GiB left about 50 GB of an 80 GB GPU idle under an 8B model).
+    assert kv_cache_bytes(env["SPLITSERVE_KV_CACHE_MEMORY"]) == 0
+    assert float(env["SPLITSERVE_GPU_MEMORY_UTILIZATION"]) == 0.9
+    sized = render({"decode": {"kvCacheMemory": "48GiB", "gpuMemoryUtilization": 0.8}})
+    pod = sized.get("Deployment", f"{RELEASE}-splitserve-decode")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert kv_cache_bytes(env["SPLITSERVE_KV_CACHE_MEMORY"]) == 48 * 2**30
+    assert float(env["SPLITSERVE_GPU_MEMORY_UTILIZATION"]) == 0.8
 
 
 @pytest.mark.parametrize("listen_host", ["0.0.0.0", "::"])
