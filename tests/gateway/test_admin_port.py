@@ -4,6 +4,9 @@ gateway processes over real workers (the tiny model)."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import httpx
 import pytest
 
@@ -33,6 +36,37 @@ def test_the_admin_port_serves_metrics_readiness_and_the_api_document(disagg_sta
     assert "/metrics" not in paths and "/ready" not in paths
     # The admin port is no second front door.
     assert httpx.post(f"{admin}/v1/completions", json={}, timeout=10).status_code == 404
+
+
+def test_ready_self_says_the_gateway_takes_requests_with_no_worker_to_route_to(
+        gateway_factory, tiny_llama_dir):
+    """/ready/self (the chart's readiness probe) is 200 while the gateway takes requests, so a
+    worker outage leaves the gateways in their Service answering 503 overloaded + Retry-After
+    themselves; /ready says whether a request can be routed."""
+    gateway = gateway_factory("--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:1")
+    admin = f"http://{gateway.admin_address}"
+    assert httpx.get(f"{admin}/ready", timeout=10).status_code == 503
+    ready = httpx.get(f"{admin}/ready/self", timeout=10)
+    assert ready.status_code == 200 and ready.json()["routable"] is False
+    answer = httpx.post(f"http://{gateway.address}/v1/completions", timeout=30, json={
+        "model": tiny_llama_dir.name, "prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 503 and answer.headers["retry-after"]
+    assert answer.json()["error"]["code"] == "overloaded"
+
+
+def test_ready_self_is_503_while_the_gateway_drains(disagg_workers, gateway_factory):
+    prefill, decode = disagg_workers
+    gateway = gateway_factory("--prefill", prefill.address, "--decode", decode.address,
+                              "--shutdown-grace-s", "6")
+    admin = f"http://{gateway.admin_address}"
+    assert httpx.get(f"{admin}/ready/self", timeout=10).status_code == 200
+    gateway.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
+        status = httpx.get(f"{admin}/ready/self", timeout=5).status_code
+        time.sleep(0.05)
+    assert status == 503
 
 
 def test_the_admin_port_can_be_turned_off(gateway_factory, disagg_workers):

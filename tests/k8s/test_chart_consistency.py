@@ -121,7 +121,7 @@ def test_disruption_budgets_cover_the_gateway_and_both_pools(scenario: str) -> N
 def test_probes_hit_ports_and_paths_the_containers_serve(scenario: str) -> None:
     rendered = render_scenario(scenario)
     expected_paths = {
-        f"{FULLNAME}-gateway": ("metrics", "/health", "/ready"),
+        f"{FULLNAME}-gateway": ("metrics", "/health", "/ready/self"),
         f"{FULLNAME}-prefill": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-decode": ("metrics", "/health", "/ready"),
         f"{FULLNAME}-worker": ("metrics", "/health", "/ready"),

@@ -153,15 +153,30 @@ def create_admin_app(gateway: Gateway) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}
 
+    def workers() -> list[dict]:
+        return [{"address": e.address, "role": e.role, "routable": e.routable,
+                 "kv_blocks_free": e.health.stats.kv_blocks_free if e.health else None}
+                for e in gateway.pool.endpoints]
+
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        workers = [{"address": e.address, "role": e.role, "routable": e.routable,
-                    "kv_blocks_free": e.health.stats.kv_blocks_free if e.health else None}
-                   for e in gateway.pool.endpoints]
+        """200 while requests can be routed: a prefill/decode pair is reachable."""
         if gateway.router.ready() and not gateway.draining:
-            return JSONResponse({"status": "ready", "workers": workers})
+            return JSONResponse({"status": "ready", "workers": workers()})
         error = APIError.overloaded("No prefill/decode worker pair is reachable yet.", 1)
-        return JSONResponse({**error.body(), "workers": workers}, 503, headers=error.headers())
+        return JSONResponse({**error.body(), "workers": workers()}, 503, headers=error.headers())
+
+    @app.get("/ready/self")
+    async def ready_self() -> JSONResponse:
+        """200 while this gateway takes requests (not draining), workers or none: the
+        Kubernetes readiness probe. On /ready, an outage of every worker took every gateway
+        out of its Service, and clients met connection resets and load-balancer pages instead
+        of the gateway's own 503 with Retry-After."""
+        if not gateway.draining:
+            return JSONResponse({"status": "ready", "routable": gateway.router.ready(),
+                                 "workers": workers()})
+        error = APIError.shutting_down()
+        return JSONResponse(error.body(), 503, headers=error.headers())
 
     @app.get("/metrics")
     async def metrics() -> Response:
