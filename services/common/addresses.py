@@ -3,6 +3,7 @@ like fd00::12): a literal with a colon is written in brackets, as gRPC and URLs 
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -16,3 +17,14 @@ def host_port(host: str, port: int | str) -> str:
 def address_family(host: str) -> socket.AddressFamily:
     """The socket family that binds `host`: IPv6 for a literal with a colon (`::`, `::1`)."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a literal, bracketed or not, or "localhost") is this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False

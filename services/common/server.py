@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
-from services.common.addresses import host_port
+from services.common.addresses import host_port, is_loopback
 from services.common.core_share import CoreShare
 from services.common.engine_build import build_engine
 from services.common.engine_loop import EngineLoop
@@ -170,6 +170,12 @@ class Worker:
         self.port = add_port(self.server, host_port(cfg.host, cfg.port), cfg.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {host_port(cfg.host, cfg.port)}")
+        if not (cfg.tls is not None and cfg.tls.enabled) and not is_loopback(cfg.host):
+            log.warning(
+                "the worker's gRPC port %s serves without TLS on an address other hosts may "
+                "reach: anyone who reaches it can run requests past the gateway's API keys and "
+                "quotas (set --tls-cert, --tls-key and --tls-ca; the Helm chart does)",
+                host_port(cfg.host, self.port))
         if not cfg.worker_id:
             # Derived from the bound port, so workers started with --port 0 stay distinct.
             self.state.worker_id = f"{cfg.role}-{socket.gethostname()}-{self.port}"
