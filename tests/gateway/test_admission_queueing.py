@@ -300,3 +300,35 @@ def test_the_retry_schedule_forgets_refusals_long_past():
     now[0] += 30  # all of them came back and were served
     assert schedule.retry_after_s(0.2, 0.5) == 1
     assert schedule.retry_after_s(500, 0.5) == MAX_RETRY_AFTER_S
+
+
+def test_requests_in_preparation_count_against_a_tenants_queue_limit():
+    """Parsing, tokenizing and a constraint's compile run before admit(): a tenant with a
+    queue limit has at most max_concurrency + max_queued requests there and in the queue
+    together, so one over it is refused before the gateway spends CPU on it; other tenants
+    and tenants without a queue limit are not held."""
+    async def scenario():
+        limited, other, free = Tenant("t", max_queued=2), Tenant("o", max_queued=2), Tenant("f")
+        admission = make_admission(limited, other, free)
+        with admission.preparing(limited), admission.preparing(limited):
+            with pytest.raises(APIError) as refused, admission.preparing(limited):
+                pass
+            with admission.preparing(other), admission.preparing(free):
+                for _ in range(5):
+                    with admission.preparing(free):
+                        pass
+        # Prepared and gone: the queue is what counts again.
+        ticket = await admission.admit(limited, [spec()], 10)  # runs (max_inflight 1)
+        waiting = asyncio.create_task(admission.admit(limited, [spec()], 10))
+        await settle()
+        with admission.preparing(limited):  # one queued, one preparing: 2, the limit
+            with pytest.raises(APIError), admission.preparing(limited):
+                pass
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        ticket.release()
+        return refused.value, admission.metrics
+
+    refused, metrics = run(scenario)
+    assert refused.status == 429 and refused.retry_after_s and refused.rejected_by == "queue_full"
+    assert metrics.rejected.labels("t", "queue_full")._value.get() == 2

@@ -10,11 +10,12 @@ queued requests when room appears and drops those whose deadline has passed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from services.gateway.admission.capacity import ClusterRoom
 from services.gateway.admission.fair_queue import FairQueue
@@ -67,6 +68,7 @@ class Admission:
         # worker steps on the first alone, the rest hit its cache), not twelve.
         self.on_admitted = on_admitted
         self.inflight = 0  # choices released to the workers and not finished
+        self._preparing: dict[str, int] = {}  # tenant -> requests being parsed and tokenized
         self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
         self.prefilling_extra = 0  # and their extra choices
         self.running = InFlight()  # the released requests, and when they will end
@@ -85,6 +87,31 @@ class Admission:
 
     def authenticate(self, authorization: str | None) -> Tenant:
         return self.directory.authenticate(authorization)
+
+    @contextlib.contextmanager
+    def preparing(self, tenant: Tenant) -> Iterator[None]:
+        """Around a request's parsing, templating, tokenizing and constraint check, before
+        admit(): a tenant with a queue limit has at most max_concurrency + max_queued requests
+        in preparation and in the queue together, and one over it is refused (429
+        queue_full) before the gateway spends CPU on it. Before, a tenant at its limits still
+        had every request prepared, and an audit's six 40,000-choice requests slowed another
+        tenant's 2-token answer from 0.08 s to 9.7 s."""
+        name = tenant.name
+        if tenant.max_queued:
+            waiting = self._preparing.get(name, 0) + self.queue.queued(name)
+            if waiting >= tenant.max_queued + tenant.max_concurrency:
+                raise self._reject(tenant, "queue_full", APIError.rate_limited(
+                    f"Tenant {name} already has {waiting} requests waiting; retry when some "
+                    "finish."))
+        self._preparing[name] = self._preparing.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._preparing[name] - 1
+            if left:
+                self._preparing[name] = left
+            else:
+                del self._preparing[name]
 
     async def admit(self, tenant: Tenant, specs: list[GenerationSpec],
                     prompt_tokens: int) -> Ticket:

@@ -74,9 +74,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 gateway.check_model(request.model)
             deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival,
                                                 gateway.cutoff)
-            spec = await deadline.within(gateway.off_loop(
-                request.ByteSize(), self._spec, request, worker_request_id(record.request_id), gateway.limits()),
-                "tokenizing")
+            with gateway.admission.preparing(tenant):
+                spec = await deadline.within(gateway.off_loop(
+                    request.ByteSize(), self._spec, request,
+                    worker_request_id(record.request_id), gateway.limits()), "tokenizing")
             record.prompt(len(spec.prompt_token_ids),
                           lambda: gateway.tokenizer.decode(spec.prompt_token_ids))
             # Waits in the fair queue; a cancelled call gives its place up.

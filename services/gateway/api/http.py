@@ -208,9 +208,10 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
         body = await deadline.within(read_body(request, config, gateway.bodies),
                                      "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
-        req, (specs, format_options) = await deadline.within(gateway.off_loop(
-            len(body), _prepare, gateway, body_type, body, preprocess, worker_request_id(record.request_id),
-            gateway.limits()), "tokenizing")
+        with gateway.admission.preparing(tenant):
+            req, (specs, format_options) = await deadline.within(gateway.off_loop(
+                len(body), _prepare, gateway, body_type, body, preprocess,
+                worker_request_id(record.request_id), gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
                           continuous_usage=getattr(req, "continuous_usage", False),
                           system_fingerprint=gateway.system_fingerprint, **format_options)
