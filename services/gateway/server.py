@@ -64,7 +64,8 @@ async def serve(config: GatewayConfig) -> None:
         create_app(gateway), log_level=config.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)), lifespan="off",
         http=connection_protocol(config.request_read_timeout_s, max_connections,
-                                 lambda reason: closed.labels(reason).inc()),
+                                 lambda reason: closed.labels(reason).inc(),
+                                 flush_timeout_s=config.slow_client_timeout_s),
         timeout_keep_alive=config.keep_alive_timeout_s,
     ))
     gateway.observer.metrics.open_connections.set_function(

@@ -150,6 +150,48 @@ def test_client_that_stops_reading_is_cut_off_and_its_request_aborted(long_model
         gateway.stop()
 
 
+def test_a_grpc_caller_that_stops_reading_frees_its_slot_and_worker_at_once(
+        long_model, long_workers):
+    """The front door times out a write the caller does not take; the workers and the
+    admission slot are freed then, while the caller still holds its call unread. Before, the
+    handler waited in abort() for a status that queued behind the untaken write, so the
+    request ran on to max_tokens and the slot stayed taken as long as the caller stayed
+    connected (an audit: four such callers held every slot, and every HTTP request got 503)."""
+    worker = long_workers["both"]
+    gateway = start_gateway(long_model, "--worker", worker.address,
+                            "--slow-client-timeout-s", "0.5")
+    # A small flow-control window the caller never opens again: nothing is read.
+    channel = grpc.insecure_channel(gateway.field("grpc"), options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)])
+    try:
+        baseline = worker_stats(worker.address)
+        request = gateway_pb2.GenerateTextRequest(
+            text="The engineer reads", sampling=common_pb2.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0.0, has_temperature=True, ignore_eos=True,
+                logprobs=20))
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120)
+        _, stats = _wait_for_baseline(worker.address, baseline)
+        assert stats.steps - baseline.steps < MAX_TOKENS // 2, "the request was not aborted"
+        _wait_for_metric(gateway, "splitserve_gateway_inflight_requests", 0)
+        assert not call.done() or call.code() != grpc.StatusCode.OK
+    finally:
+        channel.close()
+        gateway.stop()
+
+
+def _wait_for_metric(gateway, name: str, value: float, timeout_s: float = 10.0) -> None:
+    url = f"http://{gateway.admin_address}/metrics"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in httpx.get(url, timeout=5).text.splitlines()
+                 if line.startswith(name + " ")]
+        if lines and float(lines[0].split()[1]) == value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} is {lines}, not {value}")
+        time.sleep(0.05)
+
+
 def _assert_slow_client_cut_off(gateway, worker, model_name: str, max_tokens: int) -> None:
     host, port = gateway.address.rsplit(":", 1)
     baseline = worker_stats(worker.address)
@@ -169,10 +211,16 @@ def _assert_slow_client_cut_off(gateway, worker, model_name: str, max_tokens: in
         # ... and now read nothing: the gateway must give up on us after ~0.5 s.
         _, stats = _wait_for_baseline(worker.address, baseline)
         assert stats.steps - baseline.steps < max_tokens // 2, "the request was not aborted"
+        # Still reading nothing, the connection goes too (reset once it took nothing for the
+        # slow-client timeout): before, asyncio's close waited for us to read what it held.
+        _wait_for_metric(gateway, "splitserve_gateway_open_connections", 0)
         sock.settimeout(10)
         rest = bytearray()
-        while chunk := sock.recv(1 << 16):
-            rest += chunk
+        try:
+            while chunk := sock.recv(1 << 16):
+                rest += chunk
+        except ConnectionResetError:
+            pass
     finally:
         sock.close()
     # What was buffered arrives, then the connection closes without an end to the stream.

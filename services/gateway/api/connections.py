@@ -12,6 +12,8 @@ server needs and uvicorn lacks.
 
 - A connection closed while its client may still be sending a body the server did not read
   (a 413 on Content-Length, a 408) closes gently: see LingeringClose.
+- A connection closed with output its client is not reading is reset once the client has
+  taken nothing for `flush_timeout_s`: see LingeringClose.
 
 An idle kept-alive connection is closed by uvicorn's own keep-alive timeout."""
 
@@ -35,13 +37,20 @@ class LingeringClose:
     whatever the client still sends, and closes when the client does or after LINGER_S.
     Closed at once, a socket with unread data sends a reset, which can destroy the response
     before the client reads it: a client still uploading a body over --max-body-bytes got a
-    connection reset instead of its 413 (6 of 6 in a soak test under load). Everything else
-    is the transport's."""
+    connection reset instead of its 413 (6 of 6 in a soak test under load).
 
-    def __init__(self, transport, unread_body: Callable[[], bool], loop) -> None:
+    A close with output still buffered waits for the client to take it, as asyncio's does,
+    but only while the client takes some of it every `flush_timeout_s`; then the connection is
+    reset. asyncio alone waited for ever: a client cut off for not reading (the slow-client
+    timeout) kept its connection, its descriptor and megabytes of socket buffer, and got no
+    end of stream, for as long as it stayed connected. Everything else is the transport's."""
+
+    def __init__(self, transport, unread_body: Callable[[], bool], loop,
+                 flush_timeout_s: float = 0.0) -> None:
         self._transport = transport
         self._unread_body = unread_body
         self._loop = loop
+        self._flush_timeout_s = flush_timeout_s
         self.lingering = False
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
@@ -58,11 +67,26 @@ class LingeringClose:
         self._closing = True
         if not (self._unread_body() and self._transport.can_write_eof()):
             self._transport.close()
+            self._watch_flush(self._transport.get_write_buffer_size())
             return
         self.lingering = True
         self._transport.write_eof()  # after what is still buffered
         self._transport.resume_reading()
         self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def _watch_flush(self, buffered: int) -> None:
+        """Resets the connection unless the client took some of `buffered` bytes within
+        flush_timeout_s (0: waits as asyncio does)."""
+        if buffered and self._flush_timeout_s > 0:
+            self._timer = self._loop.call_later(self._flush_timeout_s, self._flushed, buffered)
+
+    def _flushed(self, buffered: int) -> None:
+        self._timer = None
+        left = self._transport.get_write_buffer_size()
+        if left and left >= buffered:
+            self._transport.abort()  # nothing taken: a reset, and connection_lost follows
+        else:
+            self._watch_flush(left)
 
     def closed(self) -> None:
         """The connection is gone: nothing more to linger for."""
@@ -94,7 +118,8 @@ def default_max_connections(open_file_limit: int) -> int:
 
 
 def connection_protocol(read_timeout_s: float, max_connections: int,
-                        on_closed: Callable[[str], None]) -> type[H11Protocol]:
+                        on_closed: Callable[[str], None],
+                        flush_timeout_s: float = 0.0) -> type[H11Protocol]:
     """The protocol class to give uvicorn's `http`; `on_closed(reason)` counts the connections
     it closes ("limit", "header_timeout")."""
 
@@ -104,7 +129,7 @@ def connection_protocol(read_timeout_s: float, max_connections: int,
 
         def connection_made(self, transport) -> None:
             super().connection_made(LingeringClose(transport, self._unread_body,
-                                                   asyncio.get_running_loop()))
+                                                   asyncio.get_running_loop(), flush_timeout_s))
             if len(self.connections) > max_connections:
                 on_closed("limit")
                 transport.close()  # connection_lost follows and forgets it

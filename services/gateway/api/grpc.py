@@ -109,8 +109,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     log.warning("gRPC caller read nothing for %.1fs; aborting %s", timeout,
                                 spec.request_id)
                     record.finish(grpc.StatusCode.DEADLINE_EXCEEDED.name, cancelled="slow_client")
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        "the caller stopped reading the stream")
+                    # The workers and the admission slot first: the status below queues behind
+                    # the write the caller never took, and abort() may wait for it as long as
+                    # the caller keeps its connection (it held the slot for up to 40 minutes).
+                    await stream.aclose()
+                    ticket.release()
+                    await _abort_unread(context)
                 # After output, a failure is the final message just written (finish_reason
                 # ERROR and `error`) and the call ends OK, as an SSE stream ends with its
                 # error event: a status such as UNAVAILABLE would invite standard retry
@@ -148,6 +152,17 @@ async def _next_or_error(stream, last: TextDelta) -> TextDelta | None:
         return TextDelta(index=last.index, text="", token_ids=(), logprobs=(),
                          num_output_tokens=last.num_output_tokens, finish_reason="error",
                          error=str(exc) or type(exc).__name__, compute=last.compute)
+
+
+async def _abort_unread(context) -> None:
+    """Ends a call whose caller stopped reading: DEADLINE_EXCEEDED if the status gets out
+    within a second; else the handler ends anyway (grpc then cancels the stream)."""
+    try:
+        async with asyncio.timeout(1.0):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the caller stopped reading the stream")
+    except TimeoutError:
+        raise asyncio.CancelledError from None
 
 
 async def _abort(context, record: RequestRecord, exc: APIError) -> None:
