@@ -36,6 +36,19 @@ def test_inline_profile_is_a_configmap_mounted_as_the_profile_flag() -> None:
     assert mount == {"name": "profile", "mountPath": "/etc/splitserve/profile", "readOnly": True}
 
 
+def test_an_edited_inline_profile_rolls_the_autoscaler() -> None:
+    """The profile is read once at start: the pod template carries its digest, so a helm
+    upgrade with another profile restarts the autoscaler with it (before, it planned on with
+    the old one)."""
+    def digest(profile) -> str:
+        rendered = render({"autoscaler": {"profile": {"inline": profile.to_json()}}})
+        template = rendered.get("Deployment", NAME)["spec"]["template"]
+        return template["metadata"]["annotations"]["checksum/profile"]
+
+    assert digest(make_profile(device="cuda")) != digest(make_profile(device="cuda",
+                                                                      kv_blocks=4000))
+
+
 def test_existing_configmap_is_mounted_and_nothing_is_created() -> None:
     rendered = render_scenario("gpu-disaggregated-tcp")
     pod, args = autoscaler(rendered)

@@ -12,6 +12,7 @@ from chart_render import (
     SCENARIOS,
     Rendered,
     pod_templates,
+    render,
     render_scenario,
     worker_deployments,
 )
@@ -399,3 +400,14 @@ def test_image_tag_follows_the_variant_or_digest() -> None:
     assert images("cpu") == {"splitserve:0.1.0-cpu"}
     (pinned,) = images("keda")
     assert pinned.startswith("splitserve:0.1.0-cuda@sha256:")
+
+
+def test_worker_pods_leave_a_dead_node_after_30_seconds() -> None:
+    """Kubernetes' default keeps a pod on a node that stopped answering for 300 s, counted as
+    capacity: a pool runs one short for five minutes before its replacement even starts."""
+    rendered = render({})
+    for name in worker_deployments(rendered):
+        tolerations = rendered.get("Deployment", name)["spec"]["template"]["spec"]["tolerations"]
+        for taint in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+            assert {"key": taint, "operator": "Exists", "effect": "NoExecute",
+                    "tolerationSeconds": 30} in tolerations, (name, taint)
