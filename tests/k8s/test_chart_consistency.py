@@ -20,6 +20,7 @@ from chart_render import (
 FULLNAME = f"{RELEASE}-splitserve"
 WORKERS = (f"{FULLNAME}-prefill", f"{FULLNAME}-decode")
 SERVING = (f"{FULLNAME}-gateway", *WORKERS)
+SCRAPED = (f"{FULLNAME}-gateway", f"{FULLNAME}-gateway-metrics", *WORKERS)
 
 scenarios = pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 
@@ -94,9 +95,10 @@ def test_services_select_one_deployment_and_target_its_ports(scenario: str) -> N
     rendered = render_scenario(scenario)
     for service in rendered.of_kind("Service"):
         name = service["metadata"]["name"]
+        deployment = name.removesuffix("-metrics")  # the gateway's admin port's own Service
         selected = pods_selected(rendered, {"matchLabels": service["spec"]["selector"]})
-        assert selected == [name], f"Service {name} selects {selected}"
-        ports = container_ports(rendered.get("Deployment", name)["spec"]["template"])
+        assert selected == [deployment], f"Service {name} selects {selected}"
+        ports = container_ports(rendered.get("Deployment", deployment)["spec"]["template"])
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in ports, f"{name}: no container port {port['targetPort']}"
     for worker in worker_deployments(rendered):
@@ -376,11 +378,22 @@ def test_service_monitor_scrapes_the_gateway_and_both_pools() -> None:
     endpoint_ports = {e["port"]: e["path"] for e in monitor["spec"]["endpoints"]}
     scraped = [s for s in rendered.of_kind("Service")
                if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
-    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(SERVING)
-    for service in scraped:
-        names = {p["name"] for p in service["spec"]["ports"]}
-        assert names & set(endpoint_ports), service["metadata"]["name"]
+    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(SCRAPED)
+    with_metrics = {s["metadata"]["name"] for s in scraped
+                    if {p["name"] for p in s["spec"]["ports"]} & set(endpoint_ports)}
+    assert with_metrics == set(SCRAPED) - {f"{FULLNAME}-gateway"}
     assert endpoint_ports == {"metrics": "/metrics"}
+
+
+def test_the_gateways_admin_port_is_in_a_cluster_ip_service_of_its_own() -> None:
+    """With the gateway Service a LoadBalancer, its admin port (/metrics, /ready with worker
+    addresses) was on the internet unless networkPolicy.metricsFrom was set."""
+    rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
+    public = rendered.get("Service", f"{FULLNAME}-gateway")["spec"]
+    assert public["type"] == "LoadBalancer"
+    assert {p["name"] for p in public["ports"]} == {"http", "grpc"}
+    admin = rendered.get("Service", f"{FULLNAME}-gateway-metrics")["spec"]
+    assert admin["type"] == "ClusterIP" and [p["name"] for p in admin["ports"]] == ["metrics"]
 
 
 def test_keda_queries_default_to_this_release_pools() -> None:
