@@ -34,9 +34,10 @@ class RequestObserver:
         self.metrics = RequestMetrics(registry)
         self.log_prompts = log_prompts  # debug only: prompt text in the access log
 
-    def begin(self, api: str, request_id: str, parent=None) -> RequestRecord:
-        """`api`: "http" or "grpc"; `parent`: the caller's trace context, if it sent one."""
-        return RequestRecord(self, api, request_id, parent)
+    def begin(self, api: str, request_id: str, parent=None, endpoint: str = "") -> RequestRecord:
+        """`api`: "http" or "grpc"; `parent`: the caller's trace context, if it sent one;
+        `endpoint`: the path (/v1/chat/completions) or the gRPC method."""
+        return RequestRecord(self, api, request_id, parent, endpoint)
 
 
 @dataclass
@@ -50,9 +51,11 @@ class _Choice:
 
 
 class RequestRecord:
-    def __init__(self, observer: RequestObserver, api: str, request_id: str, parent) -> None:
+    def __init__(self, observer: RequestObserver, api: str, request_id: str, parent,
+                 endpoint: str = "") -> None:
         self.observer = observer
         self.api = api
+        self.endpoint = endpoint
         self.request_id = request_id
         self.arrival = time.monotonic()
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
@@ -70,7 +73,8 @@ class RequestRecord:
         self.done = False
         self.span = _tracer.start_span(
             "gateway.request", context=parent, kind=SpanKind.SERVER,
-            attributes={"splitserve.request_id": request_id, "splitserve.api": api})
+            attributes={"splitserve.request_id": request_id, "splitserve.api": api,
+                        "splitserve.endpoint": endpoint})
         # Sent with every worker RPC of this request: the worker spans become its children.
         self.grpc_metadata: tuple[tuple[str, str], ...] = tuple(tracing.grpc_metadata(self.span))
 
@@ -274,7 +278,8 @@ class RequestRecord:
         e2e = now - self.arrival
         trace_id = self.span.get_span_context().trace_id
         fields = {
-            "request_id": self.request_id, "api": self.api, "tenant": self.tenant,
+            "request_id": self.request_id, "api": self.api, "endpoint": self.endpoint or None,
+            "tenant": self.tenant,
             "status": status, "outcome": outcome, "reason": reason,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": output_tokens,
             "cached_tokens": self.cached_tokens,

@@ -168,6 +168,7 @@ def test_the_access_log_records_each_requests_compute_seconds(chunked_agg_stack)
     assert mine[0]["compute_seconds"] == {k: usage["splitserve"]["compute_seconds"][k]
                                           for k in ("prefill", "decode", "transfer")}
     assert mine[0]["compute_seconds"]["prefill"] > 0
+    assert (mine[0]["api"], mine[0]["endpoint"]) == ("http", "/v1/completions")
 
 
 def test_the_grpc_front_door_returns_compute_seconds_in_the_last_usage(chunked_agg_stack):

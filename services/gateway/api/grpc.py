@@ -44,7 +44,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except APIError as exc:  # refused below, under an id of its own
             request_id, bad_id = uuid.uuid4().hex, exc
         record = self.gateway.observer.begin("grpc", request_id,
-                                             tracing.context_from_grpc(context))
+                                             tracing.context_from_grpc(context),
+                                             "/splitserve.v1.Gateway/Generate")
         try:
             await self._generate(request, context, record, bad_id)
         except asyncio.CancelledError:  # the caller cancelled, went away or ran out of time

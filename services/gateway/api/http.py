@@ -239,7 +239,8 @@ def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError 
     except APIError as exc:
         request_id, bad_id = uuid.uuid4().hex, exc
     record = gateway.observer.begin("http", request_id,
-                                    tracing.context_from_headers(request.headers))
+                                    tracing.context_from_headers(request.headers),
+                                    request.url.path)
     request.state.request_id = record.request_id  # for an error answered by the handlers
     return record, bad_id
 
