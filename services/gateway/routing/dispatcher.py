@@ -21,31 +21,21 @@ from typing import Protocol
 import grpc
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
-from engine.outputs import ComputeSeconds, Logprobs
 from services.common import convert
 from services.gateway.errors import APIError, from_worker_error
+from services.gateway.routing.decode_stream import (
+    AttemptFailed,
+    TokenEvent,
+    decode_events,
+    prompt_logprobs,
+    read_message,
+    synthetic_error,
+)
 from services.gateway.routing.router import Route, Router
-from services.gateway.routing.worker_pool import WorkerEndpoint
 
 log = logging.getLogger(__name__)
 
 _NOT_ON_THE_WORKER = (grpc.StatusCode.INVALID_ARGUMENT,)  # retrying elsewhere cannot help
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """New output tokens of one request, in order, without repeats."""
-
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[Logprobs, ...] = ()  # one per token when logprobs were asked
-    finish_reason: str | None = None  # "stop", "length", "error"
-    # Index i is the logprob of prompt token i (None for the first); first event only.
-    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    # Engine time a worker charged to the request since the last event (the prefill
-    # response's, or what a decode worker's running total grew by).
-    compute: ComputeSeconds | None = None
 
 
 class AttemptObserver(Protocol):
@@ -91,14 +81,6 @@ _UNOBSERVED = _Unobserved()
 
 
 @dataclass
-class _AttemptFailed(Exception):
-    """An RPC of one attempt failed; `endpoint` is the worker whose call failed."""
-
-    endpoint: WorkerEndpoint
-    error: grpc.aio.AioRpcError
-
-
-@dataclass
 class Dispatcher:
     router: Router
     disaggregated: bool = True  # False: never use a prefill worker, whatever the router says
@@ -117,7 +99,7 @@ class Dispatcher:
         up to `migration_limit` moves; past it, one final event with finish_reason "error".
         `cache_salt` (the tenant's) goes to both workers and into the router's block hashes."""
         tried: set[str] = set()
-        last: _AttemptFailed | None = None
+        last: AttemptFailed | None = None
         sent: list[int] = []  # every token yielded so far, across attempts
         attempt = moves = 0
         while True:
@@ -139,7 +121,7 @@ class Dispatcher:
                         sent.extend(event.token_ids)
                         yield event
                 return
-            except _AttemptFailed as failed:
+            except AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
                 tried.add(failed.endpoint.address)
@@ -222,7 +204,7 @@ class Dispatcher:
             remote_prefill=False, cache_salt=cache_salt, resumed_output_token_ids=resumed,
         ), metadata=observer.grpc_metadata)
         try:
-            async with aclosing(_decode_events(call, decode, resumed,
+            async with aclosing(decode_events(call, decode, resumed,
                                                resumed=bool(resumed))) as events:
                 async for event in events:
                     yield event
@@ -239,13 +221,13 @@ class Dispatcher:
         try:
             try:
                 async with asyncio.timeout(self.prefill_timeout_s):
-                    reserved = await _read(call, decode)
+                    reserved = await read_message(call, decode)
             except TimeoutError:
-                raise _AttemptFailed(decode, _synthetic_error(
+                raise AttemptFailed(decode, synthetic_error(
                     "decode worker did not reserve KV blocks in time",
                     grpc.StatusCode.DEADLINE_EXCEEDED)) from None
             if reserved is None or not reserved.HasField("reserved"):
-                raise _AttemptFailed(decode, _synthetic_error("decode stream did not reserve"))
+                raise AttemptFailed(decode, synthetic_error("decode stream did not reserve"))
             prefill_call = prefill.prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 decode_kv_endpoint=reserved.reserved.kv_endpoint, cache_salt=cache_salt,
@@ -254,7 +236,7 @@ class Dispatcher:
             ), timeout=self.prefill_timeout_s, metadata=observer.grpc_metadata)
             # Watch the decode stream while the prefill runs: a decode worker that dies now
             # fails the attempt before its first token, so it is retried, not errored.
-            decode_next = asyncio.ensure_future(_read(call, decode))
+            decode_next = asyncio.ensure_future(read_message(call, decode))
             prefill_done = asyncio.ensure_future(prefill_call)
             prefill.outstanding += 1
             prefill.prefill_tokens_in_flight += uncached_tokens
@@ -264,29 +246,29 @@ class Dispatcher:
                 prefill.outstanding -= 1
                 prefill.prefill_tokens_in_flight -= uncached_tokens
             if decode_next.done():
-                early = decode_next.result()  # an rpc error raises _AttemptFailed here
+                early = decode_next.result()  # an rpc error raises AttemptFailed here
                 if early is None:
-                    raise _AttemptFailed(decode, _synthetic_error("decode stream ended early"))
+                    raise AttemptFailed(decode, synthetic_error("decode stream ended early"))
                 if (not prefill_done.done() and early.HasField("delta")
                         and early.delta.output_index == 0):
                     # The decode worker recomputed the prompt and streams from the start on
                     # its own: the prefill is not needed any more.
                     prefill_call.cancel()
-                    async with aclosing(_decode_events(call, decode, (), decode_next)) as events:
+                    async with aclosing(decode_events(call, decode, (), decode_next)) as events:
                         async for event in events:
                             yield event
                     return
             try:
                 response = await prefill_done
             except grpc.aio.AioRpcError as exc:
-                raise _AttemptFailed(prefill, exc) from None
+                raise AttemptFailed(prefill, exc) from None
             prefill.breaker.record_success()
             observer.prefilled(response.kv_bytes, response.num_cached_tokens)
             first = response.first_token
             yield TokenEvent(
                 token_ids=(first.token_id,),
                 logprobs=(convert.logprob_from_pb(first),) if sampling.HasField("logprobs") else (),
-                prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
+                prompt_logprobs=prompt_logprobs(response.prompt_logprobs),
                 num_cached_tokens=response.num_cached_tokens,
                 compute=convert.compute_from_pb(response.compute_seconds),
                 # Said with the token, so its text can be left out (api/text_stream.py); the
@@ -295,7 +277,7 @@ class Dispatcher:
             )
             if response.first_token_stops:
                 return
-            async with aclosing(_decode_events(call, decode, (first.token_id,),
+            async with aclosing(decode_events(call, decode, (first.token_id,),
                                                decode_next)) as events:
                 async for event in events:
                     yield event
@@ -310,81 +292,6 @@ class Dispatcher:
                                  return_exceptions=True)
 
 
-async def _decode_events(call, decode: WorkerEndpoint, have: tuple[int, ...],
-                         pending: asyncio.Future | None = None,
-                         resumed: bool = False) -> AsyncIterator[TokenEvent]:
-    """TokenDeltas of a Decode.Generate stream, minus the tokens the caller already has
-    (`have`: the prefill worker's first token, or those a migrated stream resumes after).
-    Those the stream repeats must be the same: a decode worker that recomputed the prompt
-    itself (its KV never came) samples its own first token, and on another CPU or batch that
-    can differ from the one the client got, and the tokens after it follow it. The attempt
-    then fails (FAILED_PRECONDITION, not the worker's health) and the request moves with the
-    tokens sent so far. `pending` is a read already started on the stream; its message comes
-    first. A `resumed` (migrated) stream reports no cached tokens: usage keeps the first
-    attempt's. Each event's `compute` is what the worker charged since the last one."""
-    seen = list(have)  # every token the caller has, this attempt's included
-    healthy = False
-    charged = ComputeSeconds()  # the worker's running total at the last message
-    while True:
-        if pending is not None:
-            message, pending = await pending, None
-        else:
-            message = await _read(call, decode)
-        if message is None:
-            raise _AttemptFailed(decode, _synthetic_error("decode stream ended before finishing"))
-        if not message.HasField("delta"):
-            continue
-        if not healthy:
-            healthy = True
-            decode.breaker.record_success()
-        delta = message.delta
-        skip = max(0, len(seen) - delta.output_index)
-        repeated = list(delta.token_ids[:skip])
-        if repeated != seen[delta.output_index:delta.output_index + len(repeated)]:
-            raise _AttemptFailed(decode, _synthetic_error(
-                f"the decode stream's tokens from index {delta.output_index} "
-                f"({repeated[:4]}) differ from those already sent "
-                f"({seen[delta.output_index:delta.output_index + 4]})",
-                grpc.StatusCode.FAILED_PRECONDITION))
-        token_ids = tuple(delta.token_ids[skip:])
-        seen.extend(token_ids)
-        compute = None
-        running = (delta.compute_seconds if delta.HasField("compute_seconds")
-                   else delta.usage.compute_seconds if delta.HasField("usage") else None)
-        if running is not None:
-            running = convert.compute_from_pb(running)
-            compute, charged = running.since(charged), running
-        finish = convert.FINISH_REASON_NAMES.get(delta.finish_reason, "error")
-        if finish == "abort":
-            finish = "error"
-        yield TokenEvent(
-            token_ids=token_ids,
-            logprobs=tuple(convert.logprob_from_pb(lp) for lp in delta.logprobs[skip:]),
-            finish_reason=finish,
-            prompt_logprobs=_prompt_logprobs(delta.prompt_logprobs),
-            num_cached_tokens=(delta.usage.cached_tokens
-                               if delta.HasField("usage") and not resumed else 0),
-            error="the worker failed" if finish == "error" else None,
-            compute=compute,
-        )
-        if finish is not None:
-            return
-
-
-async def _read(call, endpoint: WorkerEndpoint):
-    try:
-        message = await call.read()
-    except grpc.aio.AioRpcError as exc:
-        raise _AttemptFailed(endpoint, exc) from None
-    return None if message is grpc.aio.EOF else message
-
-
-def _prompt_logprobs(pbs) -> tuple[Logprobs | None, ...] | None:
-    if not pbs:
-        return None
-    return (None,) + tuple(convert.logprob_from_pb(lp) for lp in pbs[1:])
-
-
 def _migration_reason(error: grpc.aio.AioRpcError) -> str:
     """Why a stream moves, as a bounded metric label."""
     details = error.details() or ""
@@ -395,8 +302,3 @@ def _migration_reason(error: grpc.aio.AioRpcError) -> str:
     if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "differ from" in details:
         return "diverged"
     return "worker_failed"
-
-
-def _synthetic_error(details: str,
-                     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
