@@ -42,6 +42,8 @@ class GatewayConfig:
     # worker recomputes prompt + tokens so far and the stream goes on unchanged (0: off, the
     # stream ends with an error event). At most 9 (request ids carry "-moveN").
     migration_limit: int = 3
+    # How long a broken stream waits for a decode worker to move to before ending in an error.
+    migration_wait_s: float = 10.0
     max_body_bytes: int = 8 << 20
     # Bodies being received, all requests together: a flood of slow uploads cannot fill memory.
     max_buffered_body_bytes: int = 256 << 20
@@ -139,6 +141,8 @@ class GatewayConfig:
                                  f"{'none' if name.endswith('_s') else 'automatic'})")
         if not 0 <= self.migration_limit <= 9:
             raise ValueError("--migration-limit must be in [0, 9]")
+        if not 0 <= self.migration_wait_s <= 600:
+            raise ValueError("--migration-wait-s must be in [0, 600]")
         from services.gateway.api.tool_parsers import tool_format
 
         tool_format(self.tool_call_parser)
@@ -215,6 +219,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                                    "at least --max-body-bytes)",
         "migration_limit": "moves of a stream whose decode worker failed or drained after "
                            "tokens were sent; it continues unchanged on another worker (0: off)",
+        "migration_wait_s": "how long such a stream waits for a decode worker to move to (one "
+                            "restarting, one just back) before it ends with an error event",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
                     "tenant (none and no tenants file: no authentication)",
         "tenants_file": "tenants YAML (weights, priorities, quotas; see README)",

@@ -78,7 +78,8 @@ class Gateway:
         self.bodies = BodiesInFlight()  # request bodies being received (api/request_body.py)
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,
-                                     migration_limit=config.migration_limit)
+                                     migration_limit=config.migration_limit,
+                                     migration_wait_s=config.migration_wait_s)
         # The TTFT estimate counts what a prefill computes: the prompt less what the prefix
         # index says a worker already holds.
         self.admission = make_admission(

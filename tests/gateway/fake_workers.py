@@ -96,14 +96,16 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer, Recorder):
 class FakeServer:
     """One gRPC server on a free port hosting one fake worker."""
 
-    def __init__(self, servicer) -> None:
+    def __init__(self, servicer, address: str = "127.0.0.1:0") -> None:
+        """`address`: where to listen (default any free port; a stopped server's address
+        starts it again where it was)."""
         self.servicer = servicer
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         if isinstance(servicer, FakeDecode):
             decode_pb2_grpc.add_DecodeServicer_to_server(servicer, self.server)
         else:
             prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"127.0.0.1:{self.server.add_insecure_port(address)}"
         self.server.start()
 
     def stop(self) -> None:

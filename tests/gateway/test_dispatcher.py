@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 from fake_workers import (
     FIRST_TOKEN,
     FakeDecode,
@@ -22,6 +23,7 @@ from fake_workers import (
 from splitserve.v1 import common_pb2
 
 from services.gateway.errors import APIError
+from services.gateway.routing.circuit_breaker import CircuitBreaker
 from services.gateway.routing.dispatcher import Dispatcher
 from services.gateway.routing.router import ScoringRouter
 from services.gateway.routing.worker_pool import WorkerPool
@@ -235,3 +237,37 @@ def test_closing_after_tokens_cancels_the_decode_stream(servers):
     # Generous: on a loaded CI machine the server threads can see the cancel seconds late.
     assert decode.servicer.cancelled.wait(15), (
         f"the decode stream was not cancelled (its call ended: {decode.servicer.ended.is_set()})")
+
+
+def test_a_migration_waits_for_a_decode_worker_to_take_work_again(servers):
+    """The only other decode worker is out of rotation when the stream breaks (its breaker
+    lets one trial through at a time, and one is under way): the stream waits for it, up to
+    migration_wait_s, instead of ending with an error at once (a chaos audit lost 15 of 16
+    streams so when a second decode worker failed)."""
+    broken = servers(FakeDecode(fails_after([51, 52]), kv_blocks_free=900))  # chosen first
+    back = servers(FakeDecode(resumes([53, 54]), kv_blocks_free=100))
+
+    async def scenario(wait_s: float, reopen_after_s: float | None):
+        # A failure takes a worker out of rotation (the broken one's stream ends in one).
+        pool = WorkerPool(prefill_addresses=[servers(FakePrefill()).address],
+                          decode_addresses=[broken.address, back.address],
+                          new_breaker=lambda: CircuitBreaker(failure_threshold=1))
+        await pool.poll_once()
+        returning = next(e for e in pool.endpoints if e.address == back.address)
+        returning.breaker.record_failure(grpc.StatusCode.UNAVAILABLE)
+        dispatcher = Dispatcher(ScoringRouter(pool), migration_wait_s=wait_s)
+        if reopen_after_s is not None:
+            asyncio.get_running_loop().call_later(reopen_after_s, returning.breaker.record_success)
+        started = time.monotonic()
+        try:
+            events = [e async for e in dispatcher.generate("req", [5, 6, 7], SAMPLING)]
+        finally:
+            await pool.close()
+        return events, time.monotonic() - started
+
+    events, _ = asyncio.run(scenario(wait_s=10.0, reopen_after_s=0.5))
+    assert tokens(events) == [FIRST_TOKEN, 51, 52, 53, 54]
+    assert events[-1].finish_reason == "length"
+    events, took = asyncio.run(scenario(wait_s=1.0, reopen_after_s=None))
+    assert events[-1].finish_reason == "error" and "no worker to migrate to" in events[-1].error
+    assert 0.9 <= took < 5, took

@@ -109,3 +109,23 @@ def test_a_worker_state_for_metrics_reads_the_breaker_without_moving_it():
     assert endpoint.breaker.state is BreakerState.OPEN  # read, not advanced
     endpoint.draining = True
     assert worker_state(endpoint) == "draining"
+
+
+def test_a_health_check_that_says_serving_closes_it_past_the_cool_down():
+    """Trials alone let a recovered worker take one request at a time: streams migrating to
+    it in a burst found no worker. The health poll's SERVING closes it once the cool-down is
+    over, and at once for a worker that restarted (a new process)."""
+    clock = Clock()
+    b = breaker(clock)
+    for _ in range(3):
+        b.record_failure(UNAVAILABLE)
+    assert not b.health_confirmed(restarted=False)  # still cooling down
+    assert b.state is BreakerState.OPEN
+    clock.now += 2.5
+    assert b.health_confirmed(restarted=False)
+    assert b.state is BreakerState.CLOSED and b.available()
+    for _ in range(3):
+        b.record_failure(UNAVAILABLE)
+    assert b.health_confirmed(restarted=True)  # a new process: no cool-down to sit out
+    assert b.state is BreakerState.CLOSED
+    assert not b.health_confirmed(restarted=False)  # closed already: nothing to do

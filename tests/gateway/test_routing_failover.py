@@ -117,3 +117,40 @@ def test_repeated_failures_open_the_circuit_and_a_trial_after_the_cool_down_clos
     assert outputs == [[42], [42], [42], [42], [41]]
     assert flaky_calls == ["r0", "r1", "r2", "trial"]
     assert state is BreakerState.CLOSED
+
+
+def test_a_worker_back_on_its_address_after_20_s_is_seen_within_seconds():
+    """gRPC's default reconnect backoff grows toward 2 minutes: a decode worker restarted on
+    its address after 27 s down was seen 16.6 s after it was ready (a chaos audit; streams
+    needing it meanwhile found no worker). The gateway's channels retry every 2 s at most."""
+    from fake_workers import FakeServer
+
+    first = FakeServer(FakeDecode(streams([1])))
+    address = first.address
+
+    async def scenario() -> float:
+        pool = WorkerPool(decode_addresses=[address], poll_timeout_s=0.5)
+        (endpoint,) = pool.endpoints
+        try:
+            await pool.poll_once()
+            assert endpoint.reachable
+            first.stop()
+            down_until = time.monotonic() + 20
+            while time.monotonic() < down_until:  # the gateway polls a worker that is gone
+                await pool.poll_once()
+                await asyncio.sleep(0.25)
+            assert not endpoint.reachable
+            again = FakeServer(FakeDecode(streams([1])), address=address)
+            back_at = time.monotonic()
+            try:
+                while not endpoint.reachable and time.monotonic() - back_at < 30:
+                    await pool.poll_once()
+                    await asyncio.sleep(0.1)
+                return time.monotonic() - back_at
+            finally:
+                again.stop()
+        finally:
+            await pool.close()
+
+    seen_after = asyncio.run(scenario())
+    assert seen_after < 4.0, seen_after

@@ -69,6 +69,16 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN:
             self._trial_started = self.clock()
 
+    def health_confirmed(self, restarted: bool) -> bool:
+        """The worker's health check says it serves: past the cool-down (at once for a new
+        process) that closes the breaker, as a successful trial would. Left to trials alone, a
+        recovered worker took one request at a time, and streams migrating to it in a burst
+        found no worker. True if it closed."""
+        if self.state is BreakerState.CLOSED or (self.cooling_down and not restarted):
+            return False
+        self.record_success()
+        return True
+
     def record_success(self) -> None:
         self.consecutive_failures = 0
         if self.state is not BreakerState.CLOSED:

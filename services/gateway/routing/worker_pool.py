@@ -34,6 +34,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
     ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    # Reconnect to a worker that went away at least every 2 s: gRPC's default backoff grows to
+    # 2 minutes, and a worker restarted on its address after 27 s down was seen 16.6 s late.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 _EMPTY_STATS = common_pb2.WorkerStats()
 
@@ -239,11 +244,16 @@ class WorkerPool:
             endpoint.mark_failed(exc.code().name)
             return
         previous = endpoint.health
-        if previous is not None and (health.worker_id != previous.worker_id
-                                     or health.stats.steps < previous.stats.steps):
+        restarted = previous is not None and (health.worker_id != previous.worker_id
+                                              or health.stats.steps < previous.stats.steps)
+        if restarted:
             log.info("worker %s restarted in place; forgetting its prefix cache", endpoint.address)
             if self.on_cache_lost is not None:
                 self.on_cache_lost(endpoint)
+        if (health.status == common_pb2.HealthResponse.SERVING
+                and endpoint.breaker.health_confirmed(restarted)):
+            log.info("worker %s serves again: back in rotation (circuit closed)",
+                     endpoint.address)
         if not endpoint.reachable or (previous is not None and previous.status != health.status):
             log.info("worker %s (%s %s) is %s", endpoint.address, health.role, health.worker_id,
                      common_pb2.HealthResponse.Status.Name(health.status))
