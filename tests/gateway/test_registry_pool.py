@@ -49,3 +49,27 @@ def test_a_worker_still_holding_requests_keeps_its_channel_until_they_end():
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_serving_worker_whose_entry_vanished_stays_for_the_grace():
+    """A Redis restarted empty loses every entry until the next heartbeats: workers whose
+    health check still says SERVING stay (before, every worker left and the gateway answered
+    503 for about a second); one that is not serving, or missing past the grace, leaves."""
+    from splitserve.v1 import common_pb2
+
+    async def run():
+        pool = WorkerPool(registry_grace_s=0.3)
+        (serving, gone), _ = pool.apply_registry([info("d1", "decode", 5), info("d2", "decode", 6)])
+        serving.reachable, serving.health = True, common_pb2.HealthResponse(
+            status=common_pb2.HealthResponse.SERVING)
+        _, departed = pool.apply_registry([])  # Redis came back empty
+        assert departed == [gone] and pool.endpoints == [serving]
+        _, departed = pool.apply_registry([info("d1", "decode", 5)])  # its next heartbeat
+        assert not departed and serving.missing_since is None
+        pool.apply_registry([])
+        await asyncio.sleep(0.35)
+        _, departed = pool.apply_registry([])  # missing past the grace: gone for good
+        assert departed == [serving] and not pool.endpoints
+        await pool.close()
+
+    asyncio.run(run())
