@@ -21,6 +21,9 @@ class GenerationSpec:
     params: SamplingParams  # seed always set
     stop: tuple[str, ...] = ()
     echo_text: str | None = None  # completions' echo: the prompt text to prepend
+    # Completions' echo with max_tokens 0: the prompt and its logprobs, no output (the one
+    # token the worker generates for them is left out).
+    score_only: bool = False
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: keep the matched stop
     skip_special_tokens: bool = True  # special tokens' text left out of the output
     # vLLM's: False writes adjacent added tokens' texts with nothing between (detokenizer.py).

@@ -198,6 +198,48 @@ def test_completion_echo_with_logprobs_includes_prompt_tokens(stack, model_name)
     assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
 
 
+def test_echo_keeps_the_prompts_special_tokens_and_max_tokens_0_scores_it(stack, model_name):
+    """The prompt is echoed as given, special tokens included, so text_offset indexes the
+    text (before, "<|im_start|>user" came back as "user" with offsets past its end); with
+    max_tokens 0 echo scores the prompt: its logprobs, no output, as vLLM answers."""
+    prompt = "<|im_start|>user\nThe river<|im_end|>\n"
+    body = {"model": model_name, "prompt": prompt, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    for max_tokens in (3, 0):
+        response = httpx.post(f"{stack.url}/v1/completions", timeout=60,
+                              json={**body, "max_tokens": max_tokens})
+        assert response.status_code == 200, response.text
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        assert choice["text"].startswith(prompt)
+        lp = choice["logprobs"]
+        for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+            assert choice["text"][offset:offset + len(token)] == token
+        assert usage["completion_tokens"] == max_tokens
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == usage["prompt_tokens"]
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    # Without echo, max_tokens 0 is still refused, as by vLLM.
+    refused = httpx.post(f"{stack.url}/v1/completions", timeout=60,
+                         json={**body, "echo": False, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_what_vllm_accepts_a_switching_client_sends(stack, model_name):
+    """No model (vLLM serves its one model; scripts for it leave the field out), and
+    completions' logprobs as chat's flag: true is 1 (vLLM's reading), false is none."""
+    answer = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["model"] == model_name
+    for flag, expected in ((True, 2), (False, None)):  # the chosen token and one alternative
+        choice = httpx.post(f"{stack.url}/v1/completions", timeout=60, json={
+            "model": model_name, "prompt": "hi", "max_tokens": 1, "temperature": 0,
+            "logprobs": flag}).json()["choices"][0]
+        if expected is None:
+            assert choice["logprobs"] is None
+        else:
+            assert 1 <= len(choice["logprobs"]["top_logprobs"][0]) <= expected
+
+
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stack, model_name):
     """vLLM's return_tokens_as_token_ids: every logprob token is "token_id:N", N the id that
     return_token_ids gives; the text, its offsets and the chosen token's bytes stay the text's."""

@@ -225,7 +225,8 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
 def _prepare(gateway: Gateway, body_type, body: bytes, preprocess, request_id: str, limits):
     """Runs in a tokenizer thread: touches only read-only state."""
     req = parse_body(body_type, body)
-    gateway.check_model(req.model)
+    if req.model is not None:
+        gateway.check_model(req.model)
     return req, preprocess(request_id, req, limits)
 
 

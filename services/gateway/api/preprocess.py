@@ -93,11 +93,19 @@ class Preprocessor:
             prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
             self._check_prompt(prompt_ids, limits)
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-            params = self._params(req, max_tokens, len(prompt_ids), limits, logprobs=req.logprobs,
+            # echo with max_tokens 0 scores the prompt, as vLLM takes it: the worker generates
+            # one token (prompt logprobs come with a step), which the answer leaves out.
+            score_only = req.echo and max_tokens == 0
+            params = self._params(req, 1 if score_only else max_tokens, len(prompt_ids), limits,
+                                  logprobs=req.logprobs,
                                   prompt_logprobs=_most(req.logprobs if req.echo else None,
                                                         req.prompt_logprobs))
-            echo = self.tokenizer.decode(prompt_ids) if req.echo else None
-            specs += self._choices(request_id, p, prompt_ids, params, req, echo)
+            # The prompt as it was given, special tokens included (as vLLM echoes it): the
+            # logprobs' text_offset count their text. Left out, the offsets ran past the text.
+            echo = (self.tokenizer.decode(prompt_ids, skip_special_tokens=False) if req.echo
+                    else None)
+            specs += [dataclasses.replace(s, score_only=True) if score_only else s
+                      for s in self._choices(request_id, p, prompt_ids, params, req, echo)]
         return specs
 
     def chat_prompt(self, req, limits: ModelLimits) -> tuple[list[int], ToolPlan | None]:

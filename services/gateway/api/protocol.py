@@ -48,6 +48,15 @@ def _whole_number(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
+def _logprobs_flag(value: Any) -> Any:
+    """Completions' logprobs as chat's flag, which clients switching endpoints send: true is
+    1 (vLLM reads it so), false is none (vLLM's 0 would return logprobs to a caller who said
+    false)."""
+    if value is True:
+        return 1
+    return None if value is False else _whole_number(value)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far.
@@ -65,7 +74,9 @@ _TOKEN_IDS = {"items": {"minimum": 0}}
 
 
 class _SamplingFields(_Body):
-    model: str
+    # As in vLLM: optional, the served model when left out (scripts for a one-model server
+    # often leave it out; the OpenAI SDK always sends it).
+    model: str | None = None
     max_tokens: Int | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
@@ -147,7 +158,8 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Int | None = _doc(minimum=0, maximum=MAX_LOGPROBS_DOC)
+    logprobs: Annotated[int | None, BeforeValidator(_logprobs_flag)] = _doc(
+        minimum=0, maximum=MAX_LOGPROBS_DOC)
     echo: bool = False
     best_of: JsonValue = None  # refused unless equal to n
     prompt_embeds: JsonValue = None  # refused

@@ -4,6 +4,7 @@ stop-string matcher. A stop-string match ends the stream and cancels the worker 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine.outputs import ComputeSeconds, Logprobs
@@ -51,6 +52,11 @@ async def stream_text(
     matcher = StopStringMatcher(spec.stop, include_stop=spec.include_stop_str)
     events = dispatcher.generate(spec.request_id, list(spec.prompt_token_ids), spec.sampling_pb(),
                                  cache_salt=spec.cache_salt)
+    if spec.score_only:
+        async with aclosing(events):
+            async for delta in _scored(spec, events):
+                yield delta
+        return
     num_output = 0
     min_tokens = spec.params.min_tokens  # stop strings end nothing before this many tokens
     num_cached = 0
@@ -106,6 +112,24 @@ async def stream_text(
                 return
     finally:
         await events.aclose()  # cancels the worker RPCs if they are still open
+
+
+async def _scored(spec: GenerationSpec, events) -> AsyncIterator[TextDelta]:
+    """The one delta of a score-only choice: the prompt's logprobs, no output tokens."""
+    prompt_logprobs, num_cached, compute = None, 0, ComputeSeconds()
+    async for event in events:
+        prompt_logprobs = prompt_logprobs or event.prompt_logprobs
+        num_cached = max(num_cached, event.num_cached_tokens)
+        if event.compute is not None:
+            compute = compute + event.compute
+        if event.finish_reason is not None:
+            failed = event.finish_reason == "error"
+            yield TextDelta(index=spec.index, text="", token_ids=(), logprobs=(),
+                            num_output_tokens=0, finish_reason="error" if failed else "length",
+                            error=event.error if failed else None,
+                            prompt_logprobs=prompt_logprobs, num_cached_tokens=num_cached,
+                            compute=compute)
+            return
 
 
 def _stop_reason(spec: GenerationSpec, matcher: StopStringMatcher, finish: str | None,
