@@ -44,7 +44,7 @@ def test_each_limit_is_a_400_naming_its_parameter_and_no_worker_sees_it(limited,
         # looked at, so the error is about the count, not the token.
         ("5 prompts", comp, {"prompt": [[1], [2], [3], [4], [10**8]]}, {}, "prompt"),
         ("4 prompts x n=2", comp, {"prompt": ["a", "b", "c", "d"], "n": 2}, {}, "n"),
-        ("chat n over MAX_N", chat, {"messages": hi, "n": 9}, {}, "n"),
+        ("chat n over MAX_N", chat, {"messages": hi, "n": 129}, {}, "n"),
         ("3 stop strings", comp, {"prompt": "hi", "stop": ["a", "b", "c"]}, {}, "stop"),
         ("9-character stop", chat, {"messages": hi, "stop": "abcdefghi"}, {}, "stop"),
         ("4 stop_token_ids", comp, {"prompt": "hi", "stop_token_ids": [1, 2, 3, 4]}, {},

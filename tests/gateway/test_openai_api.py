@@ -350,3 +350,15 @@ def test_null_means_the_default_and_whole_floats_are_integers(disagg_stack, mode
         refused = httpx.post(f"{disagg_stack.url}/v1/chat/completions", timeout=30,
                              json={"model": model_name, "messages": hi, field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+def test_n_takes_what_sampling_jobs_ask_for(stack, model_name):
+    """n up to 128, OpenAI's limit (it was 8; vLLM has none, and RL jobs ask for 16-64)."""
+    response = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
+        "model": model_name, "prompt": "hi", "max_tokens": 3, "n": 32, "seed": 5,
+        "temperature": 1.0})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(32))
+    assert len({c["text"] for c in choices}) > 1  # choice i samples with seed + i
+    assert response.json()["usage"]["completion_tokens"] == 96

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from services.gateway.errors import APIError
 
-MAX_N = 8  # choices per prompt (`n`)
+MAX_N = 128  # choices per prompt (`n`): OpenAI's limit (vLLM has none; RL jobs ask for 16-64)
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt (hashed before it goes anywhere)
 # The choice index is appended to the worker's request id ("-<index>"); 5 digits keep the id
 # inside the KV header's key (request_ids.WORKER_ID_SUFFIX_ROOM).
