@@ -162,15 +162,18 @@ class Gateway:
                     "is_blocking": False}]}
 
     @functools.cached_property
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version("splitserve")
+        except importlib.metadata.PackageNotFoundError:
+            return "dev"
+
+    @functools.cached_property
     def system_fingerprint(self) -> str:
         """OpenAI's system_fingerprint: changes with what serves the model (its name, the
         weights' path, splitserve's version), so a client can tell when a seed's output
         may have changed."""
-        try:
-            version = importlib.metadata.version("splitserve")
-        except importlib.metadata.PackageNotFoundError:
-            version = "dev"
-        what = f"{self.model_name}\0{self.config.model}\0{version}"
+        what = f"{self.model_name}\0{self.config.model}\0{self.version}"
         return "fp_" + hashlib.sha256(what.encode()).hexdigest()[:10]
 
 

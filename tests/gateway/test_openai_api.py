@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import httpx
@@ -313,6 +314,9 @@ def test_health_and_ready(stack):
     assert httpx.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
     for method in ("GET", "POST"):  # vLLM's /ping, as load balancers probe it
         assert httpx.request(method, f"{stack.url}/ping", timeout=10).json() == {"status": "ok"}
+    # vLLM's /version: splitserve's version there.
+    version = httpx.get(f"{stack.url}/version", timeout=10).json()["version"]
+    assert version == importlib.metadata.version("splitserve")
     ready = httpx.get(f"{stack.admin_url}/ready", timeout=10)
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 

@@ -73,6 +73,12 @@ def create_app(gateway: Gateway) -> FastAPI:
     # vLLM's (and SageMaker's) liveness path, GET or POST: the same answer as /health.
     app.add_api_route("/ping", health, methods=["GET", "POST"])
 
+    @app.get("/version")
+    async def version() -> dict:
+        """vLLM's path (its own version there; splitserve's here): deployment checks and
+        clients that probe a server before use ask it."""
+        return {"version": gateway.version}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gateway.admission.authenticate(request.headers.get("authorization"))

@@ -68,7 +68,9 @@ class Preprocessor:
                                                    add_special_tokens=req.add_special_tokens),
                              req.truncate_prompt_tokens, limits)
         return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
-                "token_strs": ([self.tokenizer.token_text(t) for t in ids]
+                # The vocabulary's own strings ("\u0120world"), as vLLM's convert_ids_to_tokens
+                # gives them (they were the tokens' decoded text).
+                "token_strs": ([self.tokenizer.backend.id_to_token(t) for t in ids]
                                if req.return_token_strs else None)}
 
     def detokenize(self, req, limits: ModelLimits) -> dict:
