@@ -12,7 +12,6 @@ from chart_render import (
     SCENARIOS,
     Rendered,
     pod_templates,
-    render,
     render_scenario,
     worker_deployments,
 )
@@ -385,17 +384,6 @@ def test_service_monitor_scrapes_the_gateway_and_both_pools() -> None:
     assert endpoint_ports == {"metrics": "/metrics"}
 
 
-def test_the_gateways_admin_port_is_in_a_cluster_ip_service_of_its_own() -> None:
-    """With the gateway Service a LoadBalancer, its admin port (/metrics, /ready with worker
-    addresses) was on the internet unless networkPolicy.metricsFrom was set."""
-    rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
-    public = rendered.get("Service", f"{FULLNAME}-gateway")["spec"]
-    assert public["type"] == "LoadBalancer"
-    assert {p["name"] for p in public["ports"]} == {"http", "grpc"}
-    admin = rendered.get("Service", f"{FULLNAME}-gateway-metrics")["spec"]
-    assert admin["type"] == "ClusterIP" and [p["name"] for p in admin["ports"]] == ["metrics"]
-
-
 def test_keda_queries_default_to_this_release_pools() -> None:
     rendered = render_scenario("keda")
     for worker in WORKERS:
@@ -413,14 +401,3 @@ def test_image_tag_follows_the_variant_or_digest() -> None:
     assert images("cpu") == {"splitserve:0.1.0-cpu"}
     (pinned,) = images("keda")
     assert pinned.startswith("splitserve:0.1.0-cuda@sha256:")
-
-
-def test_worker_pods_leave_a_dead_node_after_30_seconds() -> None:
-    """Kubernetes' default keeps a pod on a node that stopped answering for 300 s, counted as
-    capacity: a pool runs one short for five minutes before its replacement even starts."""
-    rendered = render({})
-    for name in worker_deployments(rendered):
-        tolerations = rendered.get("Deployment", name)["spec"]["template"]["spec"]["tolerations"]
-        for taint in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
-            assert {"key": taint, "operator": "Exists", "effect": "NoExecute",
-                    "tolerationSeconds": 30} in tolerations, (name, taint)

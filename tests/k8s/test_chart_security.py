@@ -121,3 +121,15 @@ def test_the_generated_certificate_serves_a_real_worker_under_its_server_name(
             decode_pb2_grpc.DecodeStub(channel).Health(common_pb2.HealthRequest(), timeout=5)
     finally:
         worker.kill()
+
+
+def test_the_gateways_admin_port_is_in_a_cluster_ip_service_of_its_own() -> None:
+    """With the gateway Service a LoadBalancer, its admin port (/metrics, /ready with worker
+    addresses) was on the internet unless networkPolicy.metricsFrom was set."""
+    rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
+    public = rendered.get("Service", f"{FULLNAME}-gateway")["spec"]
+    assert public["type"] == "LoadBalancer"
+    assert {p["name"] for p in public["ports"]} == {"http", "grpc"}
+    admin = rendered.get("Service", f"{FULLNAME}-gateway-metrics")["spec"]
+    assert admin["type"] == "ClusterIP" and [p["name"] for p in admin["ports"]] == ["metrics"]
+
