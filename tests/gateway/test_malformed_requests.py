@@ -18,7 +18,7 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
     return [
         ("bad json", chat, b'{"model": "x", "messages": [', 400, None),
         ("json array body", comp, b"[1, 2, 3]", 400, None),
-        ("missing model", comp, {"prompt": "hi"}, 400, "model"),
+        ("model is a number", comp, {"model": 7, "prompt": "hi"}, 400, "model"),
         ("missing prompt", comp, {"model": model}, 400, "prompt"),
         ("max_tokens is a string", comp, {"model": model, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
         ("negative max_tokens", comp, {"model": model, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
