@@ -160,10 +160,11 @@ def test_a_grpc_caller_that_stops_reading_frees_its_slot_and_worker_at_once(
     worker = long_workers["both"]
     gateway = start_gateway(long_model, "--worker", worker.address,
                             "--slow-client-timeout-s", "0.5")
-    # A small flow-control window the caller never opens again: nothing is read.
-    channel = grpc.insecure_channel(gateway.field("grpc"), options=[
-        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)])
+    channel = None
     try:
+        # A small flow-control window the caller never opens again: nothing is read.
+        channel = grpc.insecure_channel(gateway.field("grpc"), options=[
+            ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)])
         baseline = worker_stats(worker.address)
         request = gateway_pb2.GenerateTextRequest(
             text="The engineer reads", sampling=common_pb2.SamplingParams(
@@ -175,7 +176,8 @@ def test_a_grpc_caller_that_stops_reading_frees_its_slot_and_worker_at_once(
         _wait_for_metric(gateway, "splitserve_gateway_inflight_requests", 0)
         assert not call.done() or call.code() != grpc.StatusCode.OK
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
         gateway.stop()
 
 
