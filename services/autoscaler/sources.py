@@ -13,7 +13,7 @@ from typing import Protocol
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.registry import WORKER_KEY, RejectedEntry, WorkerInfo, decode_entry
+from services.common.registry import WORKER_KEY, WorkerInfo, decode_entries
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,11 @@ class RegistrySource:
 
     def workers(self) -> list[WorkerInfo]:
         keys = list(self.redis.scan_iter(match=WORKER_KEY + "*", count=500))
-        if not keys:
-            self.rejected = {}
-            return []
-        found, rejected = [], {}
-        for key, raw in zip(keys, self.redis.mget(keys), strict=True):
-            if raw is None:  # expired between the scan and the read
-                continue
-            name = key.decode(errors="replace") if isinstance(key, bytes) else key
-            try:
-                found.append(decode_entry(name, raw, self.secret))
-            except RejectedEntry as exc:
-                rejected[name] = exc.reason
-                if self.rejected.get(name) != exc.reason:
-                    log.warning("leaving registry entry %s out of the plan (%s)", name,
-                                exc.reason)
+        found, rejected = decode_entries(keys, self.redis.mget(keys) if keys else [],
+                                         self.secret)
+        for name, reason in rejected.items():
+            if self.rejected.get(name) != reason:
+                log.warning("leaving registry entry %s out of the plan (%s)", name, reason)
         self.rejected = rejected
         return found
 

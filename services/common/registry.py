@@ -204,7 +204,13 @@ async def scan_workers(redis: aioredis.Redis, secret: bytes | None = None,
     keys = [k async for k in redis.scan_iter(match=prefix + "*", count=500)]
     if not keys:
         return [], {}
-    values = await redis.mget(keys)
+    return decode_entries(keys, await redis.mget(keys), secret, prefix)
+
+
+def decode_entries(keys, values, secret: bytes | None,
+                   prefix: str = WORKER_KEY) -> tuple[list[WorkerInfo], dict[str, str]]:
+    """Entries read with MGET (a value None: expired since the scan): those decode_entry
+    accepts, and the rest: key -> reason."""
     workers, rejected = [], {}
     for key, raw in zip(keys, values, strict=True):
         if raw is None:
