@@ -79,3 +79,18 @@ def worker_deployments(rendered: Rendered) -> dict[str, str]:
         if args[:1] == ["worker"]:
             workers[deployment["metadata"]["name"]] = args[args.index("--role") + 1]
     return workers
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A metav1.LabelSelector's meaning (matchLabels and matchExpressions)."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        present, value = expr["key"] in labels, labels.get(expr["key"])
+        op = expr["operator"]
+        if (op == "In" and value not in expr["values"]) or (op == "NotIn" and value in expr["values"]):
+            return False
+        if (op == "Exists" and not present) or (op == "DoesNotExist" and present):
+            return False
+    return True

@@ -13,30 +13,15 @@ from chart_render import (
     Rendered,
     pod_templates,
     render_scenario,
+    selects,
     worker_deployments,
 )
 
 FULLNAME = f"{RELEASE}-splitserve"
 WORKERS = (f"{FULLNAME}-prefill", f"{FULLNAME}-decode")
 SERVING = (f"{FULLNAME}-gateway", *WORKERS)
-SCRAPED = (f"{FULLNAME}-gateway", f"{FULLNAME}-gateway-metrics", *WORKERS)
 
 scenarios = pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    """A metav1.LabelSelector's meaning (matchLabels and matchExpressions)."""
-    for key, value in (selector.get("matchLabels") or {}).items():
-        if labels.get(key) != value:
-            return False
-    for expr in selector.get("matchExpressions") or []:
-        present, value = expr["key"] in labels, labels.get(expr["key"])
-        op = expr["operator"]
-        if (op == "In" and value not in expr["values"]) or (op == "NotIn" and value in expr["values"]):
-            return False
-        if (op == "Exists" and not present) or (op == "DoesNotExist" and present):
-            return False
-    return True
 
 
 def pods_selected(rendered: Rendered, selector: dict) -> list[str]:
@@ -368,28 +353,6 @@ def test_gateway_gets_tenants_file_and_api_keys_from_their_objects() -> None:
     gateway = main_container(default, f"{FULLNAME}-gateway")
     assert "SPLITSERVE_GATEWAY_API_KEYS" not in env_of(gateway)
     assert "without authentication" in default.notes
-
-
-def test_service_monitor_scrapes_the_gateway_and_both_pools() -> None:
-    rendered = render_scenario("keda")
-    (monitor,) = rendered.of_kind("ServiceMonitor")
-    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    endpoint_ports = {e["port"]: e["path"] for e in monitor["spec"]["endpoints"]}
-    scraped = [s for s in rendered.of_kind("Service")
-               if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
-    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(SCRAPED)
-    with_metrics = {s["metadata"]["name"] for s in scraped
-                    if {p["name"] for p in s["spec"]["ports"]} & set(endpoint_ports)}
-    assert with_metrics == set(SCRAPED) - {f"{FULLNAME}-gateway"}
-    assert endpoint_ports == {"metrics": "/metrics"}
-
-
-def test_keda_queries_default_to_this_release_pools() -> None:
-    rendered = render_scenario("keda")
-    for worker in WORKERS:
-        (trigger,) = rendered.get("ScaledObject", worker)["spec"]["triggers"]
-        assert f'service="{worker}"' in trigger["metadata"]["query"]
-        assert f'namespace="{NAMESPACE}"' in trigger["metadata"]["query"]
 
 
 def test_image_tag_follows_the_variant_or_digest() -> None:
