@@ -11,6 +11,7 @@ import argparse
 import atexit
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -141,6 +142,7 @@ class Deployment:
         self.grpc_address = ""
         self.admin_url = ""
         self._stopping = False
+        self._folder = ""
 
     def start(self) -> str:
         cfg = self.config
@@ -150,10 +152,11 @@ class Deployment:
         roles = ["prefill", "decode"] if cfg.mode == "disagg" else ["both"]
         share = (self._core_share()
                  if len(roles) > 1 and not cfg.num_threads and cfg.core_share else [])
+        secret = self._cluster_secret()
         workers = [self._spawn(role, cli + ["worker", "--role", role, "--model", cfg.model,
                                             "--host", cfg.host, "--port", "0",
-                                            "--num-threads", str(threads[role])] + share,
-                               threads[role])
+                                            "--num-threads", str(threads[role])]
+                               + share + secret, threads[role])
                    for role in roles]
         addresses = {w.name: w.wait_ready(deadline, self.stop_requested) for w in workers}
         if cfg.mode == "disagg":
@@ -164,7 +167,7 @@ class Deployment:
                                                 "--port", str(cfg.port),
                                                 "--grpc-port", str(cfg.grpc_port),
                                                 "--admin-port", str(cfg.admin_port)]
-                              + routing, None)
+                              + routing + secret, None)
         address = gateway.wait_ready(deadline, self.stop_requested)
         fields = dict(part.partition("=")[::2] for part in gateway.ready_line.split()[3:])
         self.grpc_address = fields.get("grpc", "")
@@ -172,12 +175,29 @@ class Deployment:
         _wait_http_ready(f"{self.admin_url}/ready", deadline, gateway)
         return f"http://{address}"
 
+    def _private_folder(self) -> str:
+        """A folder only this user can read (mkdtemp makes it 0700), removed at exit."""
+        if not self._folder:
+            self._folder = tempfile.mkdtemp(prefix="splitserve-up-")
+            atexit.register(shutil.rmtree, self._folder, ignore_errors=True)
+        return self._folder
+
     def _core_share(self) -> list[str]:
         """The workers split the cores: each lends its share to the other while idle
-        (services/common/core_share.py), through a file in a folder removed at exit."""
-        folder = tempfile.mkdtemp(prefix="splitserve-up-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        return ["--core-share", os.path.join(folder, "cores")]
+        (services/common/core_share.py), through a file in the private folder."""
+        return ["--core-share", os.path.join(self._private_folder(), "cores")]
+
+    def _cluster_secret(self) -> list[str]:
+        """A fresh random cluster secret for this deployment's processes, in a 0600 file:
+        it authenticates the KV channels between the workers and keys the tenants'
+        prefix-cache salts, so another local user who can reach the workers' ports can
+        neither feed a decode worker KV blocks nor compute a tenant's salt to probe its
+        cache. It is never printed and dies with the deployment."""
+        path = os.path.join(self._private_folder(), "cluster-secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        return ["--cluster-secret-file", path]
 
     def _spawn(self, name: str, argv: list[str], threads: int | None) -> Child:
         child = Child(name, argv, _child_env(threads))

@@ -75,6 +75,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _secret_files(launcher: Launcher) -> set[str]:
+    """The --cluster-secret-file each child process was started with."""
+    paths = set()
+    for name, pid in launcher.child_pids.items():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        assert "--cluster-secret-file" in argv, (name, argv)
+        paths.add(argv[argv.index("--cluster-secret-file") + 1])
+    return paths
+
+
+def _check_one_private_secret(launcher: Launcher) -> str:
+    """Every process of the deployment shares one fresh secret only this user can read."""
+    paths = _secret_files(launcher)
+    assert len(paths) == 1, paths
+    path = paths.pop()
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    with open(path) as f:
+        secret = f.read()
+    assert len(bytes.fromhex(secret)) == 32
+    assert secret not in "".join(launcher.lines)  # never printed
+    return path
+
+
 def _wait_until_gone(launcher: Launcher, timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     while launcher.alive_children() and time.monotonic() < deadline:
@@ -138,6 +163,8 @@ def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
         shares = {re.search(r"core_share=(\S*)", line).group(1) for line in launcher.lines
                   if line.startswith(("[prefill]", "[decode]")) and "core_share=" in line}
         assert len(shares) == 1 and shares.pop().endswith("/cores"), shares
+        # The KV channel between the workers is authenticated with it: Paris below proves it.
+        secret_file = _check_one_private_secret(launcher)
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         answer = client.chat.completions.create(model=smollm2_dir.name, messages=question,
@@ -153,6 +180,7 @@ def test_up_with_smollm2_says_paris_and_stops_cleanly(smollm2_dir):
         launcher.process.send_signal(signal.SIGTERM)
         assert launcher.process.wait(60) == 0
         assert _wait_until_gone(launcher, 10) == []
+        assert not os.path.exists(secret_file)
     finally:
         launcher.cleanup()
 
@@ -162,6 +190,7 @@ def test_up_aggregated_leaves_no_orphans_even_when_killed(tiny_llama_dir):
     try:
         url = launcher.wait_up()
         assert set(launcher.child_pids) == {"both", "gateway"}
+        first_secret = open(_check_one_private_secret(launcher)).read()
         import httpx
 
         response = httpx.post(f"{url}/v1/completions", timeout=60, json={
@@ -172,3 +201,10 @@ def test_up_aggregated_leaves_no_orphans_even_when_killed(tiny_llama_dir):
         assert _wait_until_gone(launcher, 20) == []
     finally:
         launcher.cleanup()
+    again = Launcher("--port", "0", "--model", str(tiny_llama_dir), "--mode", "agg")
+    try:
+        again.wait_up()
+        # Each deployment draws its own secret.
+        assert open(_check_one_private_secret(again)).read() != first_secret
+    finally:
+        again.cleanup()
