@@ -67,6 +67,7 @@ class GatewayConfig:
     max_inflight: int = 0  # requests released to workers by this gateway (0: no limit); more wait
     max_inflight_per_key: int = 0  # default max_concurrency of every tenant (0: no limit) -> 429
     api_keys: tuple[str, ...] = ()  # the key secret: `tenant:key` or a bare key (its own tenant)
+    api_keys_file: str = ""  # more such entries, one per line or comma-separated; reloaded
     socket_send_buffer: int = 0  # SO_SNDBUF of client connections (0: the OS default)
     # Client connections (services/gateway/api/connections.py); 0: none / automatic.
     request_read_timeout_s: float = 60.0  # a request's headers, then its body, each within this
@@ -92,6 +93,8 @@ class GatewayConfig:
     # Admission (services/gateway/admission/admission.py): tenants, quotas (shared via redis_url),
     # fair queueing, the capacity rule for releasing queued requests, early rejection.
     tenants_file: str = ""  # YAML; empty: no tenants file
+    # The tenants and API-keys files are re-read when they change (0: only on SIGHUP).
+    tenants_reload_s: float = 10.0
     quota_fail_mode: str = "open"  # Redis unreachable: open (local limits) | closed (503)
     fairness: str = "vtc"  # vtc | round_robin | fcfs
     output_token_weight: float = 2.0  # an output token's cost in the virtual token counter
@@ -223,7 +226,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                             "restarting, one just back) before it ends with an error event",
         "api_keys": "API keys, comma-separated: tenant:key, or a bare key that is its own "
                     "tenant (none and no tenants file: no authentication)",
-        "tenants_file": "tenants YAML (weights, priorities, quotas; see README)",
+        "api_keys_file": "a file of more API keys, as --api-keys takes them, one per line "
+                         "or comma-separated (# comments); re-read when it changes",
+        "tenants_file": "tenants YAML (weights, priorities, quotas; see README); re-read "
+                        "when it changes",
+        "tenants_reload_s": "how often the tenants and API-keys files are checked for "
+                            "changes, which take effect without a restart (0: only on SIGHUP)",
         "redis_url": "discover workers (and follow their prefix caches) in this Redis",
         "routing": "scored (the scorers below) or round_robin (a baseline)",
         "decode_scorers": "name=weight,... of free_kv, running_load, prefix_cache, queued_prefill",

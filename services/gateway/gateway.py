@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.common.security import read_cluster_secret
-from services.gateway.admission.config import make_admission
+from services.gateway.admission.config import directory_of, make_admission
+from services.gateway.admission.tenants_watch import TenantsWatcher
 from services.gateway.admission.ticket import Ticket
 from services.gateway.api.deadline import RequestDeadline, StreamCutoff
 from services.gateway.api.preprocess import ModelLimits, Preprocessor
@@ -88,6 +89,11 @@ class Gateway:
             functools.partial(note_admitted_prompt, self.prefix_index, self.pool))
         metrics = self.admission.metrics
         metrics.model = config.model_name
+        # Quota edits and key rotation without a restart (also on SIGHUP, server.py).
+        self.tenants_watch = TenantsWatcher(
+            self.admission, functools.partial(directory_of, config),
+            [config.tenants_file, config.api_keys_file], config.tenants_reload_s,
+            metrics.registry)
         # Request metrics join admission's registry: one /metrics for the whole gateway.
         self.observer = RequestObserver(config.model_name, metrics.registry, config.log_prompts)
         metrics.registry.register(WorkerStates(lambda: self.pool.endpoints))
@@ -102,8 +108,10 @@ class Gateway:
         if self.registry is not None:
             await self.registry.start()
         await self.admission.start()
+        await self.tenants_watch.start()
 
     async def close(self) -> None:
+        await self.tenants_watch.close()
         await self.admission.close()
         if self.registry is not None:
             await self.registry.close()

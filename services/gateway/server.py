@@ -105,6 +105,9 @@ async def serve(config: GatewayConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    # Re-read the tenants and API-keys files now (they are also checked every
+    # --tenants-reload-s).
+    loop.add_signal_handler(signal.SIGHUP, gateway.tenants_watch.reload)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     admin_serving = asyncio.create_task(admin.serve(sockets=[admin_sock])) if admin else None
     while not server.started and not serving.done():

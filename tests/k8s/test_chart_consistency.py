@@ -340,8 +340,13 @@ def test_gateway_gets_tenants_file_and_api_keys_from_their_objects() -> None:
     assert env_value(gateway, "SPLITSERVE_TENANTS_FILE") == "/etc/splitserve/tenants/tenants.yaml"
     tenants = hpa.get("ConfigMap", f"{FULLNAME}-tenants")
     assert "acme:" in tenants["data"]["tenants.yaml"]
-    keys = env_of(gateway)["SPLITSERVE_GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    assert keys == {"name": "splitserve-api-keys", "key": "api-keys"}
+    # The keys as a file (re-read when the Secret changes), never in the environment.
+    assert env_value(gateway, "SPLITSERVE_GATEWAY_API_KEYS_FILE") == "/etc/splitserve/api-keys/keys"
+    assert "SPLITSERVE_GATEWAY_API_KEYS" not in env_of(gateway)
+    pod = hpa.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]
+    keys = {v["name"]: v for v in pod["volumes"]}["api-keys"]["secret"]
+    assert keys == {"secretName": "splitserve-api-keys", "defaultMode": 0o440,
+                    "items": [{"key": "api-keys", "path": "keys"}]}
     # The operator's Secret, not one the chart makes (it makes only the internal-plane ones).
     assert f"{FULLNAME}-api-keys" not in hpa.names("Secret")
 
@@ -351,7 +356,7 @@ def test_gateway_gets_tenants_file_and_api_keys_from_their_objects() -> None:
 
     default = render_scenario("default")
     gateway = main_container(default, f"{FULLNAME}-gateway")
-    assert "SPLITSERVE_GATEWAY_API_KEYS" not in env_of(gateway)
+    assert "SPLITSERVE_GATEWAY_API_KEYS_FILE" not in env_of(gateway)
     assert "without authentication" in default.notes
 
 

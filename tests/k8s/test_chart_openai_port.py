@@ -40,23 +40,25 @@ def test_a_workers_openai_port_holds_clients_to_the_gateways_api_keys_and_tenant
                        "gateway": {"apiKeys": {"existingSecret": "keys"}, "tenants": tenants}})
     container = worker_container(rendered)
     env = {e["name"]: e for e in container["env"]}
-    assert env["SPLITSERVE_GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "keys"
+    assert env["SPLITSERVE_GATEWAY_API_KEYS_FILE"]["value"] == "/etc/splitserve/api-keys/keys"
     assert env["SPLITSERVE_TENANTS_FILE"]["value"] == "/etc/splitserve/tenants/tenants.yaml"
-    assert {"name": "tenants", "mountPath": "/etc/splitserve/tenants",
-            "readOnly": True} in container["volumeMounts"]
+    for name in ("tenants", "api-keys"):
+        assert {"name": name, "mountPath": f"/etc/splitserve/{name}",
+                "readOnly": True} in container["volumeMounts"]
     pod = rendered.get("Deployment", f"{FULLNAME}-worker")["spec"]["template"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["tenants"]["configMap"]["name"] == f"{FULLNAME}-tenants"
-    # A rotated key or an edited tenants file rolls the workers as it rolls the gateways.
-    gateway = rendered.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]
-    for checksum in ("checksum/tenants", "checksum/api-keys"):
-        assert pod["metadata"]["annotations"][checksum] == (
-            gateway["metadata"]["annotations"][checksum])
+    assert volumes["api-keys"]["secret"]["secretName"] == "keys"
+    # Both are re-read in place (tests/gateway/test_tenants_reload.py): a rotated key or an
+    # edited quota restarts no GPU worker.
+    assert not any(a.startswith("checksum/")
+                   for a in pod["metadata"].get("annotations", {}))
     # Without its own port a worker gets neither.
     quiet = worker_container(render({**AGGREGATED, "gateway": {
         "apiKeys": {"existingSecret": "keys"}, "tenants": tenants}}))
     names = {e["name"] for e in quiet["env"]}
-    assert not names & {"SPLITSERVE_GATEWAY_API_KEYS", "SPLITSERVE_TENANTS_FILE"}
+    assert not names & {"SPLITSERVE_GATEWAY_API_KEYS_FILE", "SPLITSERVE_TENANTS_FILE"}
+    assert not {"api-keys", "tenants"} & {m["name"] for m in quiet["volumeMounts"]}
 
 
 @pytest.mark.parametrize("values", [AGGREGATED, {}])

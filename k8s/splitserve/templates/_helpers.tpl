@@ -144,12 +144,8 @@ checkov.io/skipN: "CHECK_ID=reason". Pass (dict "root" $ "component" "gateway").
 {{- $skips = append $skips "CKV_K8S_43=Pin by digest with image.digest (redis.image.digest for Redis): only the operator knows the digest of the image it built or mirrored, so the chart cannot default one" -}}
 {{- end -}}
 {{- $secretEnv := and (ne .component "redis") $v.redis.external.existingSecret (not $v.redis.enabled) -}}
-{{- $keysHere := or (eq .component "gateway") (and (eq .component "worker") (gt (int $v.worker.openaiPort) 0)) -}}
-{{- if and $keysHere (include "splitserve.apiKeysSecretName" .root) -}}
-{{- $secretEnv = true -}}
-{{- end -}}
 {{- if $secretEnv -}}
-{{- $skips = append $skips "CKV_K8S_35=splitserve processes read REDIS_URL and SPLITSERVE_GATEWAY_API_KEYS from the environment (their configuration interface); the values come from a Secret by reference and never appear in the manifest" -}}
+{{- $skips = append $skips "CKV_K8S_35=splitserve processes read REDIS_URL from the environment (their configuration interface); the value comes from a Secret by reference and never appears in the manifest" -}}
 {{- end -}}
 {{- if and $v.rdma.enabled (has .component (list "prefill" "decode")) -}}
 {{- $skips = append $skips "CKV_K8S_25=rdma.enabled adds IPC_LOCK to the prefill and decode workers alone: RDMA registers pinned memory for NCCL's KV transfer; every other capability stays dropped" -}}

@@ -79,3 +79,26 @@ gateway Service, for callers of the gRPC front door. */}}
       - {key: {{ $s.clusterSecret.secretKey }}, path: secret}
 {{- end }}
 {{- end -}}
+
+{{/* The API keys (gateway.apiKeys) as a file, not an environment variable: the gateway (and a
+worker's own OpenAI endpoint) re-reads it when the Secret changes, so a rotated key takes
+effect within the kubelet's sync period without rolling any pod. Pass the Secret's name. */}}
+{{- define "splitserve.apiKeysEnv" -}}
+- name: SPLITSERVE_GATEWAY_API_KEYS_FILE
+  value: /etc/splitserve/api-keys/keys
+{{- end -}}
+
+{{- define "splitserve.apiKeysVolumeMount" -}}
+- name: api-keys
+  mountPath: /etc/splitserve/api-keys
+  readOnly: true
+{{- end -}}
+
+{{- define "splitserve.apiKeysVolume" -}}
+- name: api-keys
+  secret:
+    secretName: {{ .name }}
+    defaultMode: 0440
+    items:
+      - {key: {{ .key }}, path: keys}
+{{- end -}}

@@ -28,6 +28,10 @@ class AdmissionSettings(Protocol):
     @property
     def api_keys(self) -> tuple[str, ...]: ...
     @property
+    def api_keys_file(self) -> str: ...
+    @property
+    def tenants_reload_s(self) -> float: ...
+    @property
     def redis_url(self) -> str: ...
     @property
     def quota_fail_mode(self) -> str: ...
@@ -54,6 +58,13 @@ class AdmissionSettings(Protocol):
 def validate_admission(config: AdmissionSettings) -> None:
     if config.tenants_file and not os.path.isfile(config.tenants_file):
         raise ValueError(f"--tenants-file {config.tenants_file!r} does not exist")
+    if config.api_keys_file and not os.path.isfile(config.api_keys_file):
+        raise ValueError(f"--api-keys-file {config.api_keys_file!r} does not exist")
+    if config.api_keys_file and not read_api_keys_file(config.api_keys_file):
+        # An empty key file would mean no authentication at all: surely not what was meant.
+        raise ValueError(f"--api-keys-file {config.api_keys_file!r} holds no key")
+    if config.tenants_reload_s < 0:
+        raise ValueError("--tenants-reload-s must be >= 0 (0: reload only on SIGHUP)")
     if config.fairness not in POLICIES:
         raise ValueError(f"--fairness must be one of {', '.join(POLICIES)}")
     if config.quota_fail_mode not in FAIL_MODES:
@@ -71,23 +82,40 @@ def validate_admission(config: AdmissionSettings) -> None:
     if not 0.0 <= config.kv_headroom < 1.0:
         raise ValueError("--kv-headroom must be in [0, 1)")
     # The tenants file's own errors (unknown settings, bad digests) surface here, at start-up.
-    _directory(config)
+    directory_of(config)
 
 
-def _directory(config: AdmissionSettings):
+def read_api_keys_file(path: str) -> list[str]:
+    """Entries as --api-keys takes them, separated by commas or line ends; blank lines and
+    lines starting with # are skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-keys-file {path!r}: {exc}") from None
+    return [entry.strip() for line in text.splitlines() if not line.lstrip().startswith("#")
+            for entry in line.split(",") if entry.strip()]
+
+
+def directory_of(config: AdmissionSettings):
+    """The tenant directory from the tenants file and the API keys (flag and file) as they
+    are now: at start, and again on each reload (tenants_watch.py)."""
     # --max-inflight-per-key predates tenants: it is every tenant's default concurrency.
     defaults = {"max_concurrency": config.max_inflight_per_key} \
         if config.max_inflight_per_key else {}
     # The cluster secret, when set, keys the tenants' prefix-cache salts.
     secret_file = getattr(config, "cluster_secret_file", "")
     salt_key = read_cluster_secret(secret_file) if secret_file else None
-    return load_tenants(config.tenants_file, config.api_keys, defaults, salt_key)
+    keys = list(config.api_keys)
+    if config.api_keys_file:
+        keys += read_api_keys_file(config.api_keys_file)
+    return load_tenants(config.tenants_file, keys, defaults, salt_key)
 
 
 def make_admission(config: AdmissionSettings, pool: WorkerPool,
                    cached_tokens: CachedTokens | None = None,
                    on_admitted: OnAdmitted | None = None) -> Admission:
-    directory = _directory(config)
+    directory = directory_of(config)
     log.info("admission: %s; fairness %s; ttft target %gs; tpot target %gs; quotas %s "
              "(fail %s)", directory.describe(), config.fairness, config.ttft_target_s,
              config.tpot_target_s,
