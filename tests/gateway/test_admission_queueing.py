@@ -302,6 +302,39 @@ def test_the_retry_schedule_forgets_refusals_long_past():
     assert schedule.retry_after_s(500, 0.5) == MAX_RETRY_AFTER_S
 
 
+def test_a_retry_storm_does_not_hold_everyone_back_once_there_is_room():
+    """A client retrying 50 ms after each refusal, ignoring Retry-After, was refused 2,308
+    times in 15 s; every refusal pushed the schedule on by the cluster's time per request, so
+    for minutes after, with the cluster idle again, everyone was told 60 s. The schedule now
+    never runs past what it can say, and a request that finds room clears it."""
+    from services.gateway.admission.retry_after import MAX_RETRY_AFTER_S, RetrySchedule
+
+    now = [100.0]
+    schedule = RetrySchedule(clock=lambda: now[0])
+    for _ in range(2308):
+        schedule.retry_after_s(0.2, 0.5)
+        now[0] += 0.0065
+    assert schedule.retry_after_s(0.2, 0.5) == MAX_RETRY_AFTER_S
+    now[0] += MAX_RETRY_AFTER_S  # the storm stopped a minute ago: nothing is owed any more
+    assert schedule.retry_after_s(0.2, 0.5) == 1
+    for _ in range(200):
+        schedule.retry_after_s(0.2, 0.5)
+    assert schedule.retry_after_s(0.2, 0.5) == MAX_RETRY_AFTER_S
+    schedule.room()  # a request was admitted at once: a new burst is spread from now
+    assert [schedule.retry_after_s(0.2, 0.5) for _ in range(3)] == [1, 1, 2]
+
+
+def test_a_request_admitted_with_room_clears_the_retry_schedule():
+    async def scenario():
+        admission = make_admission(A, ttft_target_s=1.0)
+        admission.retry_schedule._next = time.monotonic() + 45  # a storm's refusals before
+        ticket = await admission.admit(A, [spec()], 10)  # an idle cluster: room at once
+        ticket.release()
+        return admission.retry_schedule.retry_after_s(0.2, 0.5)
+
+    assert run(scenario) == 1
+
+
 def test_requests_in_preparation_count_against_a_tenants_queue_limit():
     """Parsing, tokenizing and a constraint's compile run before admit(): a tenant with a
     queue limit has at most max_concurrency + max_queued requests there and in the queue

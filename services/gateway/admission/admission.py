@@ -233,6 +233,8 @@ class Admission:
                 503, f"Overloaded: the predicted time to first token ({predicted:.2f}s) exceeds "
                      f"{allowed}; retry in {retry}s.",
                 "server_error", None, "ttft_unattainable", retry))
+        if room:  # on time, with nothing ahead: those told to come back later will be too
+            self.retry_schedule.room()
 
     def _ttft_budget_s(self, prefill_tokens: int, extra_choices: int) -> float:
         """How long this request may take to its first token before it is refused or dropped:

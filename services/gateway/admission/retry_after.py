@@ -7,6 +7,13 @@ the rate the cluster serves instead of all together a second later, to be refuse
 OpenAI SDK honours Retry-After up to 60 s and retries twice by default: with every refusal of a
 48-request burst told "1", 17 clients spent both retries in under 3 s while the burst took 17 s
 to serve, and raised InternalServerError.) Owned by the gateway's event loop.
+
+The schedule holds only what the backlog can use: it never runs past the longest wait it can
+say (MAX_RETRY_AFTER_S), and a request that finds room at once clears it (`room`): the
+clients told to come back later will find room too. Before, every refusal pushed it on for
+good: an audit's client that retried 50 ms after each refusal, ignoring the header, was refused
+2,308 times in 15 s, and for minutes after, with the cluster idle again, every refusal of
+everyone said `Retry-After: 60`.
 """
 
 from __future__ import annotations
@@ -30,5 +37,9 @@ class RetrySchedule:
         told to come back, each given `per_request_s` (the cluster's time per request)."""
         now = self.clock()
         at = max(now + max(earliest_s, 0.0), self._next)
-        self._next = at + max(per_request_s, 0.0)
+        self._next = min(at + max(per_request_s, 0.0), now + MAX_RETRY_AFTER_S)
         return min(MAX_RETRY_AFTER_S, max(1, math.ceil(at - now)))
+
+    def room(self) -> None:
+        """A request found room at once: no one need be spread after those told before."""
+        self._next = min(self._next, self.clock())
