@@ -18,7 +18,6 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_MASK63 = (1 << 63) - 1
 DRAW_STREAM = 0xC0F  # separates this uniform from the other streams of one (seed, position)
 # Candidate counts tried in turn for a truncated row; the last is the whole vocabulary.
 _CANDIDATES = (64,)
@@ -28,14 +27,23 @@ _BINS_PER_NAT = 32
 _NUM_BINS = 2048  # 64 nats: the last bin holds everything below
 
 
-def uniform_for(seed: int, position: int, stream: int = DRAW_STREAM) -> float:
-    """A uniform in [0, 1) from (seed, position): splitmix64 of Python's int-tuple hash, which
-    (unlike a str hash) is the same in every process. `stream` separates independent uniforms
-    of one (seed, position) (the rejection sampler's accept test has its own)."""
-    z = (hash((seed, position, stream)) & _MASK63) + 0x9E3779B97F4A7C15
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
+    return z ^ (z >> 31)
+
+
+def uniform_for(seed: int, position: int, stream: int = DRAW_STREAM) -> float:
+    """A uniform in [0, 1) from (seed, position), the same in every process. `stream`
+    separates independent uniforms of one (seed, position) (the rejection sampler's accept
+    test has its own). For one (position, stream), distinct 64-bit seeds get distinct
+    uniforms' bits: the seed is xored with a mix of (position, stream) and mixed again, both
+    bijections. (Until December 7 it was splitmix64 of Python's int-tuple hash, which is
+    modulo 2^61 - 1: seeds s and s + 2^61 - 1 drew the same text.)"""
+    key = _mix64(((position & _MASK64) * 0xD1B54A32D192ED03 + stream) & _MASK64)
+    z = _mix64((seed & _MASK64) ^ key)
     return (z >> 11) * (1.0 / (1 << 53))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 # A choice list compiles in about 18 ms at this size (SmolLM2's vocabulary); 40,000 entries
@@ -146,7 +147,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty < self.MIN_REPETITION_PENALTY:
+        # Compared as the float32 the gateway rounds it to (and the proto carries): the
+        # documented minimum itself, 0.01, arrives as 0.0099999998 and was refused.
+        if _float32(self.repetition_penalty) < _float32(self.MIN_REPETITION_PENALTY):
             raise ValueError(f"repetition_penalty must be >= {self.MIN_REPETITION_PENALTY}, "
                              f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -219,3 +222,8 @@ def _check_token_id(name: str, token_id, vocab_size: int) -> None:
 def _check_finite(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", value))[0]

@@ -138,6 +138,28 @@ def test_same_seed_gives_same_sample_and_other_seeds_differ(stack, model_name):
     assert len({sample(s) for s in (1, 2, 3)} | {first}) > 1
 
 
+def test_seeds_are_64_bit_signed_and_none_shares_another_ones_stream(disagg_stack, model_name):
+    """vLLM's range: a seed past a signed 64-bit integer is a 400 naming it. Inside it,
+    seeds that used to share a stream (2^64 wrapped to 0; Python's int hash is modulo
+    2^61 - 1) draw their own text."""
+    import httpx
+
+    url = f"{disagg_stack.url}/v1/completions"
+
+    def sample(seed):
+        response = httpx.post(url, timeout=60, json={
+            "model": model_name, "prompt": "Every student", "max_tokens": 24,
+            "temperature": 1.0, "seed": seed})
+        return response.status_code, response.json()
+
+    for seed in (2**63, 2**64, -(2**63) - 1):
+        status, body = sample(seed)
+        assert status == 400 and body["error"]["param"] == "seed", body
+    texts = {seed: sample(seed)[1]["choices"][0]["text"]
+             for seed in (5, 5 + 2**61 - 1, 2**63 - 1, -1 - 2**62, -(2**63))}
+    assert len(set(texts.values())) == len(texts), texts
+
+
 def test_n_choices_sample_with_distinct_seeds(disagg_stack, model_name):
     client = openai_client(disagg_stack.url)
     response = client.completions.create(model=model_name, prompt="My neighbour", max_tokens=16,

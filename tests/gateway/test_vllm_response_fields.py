@@ -128,3 +128,18 @@ def test_prompt_logprobs_as_vllm_returns_them(stack, engine, tiny_llama_dir):
     without = httpx.post(url + "/v1/completions", timeout=30,
                          json={**body, "prompt_logprobs": None}).json()["choices"][0]
     assert "prompt_logprobs" not in without
+
+
+def test_with_echo_prompt_logprobs_keeps_its_own_count(stack, tiny_llama_dir):
+    """`prompt_logprobs: 1` beside echo's `logprobs: 2`: each prompt token has its own entry
+    and its one likeliest (1 or 2 entries), in the field and in echo's prompt part, as vLLM
+    gives them; the generated token has echo's 2. Computed with the larger count, both carried
+    3 entries a prompt token."""
+    body = {"model": tiny_llama_dir.name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+            "logprobs": 2, "prompt_logprobs": 1, "echo": True}
+    choice = httpx.post(stack.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    field = choice["prompt_logprobs"]
+    assert field[0] is None and all(1 <= len(entry) <= 2 for entry in field[1:]), field
+    echoed = choice["logprobs"]["top_logprobs"]
+    assert echoed[0] is None and [len(e) for e in echoed[1:-1]] == [len(e) for e in field[1:]]
+    assert len(echoed[-1]) == 2

@@ -29,6 +29,7 @@ VOCAB = 100
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
         ({"min_p": math.nan}, r"min_p must be a finite number"),
         ({"repetition_penalty": 0.0}, r"repetition_penalty must be >= 0.01, got 0.0"),
+        ({"repetition_penalty": 0.0099}, r"repetition_penalty must be >= 0.01"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
         ({"frequency_penalty": -math.inf}, r"frequency_penalty must be a finite number"),
         ({"seed": "42"}, r"seed must be an integer, got '42'"),
@@ -60,6 +61,10 @@ def test_invalid_field_raises_a_value_error_that_names_it(fields, message):
         {"logprobs": 0, "prompt_logprobs": 20},
         {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
         {"seed": 0},
+        # The documented minimum as the gateway rounds it to float32 (0.0099999998): a 400
+        # where vLLM serves it, until compared as a float32.
+        {"repetition_penalty": 0.009999999776482582},
+        {"repetition_penalty": 0.01},
     ],
 )
 def test_valid_params_pass(fields):
@@ -91,5 +96,14 @@ def test_a_seed_of_minus_one_asks_for_a_random_one_as_in_vllm():
 
     drawn = {_seed(-1, 0) for _ in range(4)}
     assert len(drawn) == 4 and all(0 <= s < 2**62 for s in drawn)
-    assert _seed(-2, 0) == _seed(-2, 0) == SEED_MODULUS - 2
+    assert _seed(-2, 0) == _seed(-2, 0) == SEED_MODULUS - 2 == 2**64 - 2
     assert _seed(7, 1) == 8
+
+
+def test_distinct_seeds_draw_distinct_uniforms_where_pythons_hash_collided():
+    """Python's int hash is modulo 2^61 - 1: seeds s and s + 2^61 - 1 drew the same text."""
+    from engine.sampling_draw import uniform_for
+
+    for position in (0, 1, 17, 4095):
+        seeds = (5, 5 + 2**61 - 1, 2**63 + 5, 2**64 - 1, 0)
+        assert len({uniform_for(s, position) for s in seeds}) == len(seeds)

@@ -27,7 +27,12 @@ from services.gateway.errors import APIError
 from services.gateway.generation_spec import GenerationSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-SEED_MODULUS = 1 << 63
+# Seeds are 64-bit: the API takes vLLM's range (a signed 64-bit integer), the workers an
+# unsigned one (the proto's uint64); a negative seed maps to its two's complement, so every
+# seed of the range keeps a stream of its own (engine/sampling_draw.uniform_for). Until
+# December 7 seeds were taken modulo 2^63, with any integer accepted: 2^64 drew seed 0's text.
+SEED_MODULUS = 1 << 64
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 # The workers' protobuf carries these as float32: anything larger would arrive as infinity.
 FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -100,8 +105,7 @@ class Preprocessor:
             score_only = req.echo and max_tokens == 0
             params = self._params(req, 1 if score_only else max_tokens, len(prompt_ids), limits,
                                   logprobs=req.logprobs,
-                                  prompt_logprobs=_most(req.logprobs if req.echo else None,
-                                                        req.prompt_logprobs))
+                                  prompt_logprobs=_prompt_logprobs(req))
             # The prompt as it was given, special tokens included (as vLLM echoes it): the
             # logprobs' text_offset count their text. Left out, the offsets ran past the text.
             echo = (self.tokenizer.decode(prompt_ids, skip_special_tokens=False) if req.echo
@@ -244,6 +248,9 @@ class Preprocessor:
                            "max_completion_tokens" if getattr(req, "max_completion_tokens", None)
                            is not None else "max_tokens")
         top_k = _top_k(req.top_k if req.top_k is not None else 0, limits, "top_k")
+        if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:
+            raise APIError.invalid(f"seed must be a 64-bit signed integer, in [{MIN_SEED}, "
+                                   f"{MAX_SEED}], got {req.seed}", param="seed")
         for name in _FLOAT32_FIELDS:
             value = getattr(req, name)
             if value is not None and abs(value) > FLOAT32_MAX:
@@ -308,10 +315,14 @@ def _client_cache_salt(salt: str | None) -> str:
     return salt
 
 
-def _most(*counts: int | None) -> int | None:
-    """The larger of the logprob counts asked for (echo's and prompt_logprobs'), None for none."""
-    asked = [count for count in counts if count is not None]
-    return max(asked) if asked else None
+def _prompt_logprobs(req) -> int | None:
+    """The top logprobs of each prompt token: `prompt_logprobs` when given, else echo's
+    `logprobs`, as vLLM takes them (echo's entries for the prompt then follow prompt_logprobs
+    too). Computed with the larger of the two, the `prompt_logprobs` field carried echo's
+    count: 3 entries a token for `prompt_logprobs: 1, logprobs: 2`, where vLLM gives 1-2."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
 
 
 def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
