@@ -87,6 +87,8 @@ def test_a_request_larger_than_the_bucket_is_refused_for_good():
 
     error = asyncio.run(scenario())
     assert error.status == 429 and error.code == "request_exceeds_token_limit"
+    # The OpenAI SDK retried it twice for nothing (a fairness audit): it obeys this header.
+    assert error.headers() == {"x-should-retry": "false"}
 
 
 def test_tenants_without_limits_touch_no_store():

@@ -162,7 +162,8 @@ class Quotas:
                      f"tenant {tenant.name}'s limit of {tenant.bucket_size} tokens at once; "
                      "lower max_tokens or shorten the prompt.",
                 "rate_limit_error", "max_tokens", "request_exceeds_token_limit",
-                reason="quota_tokens")
+                # Never served as it is: the OpenAI SDK retries a 429 twice unless told not to.
+                should_retry=False, reason="quota_tokens")
         lease_id = f"{self.gateway_id}:{next(self._ids)}"
         store, share = await self._store()
         try:
