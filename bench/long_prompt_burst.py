@@ -1,0 +1,85 @@
+"""Benchmark: bursts of long prompts after a spell of short ones, on the shipped defaults
+(`splitserve up`, nothing changed).
+
+The gateway's TTFT estimate is a line in the prompt tokens to prefill, flat until it has seen
+prompts of different lengths (services/gateway/admission/ttft_estimator.py): the first burst of
+long prompts is judged by the short ones and teaches the slope. This measures what that first
+burst costs and what the next ones get: warm-up waves of short completions, 20 short requests
+one after another, then --bursts bursts of --prompts prompts of about --words words each (their
+own random words: no prefix is cached), 5 s apart, printing each request's status and TTFT.
+
+    python -m bench.long_prompt_burst [--bursts 3] [--prompts 8] [--words 2300] [--port 8830]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.flood_fairness import LIGHT_PROMPT, one
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon").split()
+
+
+def long_prompt(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def run(url: str, args) -> None:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+        for wave in (4, 12, 24, 12, 4):
+            await asyncio.gather(*(one(client, url, "", LIGHT_PROMPT, 32) for _ in range(wave)))
+        for _ in range(20):
+            await one(client, url, "", LIGHT_PROMPT, 24)
+            await asyncio.sleep(0.2)
+        for burst in range(args.bursts):
+            start = time.monotonic()
+            records = await asyncio.gather(*(
+                one(client, url, "", long_prompt(100 * burst + i, args.words), 8)
+                for i in range(args.prompts)))
+            served = [r for r in records if r["status"] == 200]
+            print(f"burst {burst}: {len(served)} of {len(records)} admitted, TTFTs "
+                  f"{sorted(round(r['ttft'], 1) for r in served if r['ttft'] is not None)} s, "
+                  f"others {[r['status'] for r in records if r['status'] != 200]}, "
+                  f"{time.monotonic() - start:.1f} s in all", flush=True)
+            await asyncio.sleep(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--words", type=int, default=2300)
+    parser.add_argument("--port", type=int, default=8830)
+    args = parser.parse_args()
+    print("splitserve up as shipped; changed: nothing", flush=True)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve_cli.main", "up", "--port",
+                           str(args.port)], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in up.stdout:
+            if line.startswith("SPLITSERVE_UP "):
+                url = line.split()[1]
+                break
+        else:
+            raise SystemExit("splitserve up did not start")
+        threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
+        asyncio.run(run(url, args))
+    finally:
+        up.terminate()
+        up.wait(60)
+
+
+if __name__ == "__main__":
+    main()
