@@ -79,6 +79,34 @@ def test_over_quota_is_429_with_retry_after_and_openai_body():
     assert error.body()["error"]["code"] == "rate_limit_exceeded"
 
 
+def test_a_bursts_token_refusals_are_told_to_come_back_one_after_another():
+    """16 requests of 107 tokens at once against a 1,000-token bucket refilling 50 tokens a
+    second: 9 fit. The 7 refused were all told `Retry-After: 2` (a fairness audit), when the
+    bucket holds one more of them; each is now told when the tokens of those before it will
+    have come, and an admission starts the count again."""
+    tenant = Tenant("t", tokens_per_minute=3000, burst_tokens=1000)
+
+    async def scenario():
+        quotas = Quotas()
+        leases, retries = [], []
+        for _ in range(16):
+            try:
+                leases.append(await quotas.acquire(tenant, 107))
+            except APIError as refused:
+                retries.append(refused.retry_after_s)
+        quotas.release(leases[0], 0)  # refunded whole: the next one fits
+        leases.append(await quotas.acquire(tenant, 107))
+        with pytest.raises(APIError) as again:
+            await quotas.acquire(tenant, 107)
+        return len(leases), retries, again.value.retry_after_s
+
+    admitted, retries, after_room = asyncio.run(scenario())
+    assert admitted == 10 and len(retries) == 7
+    assert retries == sorted(retries) and len(set(retries)) == 7, retries
+    assert retries[0] <= 2 and retries[-1] >= 13, retries  # 107 tokens at 50/s: ~2.1 s apart
+    assert after_room <= 2
+
+
 def test_a_request_larger_than_the_bucket_is_refused_for_good():
     async def scenario():
         with pytest.raises(APIError) as refused:

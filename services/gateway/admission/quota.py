@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from services.gateway.admission.quota_store import Decision, QuotaStore
 from services.gateway.admission.redis_quota import RedisQuota
+from services.gateway.admission.retry_after import RetrySchedule
 from services.gateway.admission.tenants import Tenant
 from services.gateway.errors import APIError
 
@@ -130,6 +131,9 @@ class Quotas:
             self.redis = RedisQuota(redis_url, self.gateway_id, timeout_s=redis_timeout_s)
         self.status = QuotaStatus(shared=self.redis is not None)
         self._ids = itertools.count()
+        # Per tenant: when its token-refused clients may come back, spread by what each needs
+        # (see acquire). Bounded by the tenants known.
+        self._comebacks: dict[str, RetrySchedule] = {}
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -174,8 +178,18 @@ class Quotas:
             self._lost(exc)
             store, share = await self._store()
             decision = await store.acquire(tenant, tokens, lease_id, share)
+        comeback = self._comebacks.get(tenant.name)
         if not decision.admitted:
-            raise _over_quota(tenant, decision)
+            retry_s = decision.retry_after_s
+            if decision.reason == "tokens" and tenant.tokens_per_s:
+                # The bucket refills for one of them at a time: told the same "retry in 2 s",
+                # 7 of a burst's refused requests came back together and 6 were refused
+                # again. Each is told when the tokens of those told before it will have come.
+                comeback = self._comebacks.setdefault(tenant.name, RetrySchedule())
+                retry_s = comeback.retry_after_s(retry_s, tokens / tenant.tokens_per_s)
+            raise _over_quota(tenant, decision, retry_s)
+        if comeback is not None:
+            comeback.room()
         if store is self.redis:
             self.redis.leases[lease_id] = tenant.name
         elif self.redis is not None:
@@ -247,8 +261,8 @@ class Quotas:
         task.add_done_callback(self._background.discard)
 
 
-def _over_quota(tenant: Tenant, decision: Decision) -> QuotaRefused:
-    retry = max(1, math.ceil(decision.retry_after_s))
+def _over_quota(tenant: Tenant, decision: Decision, retry_s: float) -> QuotaRefused:
+    retry = max(1, math.ceil(retry_s))
     if decision.reason == "concurrency":
         message = (f"Tenant {tenant.name} has {tenant.max_concurrency} requests in flight, its "
                    "limit; retry when one finishes.")
