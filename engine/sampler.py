@@ -76,9 +76,11 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
 class LogitProcessing:
     """The logit processing of SamplingParams (allowed_token_ids, then logit_bias, then the
     min_tokens ban of EOS and stop_token_ids, then bad words), row by row in place: few requests ask for it,
-    and those that do are not batched with each other. A row that it would leave without a
-    single token (an allowed set of stop tokens only, under min_tokens; an allowed set the
-    grammar rules out) keeps its logits as they were: the grammar (or the model) picks."""
+    and those that do are not batched with each other. A row that the bans would leave without
+    a single token (an allowed set of stop tokens only, under min_tokens) keeps the allowed set
+    and the bias without the bans, as vLLM does: the request ends, where it used to take a token
+    outside its allowed set. A row left with none even so (a bias of -inf on every allowed
+    token) keeps its logits as they were: the grammar (or the model) picks."""
 
     _CACHE_LIMIT = 256
 
@@ -102,6 +104,7 @@ class LogitProcessing:
             x[allowed] = kept
         if bias_ids is not None:
             x[bias_ids] += bias
+        shaped = x.clone() if allowed is not None or bias_ids is not None else before
         if params.min_tokens and row.position - row.num_prompt_tokens < params.min_tokens:
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
             if banned:
@@ -110,6 +113,8 @@ class LogitProcessing:
             banned = _bad_word_ends(params.bad_words_token_ids, row)
             if banned:
                 x[torch.tensor(banned, device=x.device)] = float("-inf")
+        if not torch.isfinite(x.max()):
+            x.copy_(shaped)
         if not torch.isfinite(x.max()):
             x.copy_(before)
 

@@ -67,13 +67,19 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_that_many_are_out():
                                 **params)])[0] == [0]
 
 
-def test_processing_that_would_leave_no_token_leaves_the_row_as_it_was():
+def test_bans_that_would_leave_no_token_give_way_to_the_allowed_set():
+    """Only EOS allowed, and EOS banned by min_tokens: the bans give way, the allowed set
+    holds (vLLM's answer: the request ends). The whole row used to be restored, so the model's
+    likeliest token was taken, outside the allowed set (an engine audit: ' Paris.' for
+    allowed_token_ids [EOS] and min_tokens 3)."""
     logits = torch.tensor([PROBS]).log()
-    sampler = Sampler(eos_token_ids=(0,))
-    # Only EOS allowed, and EOS banned by min_tokens: nothing left, so the row is unprocessed.
-    stuck = row(temperature=0.0, allowed_token_ids=(0,), min_tokens=2, position=5,
+    sampler = Sampler(eos_token_ids=(3,))  # not the argmax (token 0)
+    stuck = row(temperature=0.0, allowed_token_ids=(3,), min_tokens=2, position=5,
                 num_prompt_tokens=5)
-    assert sampler(logits, [stuck])[0] == [0]
+    assert sampler(logits, [stuck])[0] == [3]
+    # A bias of -inf on every allowed token leaves nothing at all: the row as it was.
+    none = row(temperature=0.0, allowed_token_ids=(3,), logit_bias=((3, float("-inf")),))
+    assert sampler(logits, [none])[0] == [0]
 
 
 def test_logit_processing_in_a_batch_equals_each_row_alone():
