@@ -65,7 +65,13 @@ def main() -> None:
         firsts = [next((k for k, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
                   for x, y in zip(together, alone, strict=True)]
         differ = [k for k in firsts if k is not None]
-        print(f"{dtype}: the same batch twice: {'identical' if together == again else 'DIFFERENT'}; "
+        # Up to this many rows the bf16 linear layers take the C++ small-M kernel, which
+        # computes each row as it would alone; past it, torch's matrix product, which rounds
+        # by the batch's shape. Measured at start by timing both (engine/kernel_choice.py), so
+        # it can differ from one start to the next.
+        small_m = getattr(engine.runner, "small_m_max_rows", 0)
+        print(f"{dtype} (small-M kernel up to {small_m} rows): the same batch twice: "
+              f"{'identical' if together == again else 'DIFFERENT'}; "
               f"batch vs alone: {len(differ)} of {len(prompts)} requests differ"
               + (f", first at tokens {sorted(differ)}" if differ else "")
               + f" ({len(differ)} divergences in {sum(k if k is not None else args.tokens for k in firsts)} "
