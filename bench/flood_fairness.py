@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
-import json
 import os
 import statistics
 import subprocess
@@ -25,9 +25,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from bench.loadgen.client import Target, send
+from bench.loadgen.metrics import RequestRecord
+from bench.loadgen.workload import RequestSpec
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -45,52 +50,57 @@ def _tenants_file(folder: str) -> str:
     return str(path)
 
 
-async def one(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
-              record: dict | None = None) -> dict:
-    """One streamed completion; `record` (filled as it goes) holds its status, TTFT and gaps."""
-    record = {} if record is None else record
-    record.update({"status": None, "ttft": None, "gaps": []})
-    start = time.monotonic()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+@contextlib.contextmanager
+def shipped_up(port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`splitserve up` on `port` as shipped (with `env` over this process's environment): its
+    URL once it serves; stopped on leaving."""
+    up = subprocess.Popen([sys.executable, "-m", "splitserve_cli.main", "up", "--port",
+                           str(port)], cwd=REPO, env={**os.environ, **(env or {})},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300,
-                                 headers={"Authorization": f"Bearer sk-{key}"}) as response:
-            record["status"] = response.status_code
-            if response.status_code != 200:
-                await response.aread()
-                return record
-            last = None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                if json.loads(line[6:])["choices"][0].get("text"):
-                    now = time.monotonic()
-                    if last is None:
-                        record["ttft"] = now - start
-                    else:
-                        record["gaps"].append(now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        record["status"] = type(exc).__name__
-    return record
+        for line in up.stdout:
+            if line.startswith("SPLITSERVE_UP "):
+                url = line.split()[1]
+                break
+        else:
+            raise SystemExit("splitserve up did not start")
+        # Its output read to the end, so that no process of it blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
+        yield url
+    finally:
+        up.terminate()
+        up.wait(60)
 
 
-async def steady(client, url, seconds: float) -> list[dict]:
+def request(tenant: str, output_len: int) -> RequestSpec:
+    """One completion of `output_len` tokens for `tenant` (its key `sk-TENANT`; "": none)."""
+    return RequestSpec(0, tenant or "-", 0, output_len, tenant=tenant,
+                       api_key=f"sk-{tenant}" if tenant else "")
+
+
+def admitted(record: RequestRecord) -> bool:
+    """Served, or cut off by the phase's end after it was admitted."""
+    return record.ok or (record.status == "timeout" and record.ttft_s is not None)
+
+
+async def steady(client, target: Target, seconds: float) -> list[RequestRecord]:
     tasks = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        tasks.append(asyncio.create_task(one(client, url, "light", LIGHT_PROMPT, 24)))
+        tasks.append(asyncio.create_task(
+            send(client, target, request("light", 24), LIGHT_PROMPT, 0.0)))
         await asyncio.sleep(1.0)
     return await asyncio.gather(*tasks)
 
 
-async def flooder(client, url, stop: asyncio.Event, records: list[dict]) -> None:
-    while not stop.is_set():
-        record: dict = {}
-        records.append(record)  # counted when the phase ends, finished or not
-        await one(client, url, "heavy", HEAVY_PROMPT, 256, record)
-        if record["status"] != 200:
+async def flooder(client, target: Target, until: float, records: list[RequestRecord]) -> None:
+    """Sends the heavy tenant's requests one after another until `until` (event-loop time),
+    which cuts the last one off; 0.2 s after a refusal, ignoring Retry-After."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < until:
+        record = await send(client, target, request("heavy", 256), HEAVY_PROMPT, 0.0, until)
+        records.append(record)
+        if not admitted(record):
             await asyncio.sleep(0.2)
 
 
@@ -101,36 +111,35 @@ def _p(values: list[float], q: float) -> str:
     return f"{values[min(len(values) - 1, round(q * (len(values) - 1)))] * 1000:.0f}"
 
 
-def report(name: str, light: list[dict], heavy: list[dict] | None = None) -> None:
-    served = [r for r in light if r["status"] == 200 and r["ttft"] is not None]
-    ttfts = [r["ttft"] for r in served]
-    line = (f"{name}: light {len(served)} of {len(light)} served, TTFT p50 {_p(ttfts, 0.5)} ms "
+def report(name: str, light: list[RequestRecord],
+           heavy: list[RequestRecord] | None = None) -> None:
+    ttfts = [r.ttft_s for r in light if r.ok and r.ttft_s is not None]
+    line = (f"{name}: light {len(ttfts)} of {len(light)} served, TTFT p50 {_p(ttfts, 0.5)} ms "
             f"p99 {_p(ttfts, 0.99)} ms")
     if heavy is not None:
-        admitted = [r for r in heavy if r["status"] == 200]
-        gaps = [g for r in admitted for g in r["gaps"]]
+        flood = [r for r in heavy if admitted(r)]
+        gaps = [g for r in flood for g in r.itl_s]
         mean = statistics.fmean(gaps) * 1000 if gaps else 0.0
-        line += (f"; flood: {len(admitted)} of {len(heavy)} admitted, time per output token "
+        line += (f"; flood: {len(flood)} of {len(heavy)} admitted, time per output token "
                  f"mean {mean:.0f} ms, p50 {_p(gaps, 0.5)} ms")
     print(line, flush=True)
 
 
 async def run(url: str, args) -> None:
+    target = Target(url, MODEL)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
         for wave in (4, 12, 24, 12, 4):  # varied batch sizes before anything is measured
-            await asyncio.gather(*(one(client, url, "warm", LIGHT_PROMPT, 32)
+            await asyncio.gather(*(send(client, target, request("warm", 32), LIGHT_PROMPT, 0.0)
                                    for _ in range(wave)))
         print("warm-up done", flush=True)
-        report("alone", await steady(client, url, args.phase_s))
-        stop, heavy = asyncio.Event(), []
-        floods = [asyncio.create_task(flooder(client, url, stop, heavy))
+        report("alone", await steady(client, target, args.phase_s))
+        heavy: list[RequestRecord] = []
+        until = asyncio.get_running_loop().time() + args.phase_s
+        floods = [asyncio.create_task(flooder(client, target, until, heavy))
                   for _ in range(args.flood)]
-        light = await steady(client, url, args.phase_s)
-        stop.set()
-        for task in floods:
-            task.cancel()
-        await asyncio.gather(*floods, return_exceptions=True)
+        light = await steady(client, target, args.phase_s)
+        await asyncio.gather(*floods)
         report(f"beside a flood of {args.flood}", light, heavy)
 
 
@@ -144,23 +153,8 @@ def main() -> None:
         tenants = _tenants_file(folder)
         print(f"splitserve up as shipped; changed: SPLITSERVE_TENANTS_FILE={tenants} (tenants "
               "heavy, light, warm, equal weights)", flush=True)
-        env = {**os.environ, "SPLITSERVE_TENANTS_FILE": tenants}
-        up = subprocess.Popen([sys.executable, "-m", "splitserve_cli.main", "up", "--port",
-                               str(args.port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-        try:
-            for line in up.stdout:
-                if line.startswith("SPLITSERVE_UP "):
-                    url = line.split()[1]
-                    break
-            else:
-                raise SystemExit("splitserve up did not start")
-            # Its output read to the end, so that no process of it blocks on a full pipe.
-            threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
+        with shipped_up(args.port, {"SPLITSERVE_TENANTS_FILE": tenants}) as url:
             asyncio.run(run(url, args))
-        finally:
-            up.terminate()
-            up.wait(60)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
-from bench.flood_fairness import LIGHT_PROMPT, one
+from bench.flood_fairness import LIGHT_PROMPT, MODEL, admitted, request, shipped_up
+from bench.loadgen.client import Target, send
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon").split()
 
@@ -37,21 +33,25 @@ def long_prompt(seed: int, words: int) -> str:
 
 
 async def run(url: str, args) -> None:
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+    target = Target(url, MODEL)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None),
+                                 timeout=300) as client:
         for wave in (4, 12, 24, 12, 4):
-            await asyncio.gather(*(one(client, url, "", LIGHT_PROMPT, 32) for _ in range(wave)))
+            await asyncio.gather(*(send(client, target, request("", 32), LIGHT_PROMPT, 0.0)
+                                   for _ in range(wave)))
         for _ in range(20):
-            await one(client, url, "", LIGHT_PROMPT, 24)
+            await send(client, target, request("", 24), LIGHT_PROMPT, 0.0)
             await asyncio.sleep(0.2)
         for burst in range(args.bursts):
             start = time.monotonic()
             records = await asyncio.gather(*(
-                one(client, url, "", long_prompt(100 * burst + i, args.words), 8)
+                send(client, target, request("", 8), long_prompt(100 * burst + i, args.words),
+                     0.0)
                 for i in range(args.prompts)))
-            served = [r for r in records if r["status"] == 200]
+            served = [r for r in records if admitted(r)]
             print(f"burst {burst}: {len(served)} of {len(records)} admitted, TTFTs "
-                  f"{sorted(round(r['ttft'], 1) for r in served if r['ttft'] is not None)} s, "
-                  f"others {[r['status'] for r in records if r['status'] != 200]}, "
+                  f"{sorted(round(r.ttft_s, 1) for r in served if r.ttft_s is not None)} s, "
+                  f"others {[r.status for r in records if not admitted(r)]}, "
                   f"{time.monotonic() - start:.1f} s in all", flush=True)
             await asyncio.sleep(5)
 
@@ -64,21 +64,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8830)
     args = parser.parse_args()
     print("splitserve up as shipped; changed: nothing", flush=True)
-    up = subprocess.Popen([sys.executable, "-m", "splitserve_cli.main", "up", "--port",
-                           str(args.port)], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    try:
-        for line in up.stdout:
-            if line.startswith("SPLITSERVE_UP "):
-                url = line.split()[1]
-                break
-        else:
-            raise SystemExit("splitserve up did not start")
-        threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
+    with shipped_up(args.port) as url:
         asyncio.run(run(url, args))
-    finally:
-        up.terminate()
-        up.wait(60)
 
 
 if __name__ == "__main__":

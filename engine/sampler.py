@@ -104,19 +104,20 @@ class LogitProcessing:
             x[allowed] = kept
         if bias_ids is not None:
             x[bias_ids] += bias
-        shaped = x.clone() if allowed is not None or bias_ids is not None else before
+        banned = []
         if params.min_tokens and row.position - row.num_prompt_tokens < params.min_tokens:
-            banned = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
-            if banned:
-                x[torch.tensor(banned, device=x.device)] = float("-inf")
+            banned += [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
         if params.bad_words_token_ids:
-            banned = _bad_word_ends(params.bad_words_token_ids, row)
+            banned += _bad_word_ends(params.bad_words_token_ids, row)
+        if banned:
+            banned_ids = torch.tensor(banned, device=x.device)
+            shaped = x[banned_ids]  # what the bans take, given back if they take everything
+            x[banned_ids] = float("-inf")
+        if not torch.isfinite(x.max()):
             if banned:
-                x[torch.tensor(banned, device=x.device)] = float("-inf")
-        if not torch.isfinite(x.max()):
-            x.copy_(shaped)
-        if not torch.isfinite(x.max()):
-            x.copy_(before)
+                x[banned_ids] = shaped
+            if not torch.isfinite(x.max()):
+                x.copy_(before)
 
     def _of(self, params: SamplingParams, device: torch.device, dtype: torch.dtype):
         cached = self._tensors.get(id(params))

@@ -31,7 +31,6 @@ class TokenEvent:
     compute: ComputeSeconds | None = None
 
 
-
 @dataclass
 class AttemptFailed(Exception):
     """An RPC of one attempt failed; `endpoint` is the worker whose call failed."""

@@ -170,9 +170,9 @@ class Dispatcher:
                                cache_salt: str) -> Route | None:
         """A decode worker for a stream the client already has part of (the router prefers
         one it has not tried, else one that takes work again), waiting up to migration_wait_s
-        for one. A stall of seconds beats an error mid-answer: with no
-        wait, when a second decode worker failed while the first was back but its breaker let
-        one trial through at a time, 15 of 16 streams ended in an error (a chaos audit)."""
+        for one. A stall of seconds beats an error mid-answer: with no wait, when a second
+        decode worker failed while the first was back but its breaker let one trial through at
+        a time, 15 of 16 streams ended in an error (a chaos audit)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
@@ -187,11 +187,9 @@ class Dispatcher:
         """One try on one decode worker. `resumed`: tokens already sent (a migration), which
         that worker recomputes after the prompt itself: no prefill worker is involved."""
         tokens = [*prompt, *resumed]
-        route = self.router.route(tokens, sampling.max_tokens - len(resumed), exclude=tried,
-                                  cache_salt=cache_salt)
-        if route is None and resumed:
-            route = await self._migration_route(tokens, sampling.max_tokens - len(resumed),
-                                                tried, cache_salt)
+        max_tokens = sampling.max_tokens - len(resumed)
+        route = (await self._migration_route(tokens, max_tokens, tried, cache_salt) if resumed
+                 else self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt))
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
         if resumed:
