@@ -51,7 +51,10 @@ def main() -> None:
     params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]
     print(f"{len(prompts)} prompts, {args.tokens} tokens each, temperature "
-          f"{args.temperature:g}, seeds 0..{len(prompts) - 1}, {args.threads} thread(s)")
+          f"{args.temperature:g}, seeds 0..{len(prompts) - 1}; the offline engine, changed from "
+          f"a worker's defaults: each dtype named (auto is bfloat16 on this CPU), "
+          f"{args.threads} torch thread(s), prefix caching off (every run starts cold, so the "
+          "runs alone do not read what the batch cached)")
     for dtype in args.dtypes.split(","):
         engine = LLMEngine(EngineConfig(model=str(MODEL), dtype=dtype, num_threads=args.threads,
                                         enable_prefix_caching=False))
