@@ -41,7 +41,8 @@ BAD_INPUTS = {
     "negative token": ([-1], SamplingParams(), r"prompt token id -1 is outside the vocabulary"),
     "max_tokens 0": (GOOD, SamplingParams(max_tokens=0), r"max_tokens must be an integer >= 1"),
     "NaN temperature": (GOOD, SamplingParams(temperature=math.nan), r"temperature must be a finite number"),
-    "negative temperature": (GOOD, SamplingParams(temperature=-1.0), r"temperature must be >= 0"),
+    "negative temperature": (GOOD, SamplingParams(temperature=-1.0), r"temperature must be in \[0, 2\]"),
+    "temperature above 2": (GOOD, SamplingParams(temperature=2.5), r"temperature must be in \[0, 2\]"),
     "top_p 0": (GOOD, SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
     "top_p above 1": (GOOD, SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
     "max_tokens beyond the context": (

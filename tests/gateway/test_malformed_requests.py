@@ -34,6 +34,8 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("prompt + max_completion_tokens over context", chat, {"model": model, "messages": hi, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
         ("stream_options without stream", chat, {"model": model, "messages": hi, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("negative temperature", comp, {"model": model, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("temperature above two", chat, {"model": model, "messages": hi, "temperature": 100}, 400, "temperature"),
+        ("empty stop string", comp, {"model": model, "prompt": "hi", "stop": ["x", ""]}, 400, "stop"),
         ("top_p above one", comp, {"model": model, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
         ("presence_penalty out of range", chat, {"model": model, "messages": hi, "presence_penalty": 7}, 400, "presence_penalty"),
         ("logprobs too many", comp, {"model": model, "prompt": "hi", "logprobs": 50}, 400, "logprobs"),

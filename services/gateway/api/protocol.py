@@ -78,7 +78,7 @@ class _SamplingFields(_Body):
     # often leave it out; the OpenAI SDK always sends it).
     model: str | None = None
     max_tokens: Int | None = _doc(minimum=1)
-    temperature: float | None = _doc(minimum=0)
+    temperature: float | None = _doc(minimum=0, maximum=2)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     top_k: Int | None = _doc(minimum=-1)
     min_p: float | None = _doc(minimum=0, maximum=1)

@@ -48,6 +48,10 @@ class RequestLimits:
     def check_stop(self, stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
         if len(stop) > self.max_stop_strings:
             raise _array_too_long("stop", len(stop), self.max_stop_strings, "--max-stop-strings")
+        if any(s == "" for s in stop):
+            # vLLM's 400 too: an empty string would match before the first token.
+            raise APIError.invalid("Invalid 'stop': a stop string must not be empty.",
+                                   param="stop")
         longest = max((len(s) for s in stop), default=0)
         if longest > self.max_stop_string_chars:
             raise APIError.invalid(

@@ -72,7 +72,7 @@ class ResponsesRequest(_Body):
     input: str | list[ResponsesItem]
     instructions: str | None = None
     max_output_tokens: Int | None = _doc(minimum=1)
-    temperature: float | None = _doc(minimum=0)
+    temperature: float | None = _doc(minimum=0, maximum=2)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     stream: bool = False
     # Accepted and ignored: they change nothing generated.
