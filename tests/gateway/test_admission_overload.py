@@ -1,7 +1,8 @@
 """Overload, on real processes and with the gateway's shipped admission settings (TTFT target
 1 s, no in-flight limit): 10x the cluster's capacity offered for 30 s. Admitted requests meet
-the TTFT target (at least 85% of those clear of its load generator's stalls), the others are refused at once (90% within 50 ms, none
-later than half the target), nothing hangs, and the gateway's memory stays flat. Within 5 s of
+the TTFT target (at least 85% of those clear of its load generator's stalls), the others are
+refused at once (90% within 50 ms, none later than half the target), nothing hangs, and the
+gateway's memory stays flat. Within 5 s of
 the overload's end, and likewise after a burst of cancelled streams, a normal load is admitted
 and served in full: nothing the overload taught the admission estimator locks the gateway out.
 
