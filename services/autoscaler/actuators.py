@@ -2,7 +2,8 @@
 it: the worker's SIGTERM handler deregisters, refuses new work and finishes what it holds.
 
 KubernetesActuator patches the `scale` subresource of the two worker Deployments (the chart's
-RBAC allows get/patch on deployments/scale of exactly those, and patch on pods). Before a
+RBAC allows get/patch on deployments/scale of exactly those, and patch on pods, which a
+ValidatingAdmissionPolicy holds to the annotation below on worker pods). Before a
 scale-down it sets each registered worker pod's `controller.kubernetes.io/pod-deletion-cost`
 from its live load, so the ReplicaSet removes the idlest pods first. Kubernetes then sends
 SIGTERM to the pods it removes and waits terminationGracePeriodSeconds (the chart sets it above

@@ -53,15 +53,23 @@ def main_container(rendered: Rendered, name: str) -> dict:
     return rendered.get("Deployment", name)["spec"]["template"]["spec"]["containers"][0]
 
 
+# the autoscaler's pod-patch policy (test_chart_autoscaler_pod_policy.py)
+CLUSTER_SCOPED = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
 @scenarios
 def test_every_object_is_namespaced_and_labelled_for_the_release(scenario: str) -> None:
     rendered = render_scenario(scenario)
     for obj in rendered.objects:
         meta = obj["metadata"]
+        assert meta["labels"]["app.kubernetes.io/instance"] == RELEASE, meta["name"]
+        if obj["kind"] in CLUSTER_SCOPED:
+            # one per namespace and release across the cluster: both in the name
+            assert "namespace" not in meta and meta["name"].startswith(f"{NAMESPACE}-{RELEASE}-")
+            continue
         expected_ns = "monitoring" if scenario == "keda" and obj["kind"] == "ConfigMap" \
             and meta["name"].endswith("-dashboard") else NAMESPACE
         assert meta["namespace"] == expected_ns, meta["name"]
-        assert meta["labels"]["app.kubernetes.io/instance"] == RELEASE, meta["name"]
         assert len(meta["name"]) <= 63, meta["name"]
 
 
