@@ -183,7 +183,7 @@ async def _serve(config, sock: socket.socket, metrics_url: str) -> None:
     await gateway.start()
     server = Server(uvicorn.Config(
         endpoint_app(gateway, metrics_url), log_level=config.log_level.lower(),
-        access_log=False, lifespan="off", http="h11",
+        access_log=False, lifespan="off", http="h11", log_config=None,  # the JSON handler
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s))))
     loop = asyncio.get_running_loop()
 

@@ -23,6 +23,7 @@ from services.gateway.api.connections import (
     raise_open_file_limit,
 )
 from services.gateway.api.http import create_admin_app, create_app
+from services.gateway.api.streaming import cut_off_filter
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
 
@@ -60,8 +61,13 @@ async def serve(config: GatewayConfig) -> None:
     max_connections = config.max_connections or default_max_connections(open_files)
     closed = gateway.observer.metrics.connections_closed
     http_port = sock.getsockname()[1]
+    # uvicorn's own log config would give its loggers plain-text handlers of their own: its
+    # lines went out as "ERROR:    ..." between the JSON ones. None: they reach the root
+    # logger's handler (setup_logging), and its format.
+    logging.getLogger("uvicorn.error").addFilter(cut_off_filter)
     server = _Server(uvicorn.Config(
         create_app(gateway), log_level=config.log_level.lower(), access_log=False,
+        log_config=None,
         timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)), lifespan="off",
         http=connection_protocol(config.request_read_timeout_s, max_connections,
                                  lambda reason: closed.labels(reason).inc(),
@@ -77,7 +83,8 @@ async def serve(config: GatewayConfig) -> None:
         admin_sock = _listen(config.admin_host, config.admin_listen_port, 0)
         admin_address = host_port(config.admin_host, admin_sock.getsockname()[1])
         admin = _Server(uvicorn.Config(create_admin_app(gateway), log_level="warning",
-                                       access_log=False, lifespan="off", http="h11",
+                                       log_config=None, access_log=False, lifespan="off",
+                                       http="h11",
                                        timeout_graceful_shutdown=1))
     grpc_server = grpc_health = None
     grpc_address = ""

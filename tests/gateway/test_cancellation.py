@@ -146,6 +146,14 @@ def test_client_that_stops_reading_is_cut_off_and_its_request_aborted(long_model
                             "--stream-buffer-chunks", "2", "--socket-send-buffer", "4096")
     try:
         _assert_slow_client_cut_off(gateway, worker, long_model.name, max_tokens=MAX_TOKENS)
+        # A deliberate cut, logged once as a warning: uvicorn's "ASGI callable returned
+        # without completing response" at ERROR, in its own plain-text format between the
+        # JSON lines, came with every one.
+        logged = [line for line in gateway.lines if not line.startswith("SPLITSERVE_READY")]
+        entries = [json.loads(line) for line in logged]  # every line JSON
+        assert not [e for e in entries if e["level"] == "error"], entries
+        assert [e["message"] for e in entries if e["level"] == "warning"] == [
+            "client read nothing for 0.5s; cutting it off and aborting the request"]
     finally:
         gateway.stop()
 

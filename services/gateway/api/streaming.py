@@ -9,6 +9,7 @@ every choice stream it opened, which cancels the worker RPCs still open.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,6 +22,17 @@ from services.gateway.api.text_stream import TextDelta
 from services.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
+# Set in the request's task when SSEResponse cuts a client off without ending the response:
+# uvicorn then logs "ASGI callable returned without completing response" at ERROR for what
+# is a deliberate, already logged cut (cut_off_filter drops that one line).
+_CUT_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("sse_cut_off", default=False)
+UNFINISHED_RESPONSE = "ASGI callable returned without completing response."
+
+
+def cut_off_filter(record: logging.LogRecord) -> bool:
+    """A filter for uvicorn's error logger: False (drop) for its unfinished-response line
+    where this request's task cut its slow client off on purpose."""
+    return not (_CUT_OFF.get() and record.getMessage() == UNFINISHED_RESPONSE)
 
 ChoiceStream = AsyncIterator[TextDelta]
 _END = object()
@@ -177,6 +189,8 @@ class SSEResponse(Response):
                 ended = "complete" if writer.result() else "slow_client"
             if self.on_close is not None:  # also when `events` never started
                 await self.on_close(ended)
+        if ended == "slow_client":
+            _CUT_OFF.set(True)
         if ended == "client_disconnected":
             log.info("client disconnected mid-stream; request aborted")
         elif not writer.cancelled() and writer.exception() is not None:
