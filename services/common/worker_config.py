@@ -53,6 +53,7 @@ def kv_cache_bytes(text: str) -> int:
 class WorkerConfig:
     role: str
     model: str
+    served_model_name: str = ""  # empty: the model folder's name
     host: str = "127.0.0.1"
     port: int = 50051
     # kv_transfer endpoint of a decode worker (its TCPStore); 0 picks a free port.
@@ -284,7 +285,7 @@ class WorkerConfig:
 
     @property
     def model_name(self) -> str:
-        return os.path.basename(os.path.normpath(self.model))
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
     @property
     def resolved_worker_id(self) -> str:

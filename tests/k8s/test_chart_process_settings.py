@@ -105,3 +105,30 @@ def test_listen_host_reaches_every_process(listen_host: str) -> None:
         assert env(role)["SPLITSERVE_HOST"] == listen_host
         assert env(role)["SPLITSERVE_ADVERTISE_HOST"] == "$(POD_IP)"
     assert env("autoscaler")["SPLITSERVE_AUTOSCALER_HOST"] == listen_host
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_the_served_model_name_reaches_the_gateway_and_every_worker(mode: str) -> None:
+    """model.servedName: the one name clients send, the same on every process (a worker's
+    name is its identity in the registry, where prefill and decode must agree)."""
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    values = {"mode": mode, "model": {"servedName": name}}
+    if mode == "aggregated":
+        values["autoscaler"] = {"enabled": False}
+    rendered = render(values)
+
+    def env(deployment: str) -> dict[str, str | None]:
+        pod = rendered.get("Deployment", deployment)["spec"]["template"]["spec"]
+        return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+    assert env(f"{FULLNAME}-gateway")["SPLITSERVE_GATEWAY_SERVED_MODEL_NAME"] == name
+    workers = worker_deployments(rendered)
+    assert workers
+    for deployment in workers:
+        assert env(deployment)["SPLITSERVE_SERVED_MODEL_NAME"] == name
+    assert f'"model": "{name}"' in rendered.notes
+    default = render({})
+    assert "SPLITSERVE_GATEWAY_SERVED_MODEL_NAME" not in {
+        e["name"] for e in default.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"][
+            "spec"]["containers"][0]["env"]}
+    assert '"model": "smollm2-135m-instruct"' in default.notes
