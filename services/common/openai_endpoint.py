@@ -118,7 +118,7 @@ def start_openai_endpoint(config: WorkerConfig, grpc_port: int,
     metrics_url = (f"http://{host_port(dial_host(config.host), metrics_port)}/metrics"
                    if metrics_port is not None else "")
     endpoint.start(gateway_args(
-        model=config.model, served_model_name=config.model_name,
+        model=config.model, served_model_name=config.served_name,
         grpc_address=host_port(host, grpc_port), port=config.openai_port,
         tls=(config.tls_cert, config.tls_key, config.tls_ca), grace_s=config.drain_grace_s,
         log_level=config.log_level, log_format=config.log_format), metrics_url)

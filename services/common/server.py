@@ -90,12 +90,12 @@ class Worker:
         self.server: grpc.aio.Server | None = None
         self.decode_servicer = None  # decode and both roles: drain hands its streams off
         self.port = config.port
-        self.metrics = WorkerMetrics(config.role, self.state.worker_id, model=config.model_name,
+        self.metrics = WorkerMetrics(config.role, self.state.worker_id, model=config.served_name,
                                      vllm_metrics=config.vllm_metrics,
                                      max_model_len=self.engine.servable_len)
         self.metrics.attach(self.engine_loop)
         self.metrics.registry.register(MemoryCollector(self.engine.runner.memory,
-                                                       config.model_name, config.role))
+                                                       config.served_name, config.role))
         self.status_server: StatusServer | None = None
         self.openai_endpoint: OpenAIEndpoint | None = None  # --openai-port: a child process
         self.registry: RegistryPublisher | None = None
@@ -210,7 +210,7 @@ class Worker:
             else:
                 await self._join()
         self.startup.end_phase("serving")
-        self.metrics.registry.register(StartupCollector(self.startup, cfg.role, cfg.model_name))
+        self.metrics.registry.register(StartupCollector(self.startup, cfg.role, cfg.served_name))
         log.info(
             "worker ready role=%s id=%s grpc=%s:%d tls=%s kv_endpoint=%s kv_blocks=%d dtype=%s %s",
             cfg.role, self.state.worker_id, cfg.host, self.port, cfg.tls.describe(),

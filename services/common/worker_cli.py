@@ -22,9 +22,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str | None) -> N
         parser.add_argument("--role", choices=ROLES, default=_env("role", "both"))
     parser.add_argument("--model", default=_env("model", "models/smollm2-135m-instruct"))
     parser.add_argument("--served-model-name", default=_env("served_model_name", ""),
-                        help="the model's name in the registry, metrics and the OpenAI port "
-                             "(empty: the model folder's name); give the gateway's "
-                             "--served-model-name and every worker of a deployment the same")
+                        help="what clients call the model: the --openai-port's name and the "
+                             "metrics' model label (empty: the model folder's name, which stays "
+                             "the worker's identity in the registry, by which versions pair)")
     parser.add_argument("--host", default=_env("host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(_env("port", 50051)))
     parser.add_argument("--kv-port", type=int, default=int(_env("kv_port", 0)))

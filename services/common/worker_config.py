@@ -53,7 +53,7 @@ def kv_cache_bytes(text: str) -> int:
 class WorkerConfig:
     role: str
     model: str
-    served_model_name: str = ""  # empty: the model folder's name
+    served_model_name: str = ""  # clients' name for it (empty: the model folder's name)
     host: str = "127.0.0.1"
     port: int = 50051
     # kv_transfer endpoint of a decode worker (its TCPStore); 0 picks a free port.
@@ -285,7 +285,15 @@ class WorkerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        """The model folder's name: this worker's identity in the registry and Health, by
+        which the gateway pairs a prefill worker only with a decode worker of the same
+        version (a model update keeps the served name and changes the folder)."""
+        return os.path.basename(os.path.normpath(self.model))
+
+    @property
+    def served_name(self) -> str:
+        """What clients call the model: the OpenAI port's name and the metrics' label."""
+        return self.served_model_name or self.model_name
 
     @property
     def resolved_worker_id(self) -> str:

@@ -1,5 +1,7 @@
 """--served-model-name: the name clients send as "model", as vLLM's flag of that name, on real
-processes (a disaggregated pair and its gateway, each given the same name)."""
+processes (a disaggregated pair and its gateway, each given the same name). The workers keep
+their folder's name as their identity, by which the gateway pairs prefill and decode workers of
+one model version (docs/rolling-update.md)."""
 
 from __future__ import annotations
 
@@ -47,9 +49,14 @@ def test_clients_send_the_served_name_and_the_folders_is_not_found(named_stack, 
     assert refused.status_code == 404 and NAME in refused.json()["error"]["message"]
 
 
-def test_workers_report_the_served_name_in_health_and_metrics(named_stack):
+def test_workers_label_metrics_with_it_and_keep_their_folder_as_identity(named_stack,
+                                                                         tiny_llama_dir):
     _, prefill, decode = named_stack
-    assert _health_model(prefill.address, prefill_pb2_grpc.PrefillStub) == NAME
-    assert _health_model(decode.address, decode_pb2_grpc.DecodeStub) == NAME
+    # A model update keeps the served name and changes the folder: Health's model is what
+    # pairs versions, so it stays the folder's name.
+    assert _health_model(prefill.address, prefill_pb2_grpc.PrefillStub) == tiny_llama_dir.name
+    assert _health_model(decode.address, decode_pb2_grpc.DecodeStub) == tiny_llama_dir.name
     metrics = httpx.get(f"http://{decode.field('metrics')}/metrics", timeout=10).text
     assert f'model_name="{NAME}"' in metrics  # the vllm:* series' label
+    assert f'model="{NAME}"' in metrics  # splitserve's own series'
+    assert f'model="{tiny_llama_dir.name}"' not in metrics

@@ -109,8 +109,9 @@ def test_listen_host_reaches_every_process(listen_host: str) -> None:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
 def test_the_served_model_name_reaches_the_gateway_and_every_worker(mode: str) -> None:
-    """model.servedName: the one name clients send, the same on every process (a worker's
-    name is its identity in the registry, where prefill and decode must agree)."""
+    """model.servedName: the one name clients send, the same on every process (the gateway's
+    "model", the workers' OpenAI port and metrics labels; their registry identity stays the
+    folder's name, by which model versions pair during an update)."""
     name = "meta-llama/Llama-3.1-8B-Instruct"
     values = {"mode": mode, "model": {"servedName": name}}
     if mode == "aggregated":
