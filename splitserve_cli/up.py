@@ -34,6 +34,7 @@ class UpConfig:
     port: int = 8000
     host: str = "127.0.0.1"
     model: str = DEFAULT_MODEL
+    served_model_name: str = ""  # clients' name for the model (empty: the folder's)
     mode: str = "disagg"
     grpc_port: int = -1
     # The gateway's admin port (/metrics, /ready) on 127.0.0.1; 0: the gateway's default,
@@ -153,10 +154,11 @@ class Deployment:
         share = (self._core_share()
                  if len(roles) > 1 and not cfg.num_threads and cfg.core_share else [])
         secret = self._cluster_secret()
+        named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         workers = [self._spawn(role, cli + ["worker", "--role", role, "--model", cfg.model,
                                             "--host", cfg.host, "--port", "0",
                                             "--num-threads", str(threads[role])]
-                               + share + secret, threads[role])
+                               + share + secret + named, threads[role])
                    for role in roles]
         addresses = {w.name: w.wait_ready(deadline, self.stop_requested) for w in workers}
         if cfg.mode == "disagg":
@@ -167,7 +169,7 @@ class Deployment:
                                                 "--port", str(cfg.port),
                                                 "--grpc-port", str(cfg.grpc_port),
                                                 "--admin-port", str(cfg.admin_port)]
-                              + routing + secret, None)
+                              + routing + secret + named, None)
         address = gateway.wait_ready(deadline, self.stop_requested)
         fields = dict(part.partition("=")[::2] for part in gateway.ready_line.split()[3:])
         self.grpc_address = fields.get("grpc", "")
@@ -235,6 +237,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(_env("port", 8000)), help="gateway port")
     parser.add_argument("--host", default=_env("host", "127.0.0.1"))
     parser.add_argument("--model", default=os.environ.get("SPLITSERVE_MODEL", DEFAULT_MODEL))
+    parser.add_argument("--served-model-name", default=_env("served_model_name", ""),
+                        help="the name clients send as \"model\" (default: the model "
+                             "folder's name)")
     parser.add_argument("--mode", choices=MODES, default=_env("mode", "disagg"),
                         help="disagg: prefill + decode workers; agg: one worker doing both")
     parser.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", -1)),
@@ -255,7 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = UpConfig(port=args.port, host=args.host, model=args.model, mode=args.mode,
+        config = UpConfig(port=args.port, host=args.host, model=args.model,
+                          served_model_name=args.served_model_name, mode=args.mode,
                           grpc_port=args.grpc_port, admin_port=args.admin_port,
                           num_threads=args.num_threads, core_share=not args.no_core_share,
                           startup_timeout_s=args.startup_timeout_s)

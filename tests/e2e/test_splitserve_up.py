@@ -201,10 +201,16 @@ def test_up_aggregated_leaves_no_orphans_even_when_killed(tiny_llama_dir):
         assert _wait_until_gone(launcher, 20) == []
     finally:
         launcher.cleanup()
-    again = Launcher("--port", "0", "--model", str(tiny_llama_dir), "--mode", "agg")
+    again = Launcher("--port", "0", "--model", str(tiny_llama_dir), "--mode", "agg",
+                     "--served-model-name", "acme/tiny")
     try:
-        again.wait_up()
+        url = again.wait_up()
         # Each deployment draws its own secret.
         assert open(_check_one_private_secret(again)).read() != first_secret
+        # --served-model-name reaches the gateway (and the worker's metrics label).
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["acme/tiny"]
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "acme/tiny", "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 200, response.text
     finally:
         again.cleanup()
