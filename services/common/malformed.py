@@ -26,8 +26,12 @@ async def refuse_malformed(request: object, context) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
 
 
-def _lenient(parse: Callable[[bytes], object], method: str) -> Callable[[bytes], object]:
+def _lenient(parse: Callable[[bytes], object], method: str,
+             max_bytes: int = 0) -> Callable[[bytes], object]:
     def parse_or_malformed(raw: bytes) -> object:
+        if max_bytes and len(raw) > max_bytes:
+            return MalformedRequest(f"{method}: the request message is {len(raw)} bytes; at "
+                                    f"most {max_bytes} are taken (--max-body-bytes)")
         try:
             return parse(raw)
         except Exception as exc:  # protobuf's DecodeError, or anything a parser raises
@@ -49,14 +53,17 @@ class _Recorder:
         self.services.append((service, handlers))
 
 
-def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server) -> None:
-    """`add_to_server` (a generated `add_XServicer_to_server`) with lenient request parsing."""
+def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
+                 max_bytes: int = 0) -> None:
+    """`add_to_server` (a generated `add_XServicer_to_server`) with lenient request parsing;
+    a message over `max_bytes` (0: no bound here) is malformed too."""
     recorder = _Recorder()
     add_to_server(servicer, recorder)
     for service, handlers in recorder.services:
         lenient = {
             name: handler._replace(
-                request_deserializer=_lenient(handler.request_deserializer, f"{service}/{name}"))
+                request_deserializer=_lenient(handler.request_deserializer, f"{service}/{name}",
+                                              max_bytes))
             for name, handler in handlers.items()
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, lenient),))

@@ -79,7 +79,21 @@ def test_over_quota_is_429_with_retry_after_over_http_and_grpc(tenant_gateway, t
     with pytest.raises(grpc.RpcError) as refused:
         _grpc(tenant_gateway, api_key="sk-tiny", max_tokens=8)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(refused.value.trailing_metadata())["retry-after"]
+    trailers = dict(refused.value.trailing_metadata())
+    # gRPC's own retry policies wait as told (gRFC A6's pushback), as HTTP clients do
+    assert int(trailers["grpc-retry-pushback-ms"]) == 1000 * int(trailers["retry-after"]) > 0
+    # A request over the tenant's whole bucket (70 prompt + 8 tokens of 60) never fits: over
+    # HTTP x-should-retry false; over gRPC a negative pushback, so no retry policy replays it
+    # (the code is RESOURCE_EXHAUSTED as for a passing refusal).
+    with grpc.insecure_channel(tenant_gateway.field("grpc")) as channel, \
+            pytest.raises(grpc.RpcError) as never:
+        list(gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateTextRequest(
+            token_ids=gateway_pb2.TokenIds(ids=[40] * 70), api_key="sk-tiny",
+            sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=60))
+    assert never.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = dict(never.value.trailing_metadata())
+    assert trailers["x-should-retry"] == "false" and trailers["grpc-retry-pushback-ms"] == "-1"
+    assert "retry-after" not in trailers
     # Another tenant is not billed for it.
     other = httpx.post(url, json=_body(tiny_llama_dir.name), headers=_bearer("sk-acme"), timeout=30)
     assert other.status_code == 200

@@ -68,6 +68,9 @@ def test_token_id_prompt_with_a_stop_string(disagg_stack):
     # larger than gRPC's default 4 MiB message: judged as a prompt (too long), not refused as
     # RESOURCE_EXHAUSTED, which the API keeps for "overloaded, retry later"
     ({"text": "word " * (1 << 20)}, grpc.StatusCode.INVALID_ARGUMENT),
+    # over --max-body-bytes (8 MiB), as HTTP's 413: grpc-core's own size refusal was
+    # RESOURCE_EXHAUSTED (a gRPC audit)
+    ({"token_ids": gateway_pb2.TokenIds(ids=[1] * 9_000_000)}, grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_invalid_requests_get_status_codes(disagg_stack, fields, code):
     with pytest.raises(grpc.RpcError) as caught:

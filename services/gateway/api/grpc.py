@@ -167,9 +167,19 @@ async def _abort_unread(context) -> None:
 
 
 async def _abort(context, record: RequestRecord, exc: APIError) -> None:
-    """Ends the call with the error's status code, and `retry-after` where it has one."""
+    """Ends the call with the error's status code, and `retry-after` where it has one. gRPC's
+    own retry policies read `grpc-retry-pushback-ms` (gRFC A6): the same wait, or a negative
+    one, where HTTP says `x-should-retry: false`, for no retry at all (a request over its
+    tenant's whole token bucket shares RESOURCE_EXHAUSTED with a passing quota refusal)."""
+    trailers = []
     if exc.retry_after_s is not None:
-        context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+        trailers.append(("retry-after", str(exc.retry_after_s)))
+    if exc.should_retry is False:
+        trailers += [("x-should-retry", "false"), ("grpc-retry-pushback-ms", "-1")]
+    elif exc.retry_after_s is not None:
+        trailers.append(("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))))
+    if trailers:
+        context.set_trailing_metadata(tuple(trailers))
     record.finish(exc.grpc_code.name, exc)
     await context.abort(exc.grpc_code, exc.message)
 
@@ -210,7 +220,8 @@ def _response(delta: TextDelta, spec) -> gateway_pb2.GenerateTextResponse:
 
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
     """Request bytes that do not parse get INVALID_ARGUMENT, as the workers' RPCs do."""
-    add_servicer(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway), server)
+    add_servicer(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway), server,
+                 max_bytes=_max_message_bytes(gateway.config))
 
 
 def add_health(gateway: Gateway, server: grpc.aio.Server) -> asyncio.Task:
@@ -237,6 +248,11 @@ def add_health(gateway: Gateway, server: grpc.aio.Server) -> asyncio.Task:
     return asyncio.create_task(follow(), name="grpc-health")
 
 
+def _max_message_bytes(config) -> int:
+    """A front-door message as large as an HTTP body, and the proto's framing beside it."""
+    return max(config.max_body_bytes, 4 << 20) + (64 << 10)
+
+
 def server_options(config) -> list[tuple[str, int]]:
     """The front door's channel settings. Messages as large as an HTTP body (gRPC's default
     4 MiB failed a 5 MB prompt with RESOURCE_EXHAUSTED, the overload code); keepalive that
@@ -245,7 +261,10 @@ def server_options(config) -> list[tuple[str, int]]:
     end after 30 minutes, once their calls do (within the request timeout; with none, whenever
     they do), so clients spread again over gateway pods."""
     options = [
-        ("grpc.max_receive_message_length", max(config.max_body_bytes, 4 << 20) + (64 << 10)),
+        # Twice the bound, so that a message over --max-body-bytes reaches the handler's check
+        # (INVALID_ARGUMENT, as HTTP's 413): grpc-core's own refusal is RESOURCE_EXHAUSTED,
+        # the overload code. Past twice, grpc-core still refuses it unread.
+        ("grpc.max_receive_message_length", 2 * _max_message_bytes(config)),
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
