@@ -46,7 +46,12 @@ def test_a_huge_prompt_does_not_stall_other_streams(servers, gateway_factory, ti
 
     def post_big() -> None:
         big["start"] = time.monotonic()
-        response = httpx.post(url, timeout=120, json={"model": model, "prompt": BIG_PROMPT})
+        # Truncation keeps the prompt's end, so all of it is tokenized (without it, a prompt
+        # this long is refused by its length before any tokenizing: the next test); then
+        # max_tokens does not fit the context.
+        response = httpx.post(url, timeout=120, json={
+            "model": model, "prompt": BIG_PROMPT, "truncate_prompt_tokens": 8,
+            "max_tokens": 100_000})
         big["end"] = time.monotonic()
         big["status"], big["error"] = response.status_code, response.json().get("error")
         big_done.set()
@@ -65,7 +70,7 @@ def test_a_huge_prompt_does_not_stall_other_streams(servers, gateway_factory, ti
                 break
             assert len(arrivals) < 5000, "the big request never finished"
     poster.join()
-    # Over the context length: refused, after it was tokenized.
+    # Over the context length with max_tokens: refused, after it was tokenized.
     assert big["status"] == 400 and big["error"]["code"] == "context_length_exceeded", big
     during = [t for t in arrivals if big["start"] <= t <= big["end"] + 0.2]
     gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
@@ -74,3 +79,56 @@ def test_a_huge_prompt_does_not_stall_other_streams(servers, gateway_factory, ti
     assert max(gaps) < tokenize_s / 3, (
         f"a stream paused {max(gaps):.3f}s while a prompt that takes {tokenize_s:.3f}s "
         f"to tokenize was served ({big['end'] - big['start']:.3f}s)")
+
+
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenizing(
+        disagg_stack, tiny_llama_dir):
+    """A text with more characters than the context's tokens could hold (at the vocabulary's
+    longest token) is refused at once, over HTTP (completions and chat) and gRPC: 7.8 MB
+    prompts took a tokenizer thread 20-30 s each only to be refused for their length, and a
+    caller's cancellation could not stop that (a gRPC audit: two such calls delayed a normal
+    prompt from 4 to 22 s)."""
+    import grpc
+    from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    tokenizer = ModelTokenizer(tiny_llama_dir)
+    started = time.perf_counter()
+    tokenizer.backend.encode(BIG_PROMPT)
+    tokenize_s = time.perf_counter() - started
+    url = disagg_stack.url
+    model = tiny_llama_dir.name
+    for path, body, param in (
+            ("/v1/completions", {"prompt": BIG_PROMPT}, "prompt"),
+            ("/v1/completions", {"prompt": ["hi", BIG_PROMPT]}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_PROMPT}]},
+             "messages")):
+        started = time.perf_counter()
+        response = httpx.post(f"{url}{path}", timeout=120, json={"model": model, **body})
+        took = time.perf_counter() - started
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert error["param"] == param and " characters, at least " in error["message"]
+        assert took < tokenize_s / 3, (path, took, tokenize_s)
+    with grpc.insecure_channel(disagg_stack.grpc_address) as channel:
+        started = time.perf_counter()
+        try:
+            list(gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateTextRequest(text=BIG_PROMPT), timeout=120))
+            raise AssertionError("served")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            assert "context length" in exc.details()
+        assert time.perf_counter() - started < tokenize_s / 3
+
+
+def test_the_length_bound_never_refuses_a_text_the_context_holds(tiny_llama_dir, smollm2_dir):
+    """The bound is the vocabulary's longest token in characters: no text has fewer tokens
+    than its length over that (texts of the kind that pack most characters per token)."""
+    for folder in (tiny_llama_dir, smollm2_dir):
+        tokenizer = ModelTokenizer(folder)
+        longest = tokenizer.max_chars_per_token
+        for text in ("#" * 5000, " " * 5000, "\n" + " " * 4999, "the " * 2000, "é" * 3000,
+                     BIG_PROMPT[:20_000], "".join(chr(0x4E00 + i) for i in range(3000))):
+            ids = tokenizer.encode(text)
+            assert len(ids) >= len(text) / longest, (folder.name, text[:20], len(ids))
+            assert tokenizer.encode(text, max_tokens=len(ids)) == ids  # at its count: taken

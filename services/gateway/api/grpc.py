@@ -130,7 +130,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         gateway = self.gateway
         which = request.WhichOneof("prompt")
         if which == "text":
-            prompt = gateway.tokenizer.encode(request.text)
+            prompt = gateway.preprocessor.encode_text(request.text, limits)
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:

@@ -20,7 +20,7 @@ from services.gateway.api.protocol import (
 )
 from services.gateway.api.request_limits import MAX_CACHE_SALT_CHARS, RequestLimits
 from services.gateway.api.structured import StructuredOutputChecker, structured_output_field
-from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer
+from services.gateway.api.tokenizer import ChatTemplateError, ModelTokenizer, TextTooLong
 from services.gateway.api.tool_parsers.base import ToolFormat
 from services.gateway.api.tools import ToolPlan, template_messages, tool_plan
 from services.gateway.errors import APIError
@@ -90,7 +90,8 @@ class Preprocessor:
     def completion(self, request_id: str, req: CompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
         self.request_limits.check_batch(_num_prompts(req.prompt), req.n)
         self.request_limits.check_stop(_stop_list(req.stop), req.stop_token_ids or ())
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, limits,
+                                           truncating=req.truncate_prompt_tokens is not None)
         if req.logprobs is not None and not 0 <= req.logprobs <= SamplingParams.MAX_LOGPROBS:
             raise APIError.invalid(
                 f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {req.logprobs}",
@@ -136,7 +137,11 @@ class Preprocessor:
                 messages, tools=plan.openai_tools() if plan is not None and native else None,
                 add_generation_prompt=req.add_generation_prompt is not False,
                 continue_final_message=req.continue_final_message,
-                template_kwargs=req.chat_template_kwargs)
+                template_kwargs=req.chat_template_kwargs,
+                max_tokens=(None if req.truncate_prompt_tokens is not None
+                            else limits.max_model_len - 1))
+        except TextTooLong as exc:
+            raise _text_too_long(exc, limits, "messages") from None
         except ChatTemplateError as exc:
             param = ("chat_template_kwargs" if "chat_template_kwargs" in str(exc)
                      else "messages")
@@ -202,16 +207,27 @@ class Preprocessor:
 
     # -- pieces ---------------------------------------------------------------------------
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, limits: ModelLimits,
+                            truncating: bool) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.encode_text(prompt, limits, truncating=truncating)]
         if not prompt:
             raise APIError.invalid("prompt must not be an empty list", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [self.tokenizer.encode(p) for p in prompt]
+            return [self.encode_text(p, limits, truncating=truncating) for p in prompt]
         return [list(p) for p in prompt]
+
+    def encode_text(self, text: str, limits: ModelLimits, param: str = "prompt",
+                    truncating: bool = False) -> list[int]:
+        """A text prompt's tokens; one too long for the context by its length alone is
+        refused before it is encoded (unless truncation keeps its end: that needs it all)."""
+        try:
+            return self.tokenizer.encode(
+                text, max_tokens=None if truncating else limits.max_model_len - 1)
+        except TextTooLong as exc:
+            raise _text_too_long(exc, limits, param) from None
 
     def _check_prompt(self, prompt_ids: Sequence[int], limits: ModelLimits,
                       param: str = "prompt") -> None:
@@ -323,6 +339,13 @@ def _prompt_logprobs(req) -> int | None:
     if req.prompt_logprobs is not None:
         return req.prompt_logprobs
     return req.logprobs if req.echo else None
+
+
+def _text_too_long(exc: TextTooLong, limits: ModelLimits, param: str) -> APIError:
+    return APIError.invalid(
+        f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
+        f"has {exc.chars} characters, at least {exc.min_tokens} tokens, and at least one must "
+        "be generated.", param=param, code="context_length_exceeded")
 
 
 def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:

@@ -15,6 +15,14 @@ from tokenizers import Tokenizer, decoders
 _GIL_FREE_ENCODE_CHARS = 16 << 10
 
 
+class TextTooLong(ValueError):
+    """A text with more characters than `max_tokens` tokens of this vocabulary can hold."""
+
+    def __init__(self, chars: int, min_tokens: int) -> None:
+        super().__init__(f"{chars} characters")
+        self.chars, self.min_tokens = chars, min_tokens
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered with the model's chat template."""
 
@@ -43,12 +51,26 @@ class ModelTokenizer:
         added = self.backend.get_added_tokens_decoder()
         self._special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
         self._added_text = {token_id: token.content for token_id, token in added.items()}
+        # The most characters one token can stand for: no text of more than this many times
+        # N characters is N tokens or fewer. The vocabulary's strings (a byte-level BPE's hold
+        # a character per byte, a SentencePiece's a character per character or a byte's
+        # "<0xNN>") are at least as long as the text they decode to; a normalizer may compose
+        # characters (NFC, NFKC: at most 3 into 1), hence the margin.
+        longest = max((len(piece) for piece in self.backend.get_vocab(with_added_tokens=True)),
+                      default=1)
+        self.max_chars_per_token = longest * (1 if self.backend.normalizer is None else 4)
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_tokens: int | None = None) -> list[int]:
+        """`max_tokens`: raise TextTooLong, without encoding, for a text too long to be that
+        few tokens (a multi-megabyte prompt took a tokenizer thread 20-30 s only to be
+        refused for its length; one that passes is at most that many tokens' worth)."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_chars_per_token:
+            raise TextTooLong(len(text), -(-len(text) // self.max_chars_per_token))
         if len(text) >= _GIL_FREE_ENCODE_CHARS:
             # `Tokenizer.encode` holds the GIL throughout (seconds for megabytes of text),
             # which would stall the event loop even from a tokenizer thread; `encode_batch`
@@ -79,7 +101,8 @@ class ModelTokenizer:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         """`continue_final_message`: the prompt ends inside the last message, right after its
         text (the template's end-of-turn and anything after it cut off), so the model goes
         on with that message (an assistant's answer begun by the caller)."""
@@ -94,7 +117,7 @@ class ModelTokenizer:
                                         "prompt inside it")
             text = text[:at + len(final)]
         # The template writes the special tokens itself; adding them again would double BOS.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI logprobs' `bytes`)."""
