@@ -147,6 +147,14 @@ def test_the_grpc_front_door_checks_the_constraint_it_is_given(checker):
     assert spec.params.structured_output == good.structured_output
 
 
+def test_the_grpc_front_door_takes_allowed_token_ids_once_each_as_http_does():
+    preprocessor = Preprocessor(ModelTokenizer(SMOLLM2), RequestLimits())
+    limits = ModelLimits(vocab_size=49152, max_model_len=2048)
+    params = SamplingParams(max_tokens=4, allowed_token_ids=(7, 3, 7, 3, 9) * 1000)
+    spec = preprocessor.token_prompt("r", [1, 2, 3], params, (), limits)
+    assert spec.params.allowed_token_ids == (7, 3, 9)  # first-seen order
+
+
 def test_warming_the_checker_builds_its_tokenizer_before_any_request():
     """The gateway's start (structured_outputs_warmup): the tokenizer a first constrained
     request would build (about 0.3 s of its first token) exists before that request comes."""

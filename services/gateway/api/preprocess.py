@@ -198,7 +198,10 @@ class Preprocessor:
         self._check_prompt(prompt_ids, limits)
         self._check_length(len(prompt_ids), params.max_tokens, limits)
         params = dataclasses.replace(params, seed=_seed(params.seed, 0),
-                                     top_k=_top_k(params.top_k, limits, "sampling.top_k"))
+                                     top_k=_top_k(params.top_k, limits, "sampling.top_k"),
+                                     # as HTTP's: a list four times the vocabulary went on
+                                     allowed_token_ids=tuple(dict.fromkeys(
+                                         params.allowed_token_ids)))
         _validate(params, limits)
         if params.structured_output is not None:
             self.structured.check(params.structured_output, limits.vocab_size,
