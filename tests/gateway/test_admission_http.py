@@ -55,6 +55,13 @@ def test_a_wrong_or_missing_key_is_401_over_http_and_grpc(tenant_gateway, tiny_l
     with pytest.raises(grpc.RpcError) as refused:
         _grpc(tenant_gateway, metadata=(("authorization", "Bearer sk-nobody"),))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Who is asking is settled before what is asked: a bad request id from a caller without
+    # a key is UNAUTHENTICATED, not INVALID_ARGUMENT (a gRPC audit)
+    with grpc.insecure_channel(tenant_gateway.field("grpc")) as channel, \
+            pytest.raises(grpc.RpcError) as refused:
+        list(gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateTextRequest(
+            text="hi", request_id="x" * 500), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     served = _grpc(tenant_gateway, metadata=(("authorization", "Bearer sk-acme"),))
     assert served[-1].usage.completion_tokens == 4
 

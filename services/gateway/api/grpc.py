@@ -67,10 +67,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The id the gateway logs and traces the call under, as HTTP's x-request-id header.
         await context.send_initial_metadata((("x-request-id", record.request_id),))
         try:
-            if bad_id is not None:
-                raise bad_id
+            # Who is asking first: an unauthenticated caller learns nothing of the rest.
             tenant = gateway.admission.authenticate(_authorization(request, context))
             record.authenticated(tenant.name)
+            if bad_id is not None:
+                raise bad_id
             if request.model:
                 gateway.check_model(request.model)
             deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival,
