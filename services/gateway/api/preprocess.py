@@ -8,10 +8,10 @@ import dataclasses
 import functools
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from services.gateway.api.logit_processing import logit_processing
+from services.gateway.api.prompt_length import ModelLimits, text_too_long, truncated
 from services.gateway.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,12 +39,6 @@ _FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "prese
                    "frequency_penalty")
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    vocab_size: int
-    max_model_len: int
-
-
 class Preprocessor:
     """Stateless apart from the read-only tokenizer and limits (and a cache of tool grammars
     that compiled); runs in the gateway's tokenizer threads (Gateway.off_loop), so a huge
@@ -69,7 +63,7 @@ class Preprocessor:
             if req.add_special_tokens:  # off by default: the template writes its own
                 ids = [*self.tokenizer.encode("", add_special_tokens=True), *ids]
         else:
-            ids = _truncated(self.tokenizer.encode(req.prompt,
+            ids = truncated(self.tokenizer.encode(req.prompt,
                                                    add_special_tokens=req.add_special_tokens),
                              req.truncate_prompt_tokens, limits)
         return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
@@ -98,7 +92,7 @@ class Preprocessor:
                 param="logprobs")
         specs = []
         for p, prompt_ids in enumerate(prompts):
-            prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
+            prompt_ids = truncated(prompt_ids, req.truncate_prompt_tokens, limits)
             self._check_prompt(prompt_ids, limits)
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             # echo with max_tokens 0 scores the prompt, as vLLM takes it: the worker generates
@@ -141,12 +135,12 @@ class Preprocessor:
                 max_tokens=(None if req.truncate_prompt_tokens is not None
                             else limits.max_model_len - 1))
         except TextTooLong as exc:
-            raise _text_too_long(exc, limits, "messages") from None
+            raise text_too_long(exc, limits, "messages") from None
         except ChatTemplateError as exc:
             param = ("chat_template_kwargs" if "chat_template_kwargs" in str(exc)
                      else "messages")
             raise APIError.invalid(str(exc), param=param) from None
-        prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, limits)
+        prompt_ids = truncated(prompt_ids, req.truncate_prompt_tokens, limits)
         return prompt_ids, plan
 
     def chat(self, request_id: str, req: ChatCompletionRequest, limits: ModelLimits) -> list[GenerationSpec]:
@@ -230,7 +224,7 @@ class Preprocessor:
             return self.tokenizer.encode(
                 text, max_tokens=None if truncating else limits.max_model_len - 1)
         except TextTooLong as exc:
-            raise _text_too_long(exc, limits, param) from None
+            raise text_too_long(exc, limits, param) from None
 
     def _check_prompt(self, prompt_ids: Sequence[int], limits: ModelLimits,
                       param: str = "prompt") -> None:
@@ -342,26 +336,6 @@ def _prompt_logprobs(req) -> int | None:
     if req.prompt_logprobs is not None:
         return req.prompt_logprobs
     return req.logprobs if req.echo else None
-
-
-def _text_too_long(exc: TextTooLong, limits: ModelLimits, param: str) -> APIError:
-    return APIError.invalid(
-        f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
-        f"has {exc.chars} characters, at least {exc.min_tokens} tokens, and at least one must "
-        "be generated.", param=param, code="context_length_exceeded")
-
-
-def _truncated(prompt_ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens of the prompt (-1: as many as the
-    context holds with one token generated)."""
-    if keep is None:
-        return prompt_ids
-    if keep == -1:
-        keep = limits.max_model_len - 1
-    if keep < 1:
-        raise APIError.invalid(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
-                               param="truncate_prompt_tokens")
-    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
 def _num_prompts(prompt) -> int:
