@@ -160,8 +160,10 @@ def test_a_forced_call_streams_its_arguments_as_they_are_generated():
     rest = stream.deltas('}\n</tool_call>', final=True)
     assert _assemble([start, first, second, *third, *rest])[1] == [
         {"name": "add", "arguments": '{"a": 1, "b": 2}'}]
-    assert finish_reason("stop", stream.num_calls) == "tool_calls"
-    assert finish_reason("length", stream.num_calls) == "length"
+    assert finish_reason("stop", stream.num_calls, plan) == "tool_calls"
+    assert finish_reason("length", stream.num_calls, plan) == "length"
+    named = tool_plan(TOOLS, {"type": "function", "function": {"name": "add"}}, HermesFormat())
+    assert finish_reason("stop", 1, named) == "stop"  # OpenAI's and vLLM's for a named call
 
 
 def test_a_forced_call_cut_short_keeps_what_there_is_of_its_arguments():
@@ -281,3 +283,39 @@ def test_tool_parameters_with_refs_and_defs_constrain_the_call(llg_tokenizer, sm
            call("count", {"n": 1, "next": {"n": 2}})]
     assert all(_accepts(llg_tokenizer, smollm2_dir, grammar, text) for text in ok)
     assert not any(_accepts(llg_tokenizer, smollm2_dir, grammar, text) for text in bad)
+
+
+@pytest.mark.parametrize("cut", ["<tool", "<tool_call>", '<tool_call>\n{"na',
+                                 '<tool_call>\n{"name": "get_'])
+def test_a_forced_call_cut_before_its_arguments_leaves_no_markup_in_content(cut):
+    """max_tokens 8 under tool_choice required: the markup went out as content, whole and
+    streamed (a structured-outputs audit)."""
+    plan = tool_plan(TOOLS, "required", HermesFormat())
+    message = tool_message(plan, cut)
+    assert message == {"role": "assistant", "content": ""}
+    stream = ToolCallStream(plan)
+    assert stream.deltas(cut, final=False) + stream.deltas("", final=True) == []
+    # not forced (auto), the same text is the model's own: content, as before
+    auto = tool_message(tool_plan(TOOLS, "auto", HermesFormat()), cut)
+    assert auto["content"] == cut
+
+
+def test_a_strict_functions_forced_arguments_name_no_other_keys():
+    """strict: true closes the function's objects in the forcing grammar, as response_format's
+    strict schemas (a strict get_weather(city) was called with {"city", "temperature"})."""
+    strict_tools = [{"type": "function", "function": {
+        "name": "get_weather", "strict": True,
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+            "required": ["city"]}}}]
+    def arguments_schema(tools) -> dict:
+        grammar = tool_plan(tools, "required", HermesFormat()).grammar()
+        return json.loads(grammar.split("call: %json ", 1)[1])["$defs"]["tool0"]
+
+    closed = arguments_schema(strict_tools)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    loose_tools = [{"type": "function", "function": {**strict_tools[0]["function"],
+                                                     "strict": False}}]
+    assert "additionalProperties" not in json.dumps(arguments_schema(loose_tools))

@@ -223,7 +223,7 @@ class ChatFormat(BodyFormat):
     def _tool_chunks(self, delta: TextDelta) -> list[dict]:
         stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self.tools))
         deltas = stream.deltas(delta.text, final=delta.finish_reason is not None)
-        finish = finish_reason(delta.finish_reason, stream.num_calls)
+        finish = finish_reason(delta.finish_reason, stream.num_calls, self.tools)
         if not deltas and not delta.logprobs and finish is None and not self._wants_ids(delta):
             return []
         if not deltas:
@@ -273,7 +273,8 @@ class ChatFormat(BodyFormat):
             message, finish = {"role": "assistant", "content": text}, c.finish_reason
         else:
             message = tool_message(self.tools, text)
-            finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())))
+            finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())),
+                                   self.tools)
         return {"index": c.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
                 "finish_reason": finish, "stop_reason": c.stop_reason,

@@ -14,8 +14,12 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def finish_reason(reason: str | None, num_calls: int) -> str | None:
-    """A choice that made calls and stopped by itself asks for their results."""
+def finish_reason(reason: str | None, num_calls: int, plan: ToolPlan) -> str | None:
+    """A choice that made calls and stopped by itself asks for their results; except a call
+    the request named (tool_choice {"function": ...}), which OpenAI and vLLM end with "stop"
+    (it was "tool_calls" here until December 7)."""
+    if plan.forced is not None:
+        return reason
     return "tool_calls" if reason == "stop" and num_calls else reason
 
 

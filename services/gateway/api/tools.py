@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.api.structured import closed_objects
 from services.gateway.api.tool_parsers.base import FirstCallOnly, ToolCallParser, ToolFormat
 from services.gateway.errors import APIError
 
@@ -37,6 +38,17 @@ class FunctionTool:
     name: str
     description: str | None
     parameters: dict | None  # a JSON schema of an object; None: no arguments (OpenAI's reading)
+    # OpenAI's strict function: a forced call's arguments hold no keys the schema does not
+    # name, as response_format's strict schemas (ignored until December 7: a strict
+    # get_weather(city) was called with {"city": "Paris", "temperature": 25}).
+    strict: bool = False
+
+    def constrained(self) -> dict:
+        """as_dict() as the forcing grammar takes it: a strict function's objects closed."""
+        out = self.as_dict()
+        if self.strict and self.parameters is not None:
+            out["parameters"] = closed_objects(self.parameters)
+        return out
 
     def as_dict(self) -> dict:
         out: dict[str, Any] = {"name": self.name}
@@ -74,7 +86,7 @@ class ToolPlan:
         """The constraint of `required` (one call of any tool) or a named choice (of that one;
         of any tool with `forced_only` false)."""
         chosen = [t for t in self.tools if not forced_only or self.forced in (None, t.name)]
-        return self.format.grammar([t.as_dict() for t in chosen])
+        return self.format.grammar([t.constrained() for t in chosen])
 
     def parser(self) -> ToolCallParser:
         # A forced call is well-formed by construction: its arguments stream as they come.
@@ -207,7 +219,8 @@ def _tools(tools: Any) -> tuple[FunctionTool, ...]:
         parameters = function.get("parameters")
         if parameters is not None:
             _check_parameters(parameters, f"{param}.function.parameters")
-        parsed.append(FunctionTool(name, description, parameters))
+        parsed.append(FunctionTool(name, description, parameters,
+                                   strict=function.get("strict") is True))
     return tuple(parsed)
 
 

@@ -116,6 +116,11 @@ class HermesParser:
             out = self._stream_arguments(held, final=True, closed=False)
             self._end_streamed_call()
             return out
+        if self.stream_calls and (self._in_call or (held and self.num_calls == 0)):
+            # A forced call cut before its arguments began (max_tokens): everything the
+            # grammar let out is its markup, not content; it went out as content before.
+            self._in_call = False
+            return []
         if self._in_call:
             return [self._end_call(held, closed=False)]
         # Whitespace after a call ends nothing; before any call it is content.
