@@ -153,10 +153,10 @@ def ascii_classes(regex: str) -> str:
                 out.append(regex[i:i + 2])
             elif letter.islower():
                 out.append(members if depth else f"[{members}]")
-            elif not depth:
+            else:  # negated: a class of its own, nested in the class it is in (the regex
+                # crate's syntax). Kept Unicode there until December 7, `[\s\S]` ("anything")
+                # left out U+00A0 and `[^\s\S]` ("nothing") let a model write it.
                 out.append(f"[^{members}]")
-            else:  # a negated shorthand inside a class has no ASCII spelling: keep it
-                out.append(regex[i:i + 2])
             i += 2
             continue
         out.append(c)

@@ -36,7 +36,9 @@ def _accepts(compiler, smollm2_dir, grammar: str, text: str) -> bool:
     (r"\D[^\d]", "[^0-9][^0-9]"),
     (r"[]\d]\\d", r"[]0-9]\\d"),  # "]" first in a class is literal; "\\d" is "\" then "d"
     (r"[a-z&&[^aeiou]]\d", "[a-z&&[^aeiou]][0-9]"),  # nested classes
-    (r"[\D]\p{L}", r"[\D]\p{L}"),  # no ASCII spelling inside a class; other escapes kept
+    # inside a class, a negated shorthand is a nested negated class; other escapes kept
+    (r"[\D]\p{L}", r"[[^0-9]]\p{L}"),
+    (r"[\s\S]", r"[ \t\n\r\f\v[^ \t\n\r\f\v]]"),
 ])
 def test_shorthand_classes_become_ascii(regex, ascii):
     assert ascii_classes(regex) == ascii
@@ -48,6 +50,18 @@ def test_a_regex_digit_is_an_ascii_digit(compiler, smollm2_dir):
     assert _accepts(compiler, smollm2_dir, grammar, "123")
     assert not _accepts(compiler, smollm2_dir, grammar, "\U0001fbf8" * 3)
     assert not _accepts(compiler, smollm2_dir, grammar, "١٢٣")  # Arabic-Indic digits
+
+
+def test_a_class_of_a_shorthand_and_its_negation_is_everything(compiler, smollm2_dir):
+    r"""`[\s\S]` ("any character", a common idiom) left out U+00A0 when \S stayed Unicode in
+    a class and \s became ASCII; `[^\s\S]` ("nothing") let a model write U+00A0 (a
+    structured-outputs audit)."""
+    anything = grammar_for(StructuredOutput(regex=r"a[\s\S]b"))
+    for text in ("a b", "aXb", "a\u00a0b", "a\u2003b"):
+        assert _accepts(compiler, smollm2_dir, anything, text), text
+    nothing = grammar_for(StructuredOutput(regex=r"a[^\s\S]b"))
+    for text in ("a b", "aXb", "a\u00a0b"):
+        assert not _accepts(compiler, smollm2_dir, nothing, text), text
 
 
 def test_one_of_is_read_as_any_of(compiler, smollm2_dir):
