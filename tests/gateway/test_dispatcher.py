@@ -184,6 +184,21 @@ def test_past_the_migration_limit_the_stream_ends_with_an_error_event(servers):
     assert len(only.servicer.calls) == 3  # the first attempt and two moves
 
 
+def test_a_move_whose_worker_fails_before_its_first_token_is_not_a_move(servers):
+    """Two decode workers down at once (a migration audit: both killed): the move onto the
+    second, not yet known to be gone, failed before it delivered a token and counted as a
+    move, so a stream used up its moves on dead workers and the metric counted each try. Such
+    a try on a worker new to the stream is the same move on another worker."""
+    broken = servers(FakeDecode(fails_after([51]), kv_blocks_free=900))  # chosen first
+    dead = servers(FakeDecode(fails_after([]), kv_blocks_free=700))  # then this one
+    healthy = servers(FakeDecode(resumes([53, 54]), kv_blocks_free=100))
+    events, error = run([broken, dead, healthy], [servers(FakePrefill())], migration_limit=1)
+    assert error is None
+    assert tokens(events) == [FIRST_TOKEN, 51, 53, 54]
+    assert events[-1].finish_reason == "length"
+    assert [len(d.servicer.calls) for d in (broken, dead, healthy)] == [1, 1, 1]
+
+
 def test_migration_limit_zero_ends_the_stream_with_an_error_event(servers):
     decode = servers(FakeDecode(fails_after([51, 52])))
     events, error = run([decode], [servers(FakePrefill())], migration_limit=0)

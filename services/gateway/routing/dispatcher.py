@@ -91,6 +91,11 @@ class Dispatcher:
     # A broken stream waits this long for a decode worker to move to (one restarting, one
     # whose circuit breaker still lets a single trial through) before it ends with an error.
     migration_wait_s: float = 10.0
+    # Tries of one move that may fail before they deliver a token, each on a worker new to
+    # the stream (one that died and is not yet known to be gone): they are not moves. Counted
+    # as moves, two decode workers killed together spent a stream's moves on each other, and
+    # the migrations metric counted 8 moves for 3 streams (a migration audit).
+    move_tries: int = 3
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
@@ -105,9 +110,11 @@ class Dispatcher:
         last: AttemptFailed | None = None
         sent: list[int] = []  # every token yielded so far, across attempts
         attempt = moves = 0
+        unlanded = 0  # tries of the current move that failed before delivering a token
         while True:
             resumed = tuple(sent)
-            attempt_id = (f"{request_id}-move{moves}" if resumed
+            attempt_id = (f"{request_id}-move{moves}" + (f".{unlanded}" if unlanded else "")
+                          if resumed
                           else request_id if attempt == 0 else f"{request_id}-retry{attempt}")
             if len(resumed) >= sampling.max_tokens:  # broke after its last token
                 yield TokenEvent(finish_reason="length")
@@ -127,8 +134,20 @@ class Dispatcher:
             except AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
+                first_failure_there = failed.endpoint.address not in tried
                 tried.add(failed.endpoint.address)
+                if sent and awaiting_resume and first_failure_there \
+                        and code not in _NOT_ON_THE_WORKER and unlanded + 1 < self.move_tries:
+                    # This move's worker, new to this stream, failed before its first token:
+                    # the same move, on another worker (the router prefers one not tried). A
+                    # worker that failed this stream before counts as a move, as always.
+                    unlanded += 1
+                    log.info("request %s: move %d onto %s failed before its first token "
+                             "(%s); trying another worker", request_id, moves,
+                             failed.endpoint.address, code.name)
+                    continue
                 if sent:
+                    unlanded = 0
                     reason = _migration_reason(failed.error)
                     if moves >= self.migration_limit or code in _NOT_ON_THE_WORKER:
                         log.warning("request %s failed after %d tokens (%s %s); %s", request_id,
