@@ -286,3 +286,32 @@ def test_a_migration_waits_for_a_decode_worker_to_take_work_again(servers):
     events, took = asyncio.run(scenario(wait_s=1.0, reopen_after_s=None))
     assert events[-1].finish_reason == "error" and "no worker to migrate to" in events[-1].error
     assert 0.9 <= took < 5, took
+
+
+def test_a_migrations_route_books_no_prefill_work_and_needs_no_prefill_worker(servers):
+    """A move is recomputed on the decode worker alone: its route chose a prefill worker all
+    the same and booked the prompt on it (its queue estimate, its breaker's one half-open
+    trial), and with no prefill worker available it found no route at all."""
+    prefill = servers(FakePrefill())
+    decode = servers(FakeDecode(streams([51])))
+
+    async def scenario():
+        pool = WorkerPool(prefill_addresses=[prefill.address],
+                          decode_addresses=[decode.address], both_addresses=[])
+        await pool.poll_once()
+        router = ScoringRouter(pool)  # prefill_backlog_tokens 0: new prompts wait for one
+        (prefiller,), (decoder,) = pool.prefillers(), pool.decoders()
+        moved = router.route(list(range(40)), 8, local="migration")
+        booked = (prefiller.prefill_tokens_since_poll, decoder.prefill_tokens_since_poll)
+        while prefiller.available():
+            prefiller.breaker.record_failure(grpc.StatusCode.UNAVAILABLE)
+        fresh = router.route(list(range(40)), 8)
+        moved_again = router.route(list(range(40)), 8, local="migration")
+        await pool.close()
+        return moved, booked, fresh, moved_again
+
+    moved, booked, fresh, moved_again = asyncio.run(scenario())
+    assert moved.prefill is None and moved.reason == "migration"
+    assert booked == (0, 40)  # the decode worker recomputes the 40 tokens
+    assert fresh is None
+    assert moved_again is not None and moved_again.decode.address == decode.address

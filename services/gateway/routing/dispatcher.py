@@ -11,7 +11,6 @@ the workers abort the request and free its KV blocks. Nested generators are clos
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -195,7 +194,8 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
-            route = self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt)
+            route = self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt,
+                                      local="migration")
             if route is not None or loop.time() >= deadline:
                 return route
             await asyncio.sleep(0.1)
@@ -211,8 +211,6 @@ class Dispatcher:
                  else self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt))
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
-        if resumed:
-            route = dataclasses.replace(route, prefill=None, reason="migration")
         observer.routed(route, attempt)
         decode, prefill = route.decode, route.prefill if self.disaggregated else None
         decode.outstanding += 1

@@ -54,9 +54,11 @@ _REASON_LABELS = {
 
 class Router(Protocol):
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
-              exclude: Collection[str] = ()) -> Route | None:
+              exclude: Collection[str] = (), cache_salt: str = "",
+              local: str = "") -> Route | None:
         """Workers for one attempt, avoiding addresses in `exclude` unless none other is
-        left; None when no worker can take it now."""
+        left; None when no worker can take it now. `local`: the decode worker alone, for
+        this reason."""
 
     def ready(self) -> bool:
         """Whether requests can be routed at all."""
@@ -108,8 +110,12 @@ class ScoringRouter:
         return True
 
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
-              exclude: Collection[str] = (), cache_salt: str = "") -> Route | None:
-        """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count."""
+              exclude: Collection[str] = (), cache_salt: str = "",
+              local: str = "") -> Route | None:
+        """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count.
+        `local`: a reason the decode worker computes the tokens itself (a migration's
+        recompute): no prefill worker is chosen, nor booked with work it never gets (one was,
+        its breaker's half-open trial included)."""
         request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size(),
                                        cache_salt)
         decode = (self._holder(request, exclude)
@@ -117,7 +123,8 @@ class ScoringRouter:
                            self._decode_turn))
         if decode is None:
             return None
-        route = self._place_prefill(request, decode, exclude)
+        route = (Route(decode, None, local, self._cached_tokens(request, decode)) if local
+                 else self._place_prefill(request, decode, exclude))
         if route is not None:
             self._commit(request, route)
         return route
