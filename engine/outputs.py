@@ -108,6 +108,9 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Decode role, KV from a prefill worker: prompt tokens whose KV this worker held already
+    # (adopted from its prefix cache, not sent).
+    kv_reused_tokens: int = 0
     num_output_tokens: int = 0
     # Prefill role: the request's KV ([layers, 2, blocks, block_size, kv_heads, head_dim]).
     kv: object | None = None

@@ -110,5 +110,7 @@ class RemotePrefill:
             request_id=request.request_id, new_token_ids=[], finished=True,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            kv_reused_tokens=request.kv_reused_tokens,
             num_output_tokens=request.num_output_tokens, compute=request.compute_seconds,
+            first_scheduled_ns=request.first_scheduled_ns, kv_arrived_ns=request.kv_arrived_ns,
         )

@@ -387,6 +387,7 @@ class Scheduler:
                     prompt_logprobs=prompt_lps,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    kv_reused_tokens=request.kv_reused_tokens,
                     num_output_tokens=request.num_output_tokens,
                     first_scheduled_ns=request.first_scheduled_ns,
                     kv_arrived_ns=request.kv_arrived_ns,

@@ -303,11 +303,19 @@ class EngineLoop:
         return self.engine.warm_structured_outputs() or self.engine.prefault_kv()
 
     def _run_commands(self) -> None:
+        ran = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                if ran:
+                    # What they changed (requests added, reserved, aborted) shows now, not
+                    # after the next step: a prefill worker's requests come and go within one
+                    # step, and its gauges read 0 through every step that computed them
+                    # (queued prefill tokens, which KEDA scales prefill on, included).
+                    self.stats = self._stats()
                 return
+            ran = True
             self._busy = (time.monotonic(), "command")
             try:
                 command()

@@ -104,6 +104,7 @@ class _Open:
     generated: int = 0  # output tokens this worker produced
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
+    prompt_counted: bool = False
 
 
 class RequestTimings:
@@ -138,7 +139,7 @@ class RequestTimings:
                 if record is not None:
                     prompt_tokens += self._observe(out, record, now, sources)
                     generation_tokens += len(out.new_token_ids)
-            if generation_tokens:  # counters once per batch, not per request
+            if generation_tokens or prompt_tokens:  # counters once per batch, not per request
                 for f in self.families:
                     f.prompt_tokens.inc(prompt_tokens)
                     f.generation_tokens.inc(generation_tokens)
@@ -157,18 +158,25 @@ class RequestTimings:
         """Records one output; returns the prompt tokens it brings to the count (on its
         request's first token), adding them to `sources` by where they came from."""
         prompt_tokens = 0
+        served = out.finished and out.error is None and out.finish_reason in ("stop", "length")
+        if not record.prompt_counted and (out.new_token_ids or served):
+            # On its first token, or its end without one here (a decode worker's request
+            # whose only token came from the prefill worker: its prompt went uncounted).
+            record.prompt_counted = True
+            prompt_tokens = out.num_prompt_tokens
+            # A decode worker's prompt tokens whose KV it held already are cache hits, not
+            # transfers (they were counted as sent).
+            cached = min(max(out.num_cached_tokens, out.kv_reused_tokens), prompt_tokens)
+            sources["local_cache_hit"] += cached
+            remote = out.kv_arrived_ns is not None  # its KV came from a prefill worker
+            sources["external_kv_transfer" if remote else "local_compute"] += (
+                prompt_tokens - cached)
+            record.prompt_tokens = prompt_tokens
+            record.computed_prompt_tokens = 0 if remote else prompt_tokens - cached
         if out.new_token_ids:
             if record.first_token is None:
                 record.first_token = now
                 record.queue_s = self._queue_s(out, record, now)
-                prompt_tokens = out.num_prompt_tokens
-                cached = min(out.num_cached_tokens, prompt_tokens)
-                sources["local_cache_hit"] += cached
-                remote = out.kv_arrived_ns is not None  # its KV came from a prefill worker
-                sources["external_kv_transfer" if remote else "local_compute"] += (
-                    prompt_tokens - cached)
-                record.prompt_tokens = prompt_tokens
-                record.computed_prompt_tokens = 0 if remote else prompt_tokens - cached
                 for f in self.families:
                     f.ttft.observe(now - record.arrived)
             else:

@@ -281,3 +281,25 @@ def test_a_reader_that_fell_behind_catches_up_in_one_message(make_loop, engine):
     assert len(last.logprobs) == len(last.token_ids)
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 12
+
+
+def test_gauges_show_what_the_commands_added_before_the_step_that_computes_it(make_loop):
+    """A prefill worker's requests come and go within one step: with its stats taken only
+    after each step, its waiting and queued-prefill gauges read 0 through every step that
+    computed them (an observability audit: 0 on every scrape for 7 s of 8 busy requests; KEDA
+    scales prefill on those tokens). The stats the step runs under, read from the step's own
+    callback before the loop's after-step refresh, show the request the step computes."""
+    loop = make_loop()
+    during: list[dict] = []
+    loop.on_step = lambda seconds, *size: during.append(dict(loop.stats))
+
+    async def scenario() -> None:
+        stream, _ = await loop.open("one", lambda e: e.add_request(
+            "one", PROMPT, dataclasses.replace(PARAMS, max_tokens=1)))
+        while not (await stream.get()).finished:
+            pass
+
+    asyncio.run(scenario())
+    assert during, "no step ran"
+    assert during[0]["waiting"] + during[0]["running"] == 1, during[0]
+    assert during[0]["queued_prefill_tokens"] == len(PROMPT), during[0]

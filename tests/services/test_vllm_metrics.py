@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.v1 import decode_pb2, decode_pb2_grpc
 
 from splitserve_cli.processes import start_worker
-from tests.services.flows import aggregated, disaggregated, greedy
+from tests.services.flows import aggregated, disaggregated, disaggregated_reusing, greedy
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -225,3 +225,38 @@ def test_per_request_phases_add_up_to_what_the_request_took(served, role) -> Non
     # Token counts are bucketed 1, 2, 5, 10, ... up to the context length.
     bounds = sorted(float(ls["le"]) for n, ls, _ in found if n == "vllm:request_prompt_tokens_bucket")
     assert bounds[:4] == [1.0, 2.0, 5.0, 10.0] and bounds[-1] == float("inf")
+
+
+def test_a_decode_workers_prompt_counts_held_blocks_as_hits_and_one_token_requests(
+        tiny_llama_dir) -> None:
+    """Two undercounts an observability audit found on a decode worker: the prompt blocks it
+    held already (reused, not sent) were counted as transferred, and a request whose only
+    token came from the prefill worker (max_tokens 1) never counted its prompt."""
+    decode, prefill = (start_worker(role, tiny_llama_dir, "--num-kv-blocks", "64")
+                       for role in ("decode", "prefill"))
+    try:
+        prompt = list(range(300, 300 + PROMPT_LEN))
+
+        async def run():
+            await disaggregated_reusing(decode.address, prefill.address, "first", prompt,
+                                        greedy(MAX_TOKENS))
+            _, reserved, _ = await disaggregated_reusing(decode.address, prefill.address,
+                                                         "again", prompt, greedy(MAX_TOKENS))
+            await disaggregated(decode.address, prefill.address, "one",
+                                list(range(500, 500 + PROMPT_LEN)), greedy(1))
+            return reserved.num_cached_tokens
+
+        held = asyncio.run(run())
+        assert held > 0, "the decode worker held none of the repeated prompt"
+        found = wait_for(decode, lambda f: value(
+            f, "vllm:request_success_total", finished_reason="length") == 3,
+            "three requests served")
+        assert value(found, "vllm:prompt_tokens_total") == 3 * PROMPT_LEN
+        assert value(found, "vllm:prompt_tokens_by_source_total",
+                     source="local_cache_hit") == held
+        assert value(found, "vllm:prompt_tokens_by_source_total",
+                     source="external_kv_transfer") == 3 * PROMPT_LEN - held
+        assert value(found, "vllm:prompt_tokens_cached_total") == 3 * PROMPT_LEN
+    finally:
+        decode.kill()
+        prefill.kill()
