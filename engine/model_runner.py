@@ -7,6 +7,7 @@ updated from the scheduler's diffs, so the same code runs on every tensor-parall
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from engine.spec_decode.rejection_sampler import RejectionSampler, VerifyItem
 from engine.step_batch import StepBatch, build_step_batch
 from engine.step_inputs import Part, StepInputs, Table
 from engine.token_counts import TokenCounts
+from kernels import cpu_kernels
 from kernels.attention import (
     AttentionMetadata,
     find_shared_prefixes,
@@ -63,6 +65,9 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()
+        # The kernels chosen by timing them at start, and the weights packed for them: a
+        # start-up phase of its own (it was booked under kv_allocation: 6 of its 6.0 s).
+        choosing, kernels_loaded = time.perf_counter(), cpu_kernels.load_seconds()
         self.native_decode = kernel_choice.native_decode(config, self.device)
         # Decode rows behind a shared prefix attend it once (kernels/attention.py).
         self.shared_prefixes = self.native_decode and config.cpu_shared_prefix_attention
@@ -73,7 +78,9 @@ class ModelRunner:
                               and torch.ops.splitserve_cpu.has_amx_bf16())
         # Raises now, not at the first step, for a backend this device cannot run.
         self.triton = uses_triton(config.attention_backend, self.device)
+        loading = time.perf_counter()
         self.model = load_model(model_config, self.dtype, self.device)
+        loading = time.perf_counter() - loading
         self.small_m_linear = kernel_choice.small_m_linear(config, self.device, self.dtype)
         self.weight_layout = kernel_choice.weight_layout(config, self.device, self.dtype, self.model)
         if self.weight_layout != "plain":
@@ -89,6 +96,10 @@ class ModelRunner:
                                                        self.native_decode, self.model)
         if self.fused_decode:
             self.model.use_fused_decode(self.small_m_max_rows)
+        # Less the weights' load and the C++ kernels' (built or loaded on first use here):
+        # phases of their own.
+        self.kernel_choice_seconds = (time.perf_counter() - choosing - loading
+                                      - (cpu_kernels.load_seconds() - kernels_loaded))
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # on this rank
         self.kernel_paths = KernelPaths.of(

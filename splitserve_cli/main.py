@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -66,7 +67,32 @@ def _run_command(name: str, argv: list[str]) -> int:
     module = _import_command(name, command)
     parser = argparse.ArgumentParser(prog=f"splitserve {name}", description=command.summary)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv)) or 0)
+    args = parser.parse_args(argv)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:  # `splitserve cost ... | head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - no flush error at exit either
+        return 0
+    except Exception as exc:
+        if not _about_the_input(exc) or os.environ.get("SPLITSERVE_TRACEBACK"):
+            raise
+        # A missing or unreadable file, a taken port, a value out of range: one line naming
+        # it, as for argparse's own errors (a CLI audit met 20 tracebacks for such input).
+        print(f"splitserve {name}: error: {exc} ({type(exc).__name__}; "
+              "SPLITSERVE_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 1
+
+
+def _about_the_input(exc: Exception) -> bool:
+    """Errors a command meets in what it was given (files, ports, memory, values), not bugs
+    of its own; those keep their traceback."""
+    if isinstance(exc, OSError | ValueError):
+        return True
+    if type(exc).__name__ == "SafetensorError":  # a corrupt or truncated model.safetensors
+        return True
+    # grpc's bind failure (a port in use) and torch's thread count
+    return isinstance(exc, RuntimeError) and str(exc).startswith(
+        ("Failed to bind", "set_num_threads"))
 
 
 def _import_command(name: str, command: Command) -> ModuleType:

@@ -73,7 +73,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def is_complete(out: Path) -> bool:
-    return all((out / name).is_file() for name in REQUIRED_FILES)
+    """Every file there, and the weights of the size this converter wrote (where its record
+    says; folders from before December 7 have no size recorded)."""
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        recorded = json.loads((out / "conversion.json").read_text()).get("weights_bytes")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return recorded is None or recorded == (out / "model.safetensors").stat().st_size
 
 
 def find_bundled_gguf() -> Path:
@@ -90,8 +98,54 @@ def find_bundled_gguf() -> Path:
     return path
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse, before anything is built, a file that is not a Llama-family GGUF with its
+    shape, or one whose float32 model would not fit in memory. transformers fills settings a
+    GGUF lacks with Llama's defaults (7B parameters, 27 GB in float32): a GGUF without them
+    took all of the machine's memory until the kernel killed the conversion (a CLI audit)."""
+    if not path.is_file():
+        raise SystemExit(f"splitserve model: {path} is not a file")
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(path)).fields
+    except Exception as exc:  # noqa: BLE001 - bad magic, truncated, ...: one line, no traceback
+        raise SystemExit(f"splitserve model: {path} is not a readable GGUF file ({exc})") from None
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    if arch != "llama":
+        raise SystemExit(f"splitserve model: {path} is a GGUF of architecture {arch!r}; this "
+                         "converter takes Llama-family models (llama)")
+    shape = {name: f"{arch}.{name}" for name in (
+        "block_count", "embedding_length", "attention.head_count", "feed_forward_length")}
+    missing = [key for key in (*shape.values(), "tokenizer.ggml.tokens") if key not in fields]
+    if missing:
+        raise SystemExit(f"splitserve model: {path} lacks the model settings "
+                         f"{', '.join(missing)}: not a complete model file")
+    layers, hidden, _, ffn = (int(fields[key].contents()) for key in shape.values())
+    vocab = len(fields["tokenizer.ggml.tokens"].contents())
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn)
+    needed = 2 * 4 * params  # the float32 model and the dequantized tensors beside it
+    available = _available_memory()
+    if available and needed > available:
+        raise SystemExit(f"splitserve model: {path} holds about {params / 1e9:.2f}B parameters, "
+                         f"{needed / 2**30:.1f} GiB to convert in float32; {available / 2**30:.1f} "
+                         "GiB of memory is available")
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def convert(gguf_path: Path, out: Path) -> None:
     t0 = time.monotonic()
+    check_gguf(gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # The temp folder sits beside the target so the final rename stays on one filesystem.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -208,6 +262,8 @@ def _write_provenance(gguf_path: Path, tmp: Path) -> None:
         "note": "weights dequantized from Q4_1; not bit-identical to the original bf16 release",
         "dtype": "float32",
         "converter": "splitserve_cli.prepare_model",
+        # is_complete compares it: weights written over by hand (or by `tiny-model`) reconvert
+        "weights_bytes": (tmp / "model.safetensors").stat().st_size,
     }
     (tmp / "conversion.json").write_text(json.dumps(info, indent=2) + "\n")
 

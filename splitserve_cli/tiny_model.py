@@ -211,10 +211,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="architecture (default: llama)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a folder that is not empty (its model is replaced)")
 
 
 def run(args: argparse.Namespace) -> int:
-    path = build_tiny_model(args.out, arch=args.arch, seed=args.seed)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        # `splitserve tiny-model models/smollm2-135m-instruct` replaced the real weights with
+        # random ones, and `make model` then took the folder for complete (a CLI audit).
+        raise SystemExit(f"splitserve tiny-model: {out} exists and is not an empty folder; "
+                         "choose another, or pass --force to replace what is there")
+    path = build_tiny_model(out, arch=args.arch, seed=args.seed)
     print(f"tiny {args.arch} model written to {path}")
     return 0
 

@@ -66,6 +66,7 @@ class Worker:
         self.startup.end_phase("kv_allocation", of_which={
             "weight_load": weight_load_seconds() - weights_s,
             "kernel_load": cpu_kernels.load_seconds() - kernels_s,
+            "kernel_choice": getattr(self.engine.runner, "kernel_choice_seconds", 0.0),
             "memory_profile": self.engine.runner.memory.profile_seconds})
         self.engine_loop = EngineLoop(
             self.engine, max_unread_outputs=config.max_unread_outputs,

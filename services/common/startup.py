@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily
 
 # In timeline order; they tile process start -> ready, so they sum to the whole start-up.
-PHASES = ("imports", "weight_load", "kernel_load", "memory_profile", "kv_allocation", "serving")
+PHASES = ("imports", "weight_load", "kernel_load", "kernel_choice", "memory_profile",
+          "kv_allocation", "serving")
 PHASE_MEANING = {
     "imports": "interpreter start, module imports, logging and tracing set-up",
     "weight_load": "model built in the serving dtype and filled from the checkpoint",
     "kernel_load": "C++ CPU kernels built (first time) or loaded",
+    "kernel_choice": "kernels chosen by timing them on this machine (engine/kernel_choice.py) "
+                     "and the weights packed for them",
     "memory_profile": "the largest step run once to size the KV pool (engine/memory_profile.py; "
                       "0 with --num-kv-blocks)",
     "kv_allocation": "KV cache allocated, the rest of engine set-up",

@@ -161,6 +161,8 @@ class WorkerConfig:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (no config.json)")
         kv_cache_bytes(self.kv_cache_memory)
+        if self.num_threads < 0:
+            raise ValueError("--num-threads must be >= 0 (0: torch's own count)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_wait_timeout_s <= 0:
