@@ -43,10 +43,15 @@ class Tally:
         return sum(self.seconds.values())
 
     def add(self, entry: dict) -> None:
+        """Raises ValueError, adding nothing, for a line whose figures are not counts."""
+        tokens = int(entry.get("completion_tokens") or 0)
+        seconds = {phase: float(entry["compute_seconds"].get(phase) or 0.0) for phase in PHASES}
+        if tokens < 0 or any(not 0 <= s < float("inf") for s in seconds.values()):
+            raise ValueError("negative or infinite figures")
         self.requests += 1
-        self.output_tokens += int(entry.get("completion_tokens") or 0)
-        for phase in PHASES:
-            self.seconds[phase] += float(entry["compute_seconds"].get(phase) or 0.0)
+        self.output_tokens += tokens
+        for phase, value in seconds.items():
+            self.seconds[phase] += value
 
 
 def parse_price(text: str) -> Price:
@@ -127,10 +132,13 @@ class Report:
         return tally.compute_s * self.price.usd_per_second
 
     def with_idle_usd(self, tally: Tally) -> float:
-        """The tally's share (by compute seconds) of what the whole capacity cost."""
+        """The tally's share (by compute seconds) of what the whole capacity cost; never less
+        than what it was charged (compute past the capacity: requests logged in the window
+        that ran partly before it, or fewer workers given than ran)."""
         if self.total.compute_s <= 0:
             return 0.0
-        return self.capacity_s * self.price.usd_per_second * tally.compute_s / self.total.compute_s
+        paid_s = max(self.capacity_s, self.total.compute_s)
+        return paid_s * self.price.usd_per_second * tally.compute_s / self.total.compute_s
 
 
 def build_report(entries: Iterable[tuple[float, dict]], start: float, end: float, price: Price,
@@ -139,6 +147,10 @@ def build_report(entries: Iterable[tuple[float, dict]], start: float, end: float
     report = Report(start, end, price, workers or 0)
     for at, entry in entries:
         if not start <= at <= end:
+            continue
+        try:  # a line with figures that are not counts is skipped, as one that is not JSON
+            Tally().add(entry)
+        except (ValueError, TypeError, AttributeError):
             continue
         report.total.add(entry)
         tenant = str(entry.get("tenant") or "unknown")
@@ -172,6 +184,10 @@ def render(report: Report) -> str:
     if report.capacity_s > 0:
         out.append(f"capacity    {report.capacity_s:.0f} worker-seconds, busy "
                    f"{1 - report.idle_share:.1%}, idle {report.idle_share:.1%}")
+        if total.compute_s > report.capacity_s:
+            out.append(f"note        compute ({total.compute_s:.1f}s) exceeds the capacity: "
+                       "requests logged in the window ran partly before it, or more workers "
+                       "ran than --workers says")
     else:
         out.append("capacity    unknown (no workers named in the window; pass --workers)")
     charged, whole = report.charged_usd(total), report.with_idle_usd(total)

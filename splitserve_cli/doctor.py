@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {model.architecture}, {model.num_layers} layers, head_dim "
           f"{model.head_dim}, rope scaling {(model.rope_scaling or {}).get('rope_type', 'none')}, "
           f"sliding window {windows or 'none'}, qkv bias {'yes' if model.attention_bias else 'no'}")
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=1)
+    # A pool of one context (mapped lazily: no memory is written): one block made the engine
+    # warn that requests were limited to 16 tokens, which the user never asked for.
+    block_size = EngineConfig.block_size
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          num_kv_blocks=-(-model.max_position_embeddings // block_size))
     print(ModelRunner(config, model).kernel_paths)
     return 0

@@ -32,14 +32,18 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
         raise SystemExit(f"splitserve standby: cannot read {args.redis_url}: {exc}") from None
     chosen = list(args.activate)
+    short = False  # fewer of the role stand by than --count asks: exit 1, after activating them
     if args.activate_role:
         if args.count < 1:
             raise SystemExit("splitserve standby: --count must be >= 1")
         of_role = sorted(w.worker_id for w in pool if w.role == args.activate_role)
         if len(of_role) < args.count:
             print(f"only {len(of_role)} {args.activate_role} workers stand by", file=sys.stderr)
+            short = True
         chosen += of_role[: args.count]
     if not chosen:
+        if short:
+            return 1
         if not pool:
             print("no standby workers")
         for info in sorted(pool, key=lambda w: (w.role, w.worker_id)):
@@ -55,4 +59,4 @@ def run(args: argparse.Namespace) -> int:
             continue
         activate(args.redis_url, worker_id, secret)
         print(f"{worker_id}: activated")
-    return status
+    return 1 if short else status

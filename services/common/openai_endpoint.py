@@ -196,7 +196,11 @@ async def _serve(config, sock: socket.socket, metrics_url: str) -> None:
         loop.add_signal_handler(sig, stop)
 
     def watch_parent() -> None:
-        sys.stdin.buffer.read()  # EOF: the worker is gone, and with it every stream
+        # EOF: the worker is gone, and with it every stream. os.read, not sys.stdin's buffer:
+        # a daemon thread still blocked holding the buffer's lock at interpreter exit made
+        # every normal stop end in "Fatal Python error: _enter_buffered_busy" (a CLI audit).
+        while os.read(sys.stdin.fileno(), 1 << 12):
+            pass
         loop.call_soon_threadsafe(stop, True)
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()

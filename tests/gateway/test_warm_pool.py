@@ -96,3 +96,14 @@ def test_activation_values_are_bound_to_the_worker_and_the_secret():
     assert activation_valid("decode-a", activation_value("decode-a", None, now=5.0), None, now=6.0)
     for junk in (b"", b"null", b"[]", b'{"at": "soon"}', b'{"at": true}', b"\xff"):
         assert not activation_valid("decode-a", junk, None, now=6.0)
+
+
+def test_activating_more_than_stand_by_exits_1(redis_server, capsys):
+    """`--activate-role decode --count 2` with none standing by said so and exited 0, so a
+    scale-up script could not tell nothing happened (a CLI audit)."""
+    from splitserve_cli.main import main
+
+    assert main(["standby", "--redis-url", redis_server, "--activate-role", "decode",
+                 "--count", "2"]) == 1
+    assert "only 0 decode workers stand by" in capsys.readouterr().err
+    assert main(["standby", "--redis-url", redis_server]) == 0  # listing an empty pool is fine

@@ -177,3 +177,20 @@ def test_a_dead_endpoint_fails_the_workers_liveness(smollm2_dir):
 def test_bad_openai_port_settings_are_refused(smollm2_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         WorkerConfig(**{"role": "both", "model": str(smollm2_dir), **overrides})
+
+
+def test_a_normal_stop_ends_the_endpoint_cleanly(smollm2_dir):
+    """SIGTERM to the worker: its endpoint child ended with "Fatal Python error:
+    _enter_buffered_busy" every time, a daemon thread still blocked reading its stdin (the
+    parent watch) at interpreter exit (a CLI audit)."""
+    port = _free_port()
+    worker = start_worker(smollm2_dir, "both", "--openai-port", str(port)).wait_ready()
+    try:
+        wait_serving(f"http://127.0.0.1:{port}")
+    finally:
+        worker.stop()
+    time.sleep(1.0)  # the endpoint's last lines reach the reader
+    assert worker.process.returncode == 0
+    assert "Fatal Python error" not in worker.output(), worker.output()[-2000:]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

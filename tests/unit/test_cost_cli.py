@@ -109,3 +109,26 @@ def test_the_command_reads_stdin(capsys):
         input=LOG.read_text(), capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     assert _line(result.stdout, "requests").startswith("requests    12,")
+
+
+def test_with_idle_is_never_below_charged_and_bad_figures_are_skipped(tmp_path, capsys):
+    """A window shorter than the compute logged in it (requests that ran partly before it):
+    busy was capped at 100% and "with idle" came out below "charged"; a line whose figures
+    are not counts (text, negative) was a traceback, or a negative cost (a CLI audit)."""
+    entries = _entries()
+    bad = [dict(entries[0], completion_tokens="x"),
+           dict(entries[0], compute_seconds={"prefill": "abc"}),
+           dict(entries[0], compute_seconds={"prefill": -50.0})]
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(json.dumps(e) for e in [*bad, *entries]) + "\n")
+    assert main(["cost", str(log), *PRICE, "--since", "60s", *UNTIL, "--workers", "1",
+                 "--since", "2s"]) == 0
+    out = capsys.readouterr().out
+    compute = _compute([e for e in entries if e["ts"] >= "2026-12-01T18:33:12"])
+    assert compute > 2, "the window should hold more compute than its capacity"
+    assert "exceeds the capacity" in _line(out, "note")
+    charged, whole = (float(x.split()[0].lstrip("$"))
+                      for x in _line(out, "cost")[12:].split(", "))
+    assert whole >= charged
+    assert main(["cost", str(log), *PRICE, "--since", "60s", *UNTIL]) == 0
+    assert _line(capsys.readouterr().out, "requests").startswith("requests    12,")
