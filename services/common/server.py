@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
-from services.common.addresses import host_port, is_loopback
+from services.common.addresses import address_family, host_port, is_loopback
 from services.common.core_share import CoreShare
 from services.common.engine_build import build_engine
 from services.common.engine_loop import EngineLoop
@@ -351,6 +351,7 @@ def run_worker(config: WorkerConfig) -> int:
     setup_logging(config.role, config.log_level, config.log_format)
     setup_tracing(f"splitserve-{config.role}")
     log.info("config %s", config.describe())
+    _check_ports_free(config)
     try:
         return asyncio.run(_serve(config))
     except KVPoolTooSmall as exc:
@@ -359,3 +360,23 @@ def run_worker(config: WorkerConfig) -> int:
         raise SystemExit(f"splitserve worker: {exc}") from None
     finally:
         shutdown_tracing()
+
+
+def _check_ports_free(config: WorkerConfig) -> None:
+    """A fixed port another process holds, refused before the model loads: it was a traceback
+    from gRPC (or the metrics server) after the whole start-up, 6-15 s (a CLI audit). A port
+    taken between this check and the bind still fails there."""
+    for flag, port in (("--port", config.port), ("--metrics-port", config.metrics_port),
+                       ("--kv-port", config.kv_port)):
+        if port <= 0:
+            continue
+        host = config.host
+        try:
+            with socket.socket(address_family(host), socket.SOCK_STREAM) as probe:
+                # As the servers bind: a port whose last listener left connections in
+                # TIME_WAIT (a worker restarted on its address) is free to them.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"splitserve worker: {flag} {port} on {host} cannot be bound "
+                             f"({exc.strerror}): another process holds it?") from None

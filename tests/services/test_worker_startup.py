@@ -71,3 +71,24 @@ def test_a_worker_freezes_what_start_up_allocated(tiny_llama_dir):
         assert int(re.search(r"\(gc\.freeze\): (\d+)", line).group(1)) > 10_000, line
     finally:
         worker.kill()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_another_process_holds_is_refused_before_the_model_loads(tiny_llama_dir, flag):
+    """It was a traceback from gRPC (or the metrics server) after the whole start-up."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        others = ["--port", "0"] if flag == "--metrics-port" else []
+        done = subprocess.run(
+            [sys.executable, "-m", "splitserve_cli.main", "worker", "--role", "both",
+             "--model", str(tiny_llama_dir), flag, str(port), *others],
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"{flag} {port} on 127.0.0.1 cannot be bound" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "weight_load" not in done.stderr
