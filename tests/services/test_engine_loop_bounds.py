@@ -300,6 +300,11 @@ def test_gauges_show_what_the_commands_added_before_the_step_that_computes_it(ma
             pass
 
     asyncio.run(scenario())
+    # The step's callback runs after its outputs are handed over: it may come a moment after
+    # the stream's end (a clean-clone CI run read `during` before it).
+    deadline = time.monotonic() + 10
+    while not during and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert during, "no step ran"
     assert during[0]["waiting"] + during[0]["running"] == 1, during[0]
     assert during[0]["queued_prefill_tokens"] == len(PROMPT), during[0]
