@@ -3,6 +3,7 @@ template, from tokenizer.json / tokenizer_config.json alone (no transformers, no
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,14 +52,18 @@ class ModelTokenizer:
         added = self.backend.get_added_tokens_decoder()
         self._special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
         self._added_text = {token_id: token.content for token_id, token in added.items()}
-        # The most characters one token can stand for: no text of more than this many times
-        # N characters is N tokens or fewer. The vocabulary's strings (a byte-level BPE's hold
-        # a character per byte, a SentencePiece's a character per character or a byte's
-        # "<0xNN>") are at least as long as the text they decode to; a normalizer may compose
-        # characters (NFC, NFKC: at most 3 into 1), hence the margin.
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for: no text of more than this many times
+        N characters is N tokens or fewer. The vocabulary's strings (a byte-level BPE's hold a
+        character per byte, a SentencePiece's a character per character or a byte's "<0xNN>")
+        are at least as long as the text they decode to; a normalizer may compose characters
+        (NFC, NFKC: at most 3 into 1), hence the margin. Read on first use (26 ms for a 49k
+        vocabulary): cached_property's write is idempotent, so threads may race to it."""
         longest = max((len(piece) for piece in self.backend.get_vocab(with_added_tokens=True)),
                       default=1)
-        self.max_chars_per_token = longest * (1 if self.backend.normalizer is None else 4)
+        return longest * (1 if self.backend.normalizer is None else 4)
 
     @property
     def has_chat_template(self) -> bool:
