@@ -42,16 +42,22 @@ class Tally:
     def compute_s(self) -> float:
         return sum(self.seconds.values())
 
-    def add(self, entry: dict) -> None:
-        """Raises ValueError, adding nothing, for a line whose figures are not counts."""
-        tokens = int(entry.get("completion_tokens") or 0)
-        seconds = {phase: float(entry["compute_seconds"].get(phase) or 0.0) for phase in PHASES}
-        if tokens < 0 or any(not 0 <= s < float("inf") for s in seconds.values()):
-            raise ValueError("negative or infinite figures")
+    def add(self, tokens: int, seconds: dict[str, float]) -> None:
+        """One request's figures, as figures() reads them."""
         self.requests += 1
         self.output_tokens += tokens
         for phase, value in seconds.items():
             self.seconds[phase] += value
+
+
+def figures(entry: dict) -> tuple[int, dict[str, float]]:
+    """An access line's output tokens and compute seconds by phase; ValueError (or TypeError,
+    AttributeError) for figures that are not counts."""
+    tokens = int(entry.get("completion_tokens") or 0)
+    seconds = {phase: float(entry["compute_seconds"].get(phase) or 0.0) for phase in PHASES}
+    if tokens < 0 or any(not 0 <= s < float("inf") for s in seconds.values()):
+        raise ValueError("negative or infinite figures")
+    return tokens, seconds
 
 
 def parse_price(text: str) -> Price:
@@ -149,12 +155,12 @@ def build_report(entries: Iterable[tuple[float, dict]], start: float, end: float
         if not start <= at <= end:
             continue
         try:  # a line with figures that are not counts is skipped, as one that is not JSON
-            Tally().add(entry)
+            tokens, seconds = figures(entry)
         except (ValueError, TypeError, AttributeError):
             continue
-        report.total.add(entry)
+        report.total.add(tokens, seconds)
         tenant = str(entry.get("tenant") or "unknown")
-        report.tenants.setdefault(tenant, Tally()).add(entry)
+        report.tenants.setdefault(tenant, Tally()).add(tokens, seconds)
         seen.update(str(w) for w in (entry.get("decode_worker"), entry.get("prefill_worker")) if w)
     if workers is None:
         report.workers = len(seen)
