@@ -8,7 +8,12 @@ burst costs and what the next ones get: warm-up waves of short completions, 20 s
 one after another, then --bursts bursts of --prompts prompts of about --words words each (their
 own random words: no prefix is cached), 5 s apart, printing each request's status and TTFT.
 
-    python -m bench.long_prompt_burst [--bursts 3] [--prompts 8] [--words 2300] [--port 8830]
+With --quiet S, each burst after the first comes after S s of quiet and then one short request
+alone (what a quiet spell leaves the line: one first token at one load), to measure whether
+the slope the first burst taught survives the pause.
+
+    python -m bench.long_prompt_burst [--bursts 3] [--prompts 8] [--words 2300] [--quiet 0]
+                                      [--port 8830]
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ async def run(url: str, args) -> None:
                   f"{sorted(round(r.ttft_s, 1) for r in served if r.ttft_s is not None)} s, "
                   f"others {[r.status for r in records if not admitted(r)]}, "
                   f"{time.monotonic() - start:.1f} s in all", flush=True)
+            if burst + 1 < args.bursts and args.quiet:
+                print(f"quiet for {args.quiet:g} s, then one short request", flush=True)
+                await asyncio.sleep(args.quiet)
+                await send(client, target, request("", 24), LIGHT_PROMPT, 0.0)
             await asyncio.sleep(5)
 
 
@@ -61,6 +70,8 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--words", type=int, default=2300)
+    parser.add_argument("--quiet", type=float, default=0.0,
+                        help="seconds of quiet before each burst after the first (0: none)")
     parser.add_argument("--port", type=int, default=8830)
     args = parser.parse_args()
     print("splitserve up as shipped; changed: nothing", flush=True)

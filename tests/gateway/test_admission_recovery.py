@@ -87,6 +87,34 @@ def test_what_a_burst_taught_fades_after_a_quiet_spell():
     assert estimator.service_at(100) < 0.1
 
 
+def test_a_quiet_spell_fades_the_level_not_the_cost_of_a_prompt_token():
+    """After a quiet minute one first token outweighs the whole fit, and its moments hold a
+    single load: the line went flat, and the next burst of long prompts (an audit's fourteen
+    of 691 tokens) was judged by that one short prompt's first token, all admitted, first
+    tokens up to 52 s. The level follows the new sample; the slope stays what was fitted."""
+    clock = Clock()
+    estimator = TTFTEstimator(clock=clock)
+    for _ in range(30):
+        for tokens in (40, 400, 1200):
+            clock.now += 0.1
+            estimator.first_token(0.1 + 0.0005 * tokens, prefill_tokens=tokens)
+    assert estimator.seconds_per_prompt_token() == pytest.approx(0.0005)
+    clock.now += 60.0
+    estimator.first_token(0.3, prefill_tokens=700)  # the level moved: 0.05 s slower
+    assert estimator.seconds_per_prompt_token() == pytest.approx(0.0005)
+    assert estimator.service_at(700) == pytest.approx(0.3)
+    assert estimator.service_at(14 * 691) == pytest.approx(0.3 + 0.0005 * (14 * 691 - 700))
+    for _ in range(40):  # and so on through a long run of prompts of one length
+        clock.now += 0.5
+        estimator.first_token(0.3, prefill_tokens=700)
+    assert estimator.service_at(7000) == pytest.approx(0.3 + 0.0005 * 6300)
+    for _ in range(30):  # prompts of new lengths fit the slope afresh
+        for tokens in (100, 1100):
+            clock.now += 0.1
+            estimator.first_token(0.2 + 0.0002 * tokens, prefill_tokens=tokens)
+    assert estimator.seconds_per_prompt_token() == pytest.approx(0.0002, rel=0.05)
+
+
 def test_short_prompts_are_not_judged_by_long_prompts_first_tokens():
     """In the same quiet cluster, a 64-token prompt's first token comes sooner than a
     512-token one's; one average over both would refuse short prompts served on time."""

@@ -28,8 +28,9 @@ among the requests prefilling, its own included), fitted on what the line leaves
 Taught to the line, they made its slope 2 ms per token, and the next chats behind a
 1,132-token system prompt were predicted 2.25 s and refused (served in 0.32 s).
 
-Every learned figure fades towards fresher evidence: after a quiet spell a new sample outweighs
+Every learned level fades towards fresher evidence: after a quiet spell a new sample outweighs
 the old fit (half-life `half_life_s`), and old errors leave the margin after `error_window_s`.
+The cost of a prompt token does not: moments that lost their spread keep the last fitted slope.
 An idle cluster (nothing in flight, nothing queued) is never predicted late: there is nothing
 to wait behind, and its first token re-teaches the fit whatever a burst taught it. Nothing
 learned under a burst can keep refusing once the burst is over.
@@ -100,6 +101,9 @@ class TTFTEstimator:
         # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
         self._moments = [_Aged() for _ in range(4)]
         self._fit_samples = 0  # first tokens the line was fitted on
+        # The slope of the last fit that had the spread to give one: kept when the moments
+        # lose it (see _line).
+        self._slope: float | None = None
         self._seen = _Loads()  # the prompt loads the line was fitted on
         # Exponentially weighted moments of (s = extra choices prefilling, r = y - the line's
         # value): E[rs], E[s^2]; their ratio is the seconds one extra choice adds.
@@ -163,6 +167,8 @@ class TTFTEstimator:
             for moment, sample in zip(self._moments, (prefill_tokens, seconds, prefill_tokens ** 2,
                                                       prefill_tokens * seconds), strict=True):
                 moment.add(sample, _FIT_ALPHA, now, self.half_life_s)
+            if (slope := self._fitted_slope()) is not None:
+                self._slope = slope
         if predicted_ttft is not None and actual_ttft is not None:
             self._error(now, actual_ttft - predicted_ttft)
 
@@ -280,15 +286,32 @@ class TTFTEstimator:
         alike for a slope, or too few (_MIN_FIT_SAMPLES). (A line through the origin would
         read a fixed cost as a cost per token: after two short prompts, a first burst of long
         ones would be refused on that guess alone. Flat, the burst is served, and teaches the
-        slope.) Never negative."""
+        slope.) Never negative.
+
+        Once a slope was fitted, moments that lose their spread keep it, and the line goes
+        through their mean: the level fades, what a prompt token costs does not. A quiet spell
+        (or a run of prompts of one length) leaves moments of a single load, and the line went
+        flat: the next burst of long prompts was judged by one short prompt's first token, all
+        admitted, and late by seconds, the price of a new range of lengths paid again after
+        every pause."""
+        x, y, _, _ = (m.value for m in self._moments)
+        if x is None:
+            return None
+        slope = self._fitted_slope()
+        if slope is None:
+            slope = self._slope or 0.0
+        return y - slope * x, slope
+
+    def _fitted_slope(self) -> float | None:
+        """The moments' own least-squares slope (never negative), or None while the lengths
+        they weigh are too alike or the first tokens too few."""
         x, y, xx, xy = (m.value for m in self._moments)
         if x is None:
             return None
         variance = xx - x * x
         if variance < _MIN_SPREAD_TOKENS ** 2 or self._fit_samples < _MIN_FIT_SAMPLES:
-            return y, 0.0
-        slope = max(0.0, (xy - x * y) / variance)
-        return y - slope * x, slope
+            return None
+        return max(0.0, (xy - x * y) / variance)
 
     def margin(self, target_s: float) -> float:
         """What to add to a plain estimate: its recent 95th-percentile error over events, within
