@@ -101,8 +101,7 @@ class TTFTEstimator:
         # token, y = release -> first token seconds): E[x], E[y], E[x^2], E[xy].
         self._moments = [_Aged() for _ in range(4)]
         self._fit_samples = 0  # first tokens the line was fitted on
-        # The slope of the last fit that had the spread to give one: kept when the moments
-        # lose it (see _line).
+        # The last slope fitted, kept when the moments lose their spread (see _line).
         self._slope: float | None = None
         self._seen = _Loads()  # the prompt loads the line was fitted on
         # Exponentially weighted moments of (s = extra choices prefilling, r = y - the line's
@@ -288,12 +287,9 @@ class TTFTEstimator:
         ones would be refused on that guess alone. Flat, the burst is served, and teaches the
         slope.) Never negative.
 
-        Once a slope was fitted, moments that lose their spread keep it, and the line goes
-        through their mean: the level fades, what a prompt token costs does not. A quiet spell
-        (or a run of prompts of one length) leaves moments of a single load, and the line went
-        flat: the next burst of long prompts was judged by one short prompt's first token, all
-        admitted, and late by seconds, the price of a new range of lengths paid again after
-        every pause."""
+        Once fitted, the slope outlives the spread: the line goes through the moments' mean.
+        A quiet spell left them one load, the line went flat, and the next burst of long
+        prompts was judged by one short prompt's first token, all admitted, late by seconds."""
         x, y, _, _ = (m.value for m in self._moments)
         if x is None:
             return None
