@@ -161,11 +161,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # Named as the request's field: the gateway takes the message's first word for the
+        # 400's `param` ("stop token id" sent clients to `stop`).
         for token_id in self.stop_token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"stop token id {token_id!r} is not in the vocabulary [0, {vocab_size})"
-                )
+            _check_token_id("stop_token_ids", token_id, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             # A non-integer count would only fail later, in torch.topk inside the engine loop.

@@ -51,7 +51,7 @@ BAD_INPUTS = {
     ),
     "unknown stop id": (
         GOOD, SamplingParams(stop_token_ids=(5, 100_000)),
-        r"stop token id 100000 is not in the vocabulary \[0, 768\)",
+        r"stop_token_ids token id 100000 is not in the vocabulary \[0, 768\)",
     ),
 }
 

@@ -52,6 +52,7 @@ def _cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("200 prompts x n=8", comp, {"model": model, "prompt": ["hi"] * 200, "n": 8}, 400, "n"),
         ("17 stop strings", chat, {"model": model, "messages": hi, "stop": list("abcdefghijklmnopq")}, 400, "stop"),
         ("257-character stop", comp, {"model": model, "prompt": "hi", "stop": "s" * 257}, 400, "stop"),
+        ("stop token id outside vocabulary", comp, {"model": model, "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
         ("257 stop_token_ids", comp, {"model": model, "prompt": "hi", "stop_token_ids": list(range(1, 258))}, 400, "stop_token_ids"),
     ]
 
