@@ -40,8 +40,9 @@ def _pem_key(key) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_pki(folder: Path, name: str) -> NodeFiles:
+def make_pki(folder: Path | str, name: str) -> NodeFiles:
     """A CA called `name` and one node certificate it signed, as PEM files in `folder`."""
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))

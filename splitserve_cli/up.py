@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
+from services.common.addresses import check_ports_free
 from services.common.core_share import host_cores
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -51,8 +52,24 @@ class UpConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (run `make model`)")
-        if self.admin_port < 0:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535] (0: any free port)")
+        if not -1 <= self.grpc_port <= 65535:
+            raise ValueError("--grpc-port must be in [0, 65535], or -1 (off)")
+        if not 0 <= self.admin_port <= 65535 or self.admin_listen_port > 65535:
             raise ValueError("--admin-port must be a port (0: --port + 1)")
+
+    @property
+    def admin_listen_port(self) -> int:
+        """The gateway's admin port as it binds it (0: any free one)."""
+        return self.admin_port or (self.port + 1 if self.port else 0)
+
+    def check_ports_free(self) -> None:
+        """The gateway's fixed ports, refused before the workers load (a taken --port failed
+        only once both workers had started, ~15 s, as "gateway exited with code 1")."""
+        check_ports_free("splitserve up", [
+            ("--port", self.host, self.port), ("--admin-port", "127.0.0.1", self.admin_listen_port),
+            ("--grpc-port", self.host, self.grpc_port)])
 
     def threads(self) -> dict[str, int]:
         """Torch threads per worker: the cores split between the workers (the gateway runs
@@ -267,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
                           startup_timeout_s=args.startup_timeout_s)
     except ValueError as exc:
         raise SystemExit(f"splitserve up: {exc}") from None
+    config.check_ports_free()
     print("[up] config " + " ".join(f"{k}={v}" for k, v in asdict(config).items()), flush=True)
     print(f"[up] torch threads per worker: {config.threads()}", flush=True)
     deployment = Deployment(config)

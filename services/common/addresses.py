@@ -28,3 +28,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name other than localhost: it may resolve anywhere
         return False
+
+
+def check_ports_free(program: str, ports: list[tuple[str, str, int]]) -> None:
+    """Each fixed (flag, host, port) another process holds, refused in one line naming the
+    flag before anything starts (port 0, any free one, and -1, off, are skipped). Probed as
+    the servers bind, with SO_REUSEADDR: a port whose last listener left connections in
+    TIME_WAIT (a process restarted on its address) is free to them. A port taken between
+    this check and the bind still fails there."""
+    for flag, host, port in ports:
+        if port <= 0:
+            continue
+        try:
+            with socket.socket(address_family(host), socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"{program}: {flag} {port} on {host} cannot be bound "
+                             f"({exc.strerror}): another process holds it?") from None

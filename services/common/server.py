@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory_profile import KVPoolTooSmall
 from engine.models.loader import weight_load_seconds
 from kernels import cpu_kernels
-from services.common.addresses import address_family, host_port, is_loopback
+from services.common.addresses import check_ports_free, host_port, is_loopback
 from services.common.core_share import CoreShare
 from services.common.engine_build import build_engine
 from services.common.engine_loop import EngineLoop
@@ -51,6 +51,19 @@ def kv_layout_of(engine: LLMEngine):
         block_size=engine.config.block_size,
         dtype=str(runner.dtype).removeprefix("torch."),
     )
+
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # The gateway pings every 10 s on a stream that sends it nothing (a decode stream):
+    # allowed, never a GOAWAY "too_many_pings".
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    # gRPC binds with SO_REUSEPORT by default: a second process on a taken port started and
+    # the two shared its connections. Off, the bind fails.
+    ("grpc.so_reuseport", 0),
+]
 
 
 class Worker:
@@ -148,14 +161,7 @@ class Worker:
         from services.prefill.kv_endpoints import KVEndpointPolicy
         from services.prefill.servicer import PrefillServicer
 
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            # The gateway pings every 10 s on a stream that sends it nothing (a decode stream):
-            # allowed, never a GOAWAY "too_many_pings".
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ])
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
         if cfg.role in ("prefill", "both"):
             endpoints = KVEndpointPolicy(cfg.kv_allowed_endpoints, cfg.redis_url,
                                          self.cluster_secret, local_hosts=(cfg.public_host,))
@@ -168,9 +174,13 @@ class Worker:
             add_servicer(decode_pb2_grpc.add_DecodeServicer_to_server, self.decode_servicer,
                          self.server)
         # With TLS files only the mutual-TLS port exists: a plaintext peer cannot even speak.
-        self.port = add_port(self.server, host_port(cfg.host, cfg.port), cfg.tls)
+        try:
+            self.port = add_port(self.server, host_port(cfg.host, cfg.port), cfg.tls)
+        except RuntimeError:  # grpc's "Failed to bind": taken since _check_ports_free
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"cannot listen on {host_port(cfg.host, cfg.port)}")
+            raise SystemExit(f"splitserve worker: --port {cfg.port} on {cfg.host} cannot be "
+                             "bound: another process holds it?")
         if not (cfg.tls is not None and cfg.tls.enabled) and not is_loopback(cfg.host):
             log.warning(
                 "the worker's gRPC port %s serves without TLS on an address other hosts may "
@@ -364,19 +374,8 @@ def run_worker(config: WorkerConfig) -> int:
 
 def _check_ports_free(config: WorkerConfig) -> None:
     """A fixed port another process holds, refused before the model loads: it was a traceback
-    from gRPC (or the metrics server) after the whole start-up, 6-15 s (a CLI audit). A port
-    taken between this check and the bind still fails there."""
-    for flag, port in (("--port", config.port), ("--metrics-port", config.metrics_port),
-                       ("--kv-port", config.kv_port)):
-        if port <= 0:
-            continue
-        host = config.host
-        try:
-            with socket.socket(address_family(host), socket.SOCK_STREAM) as probe:
-                # As the servers bind: a port whose last listener left connections in
-                # TIME_WAIT (a worker restarted on its address) is free to them.
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((host, port))
-        except OSError as exc:
-            raise SystemExit(f"splitserve worker: {flag} {port} on {host} cannot be bound "
-                             f"({exc.strerror}): another process holds it?") from None
+    from gRPC (or the metrics server) after the whole start-up, 6-15 s (a CLI audit)."""
+    check_ports_free("splitserve worker", [
+        (flag, config.host, port) for flag, port in (
+            ("--port", config.port), ("--metrics-port", config.metrics_port),
+            ("--kv-port", config.kv_port))])

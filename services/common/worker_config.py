@@ -161,6 +161,24 @@ class WorkerConfig:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (no config.json)")
         kv_cache_bytes(self.kv_cache_memory)
+        # Each was a traceback from deep in the engine's build (ZeroDivisionError, a negative
+        # mmap length) or, for --max-num-seqs 0, a worker that said it was ready and could run
+        # nothing (a CLI audit).
+        for flag, value, least, meaning in (
+                ("--block-size", self.block_size, 1, ""),
+                ("--num-kv-blocks", self.num_kv_blocks, 0, " (0: sized from memory)"),
+                ("--max-model-len", self.max_model_len, 0, " (0: the model's)"),
+                ("--max-num-batched-tokens", self.max_num_batched_tokens, 1, ""),
+                ("--max-num-seqs", self.max_num_seqs, 1, ""),
+                ("--long-prefill-token-threshold", self.long_prefill_token_threshold, 0, "")):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}{meaning}, got {value}")
+        for flag, port in (("--port", self.port), ("--kv-port", self.kv_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in [0, 65535] (0: any free port), got {port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535] (0: any free port), or -1 "
+                             f"(off), got {self.metrics_port}")
         if self.num_threads < 0:
             raise ValueError("--num-threads must be >= 0 (0: torch's own count)")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -12,7 +12,7 @@ import socket
 import grpc
 import uvicorn
 
-from services.common.addresses import address_family, host_port
+from services.common.addresses import address_family, check_ports_free, host_port
 from services.common.logs import setup_logging
 from services.common.security import add_port
 from services.common.tracing import setup_tracing, shutdown_tracing
@@ -92,8 +92,14 @@ async def serve(config: GatewayConfig) -> None:
         grpc_server = grpc.aio.server(options=grpc_api.server_options(config))
         grpc_api.add_to_server(gateway, grpc_server)
         grpc_health = grpc_api.add_health(gateway, grpc_server)
-        grpc_port = add_port(grpc_server, host_port(config.host, config.grpc_port), config.tls,
-                             require_client_cert=config.grpc_client_certs)
+        try:
+            grpc_port = add_port(grpc_server, host_port(config.host, config.grpc_port),
+                                 config.tls, require_client_cert=config.grpc_client_certs)
+        except RuntimeError:  # taken since the check in run_gateway
+            grpc_port = 0
+        if grpc_port == 0:
+            raise SystemExit(f"splitserve gateway: --grpc-port {config.grpc_port} on "
+                             f"{config.host} cannot be bound")
         await grpc_server.start()
         grpc_address = host_port(config.host, grpc_port)
 
@@ -155,6 +161,12 @@ async def serve(config: GatewayConfig) -> None:
 def run_gateway(config: GatewayConfig) -> int:
     setup_logging("gateway", config.log_level, config.log_format)
     log.info("config %s", config.describe())
+    # Before the tokenizer loads and the workers are polled; named by flag (a taken --port was
+    # "[Errno 98] Address already in use", and a taken --grpc-port was shared, see grpc.py).
+    check_ports_free("splitserve gateway", [
+        ("--port", config.host, config.port),
+        ("--admin-port", config.admin_host, config.admin_listen_port),
+        ("--grpc-port", config.host, config.grpc_port)])
     tracing = setup_tracing("splitserve-gateway")
     try:
         asyncio.run(serve(config))

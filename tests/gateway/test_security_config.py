@@ -67,3 +67,11 @@ def test_bad_security_settings_stop_the_worker_with_one_line(node, tiny_llama_di
 def test_front_door_client_certificates_need_tls(tiny_llama_dir):
     with pytest.raises(ValueError, match="--grpc-client-certs needs"):
         GatewayConfig(model=str(tiny_llama_dir), worker=("a:1",), grpc_client_certs=True)
+
+
+def test_make_pki_takes_its_folder_as_a_string_too(tmp_path):
+    """As the README shows it, `make_pki(folder, name).env()`: a str folder was an
+    AttributeError ('str' object has no attribute 'mkdir'; a README audit)."""
+    env = make_pki(str(tmp_path / "pki"), "cluster").env()
+    assert env and all(value.startswith(str(tmp_path / "pki")) for value in env.values()
+                       if value.endswith(".pem"))

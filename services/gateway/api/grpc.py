@@ -273,6 +273,9 @@ def server_options(config) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.max_connection_age_ms", 30 * 60_000),
+        # gRPC binds with SO_REUSEPORT by default: a second gateway on a taken --grpc-port
+        # started, said it was ready, and the two shared the port's calls. Off, the bind fails.
+        ("grpc.so_reuseport", 0),
     ]
     if config.request_timeout_s > 0:
         options.append(("grpc.max_connection_age_grace_ms",
