@@ -107,7 +107,13 @@ def test_disruption_budgets_cover_the_gateway_and_both_pools(scenario: str) -> N
         covered[selected[0]] = pdb["spec"]
     workers = worker_deployments(rendered)
     assert set(covered) == {f"{FULLNAME}-gateway", *workers}
-    assert covered[f"{FULLNAME}-gateway"]["minAvailable"] == 1
+    gateways = rendered.get("Deployment", f"{FULLNAME}-gateway")["spec"]["replicas"]
+    if gateways > 1:
+        assert covered[f"{FULLNAME}-gateway"]["minAvailable"] == 1
+    else:  # minAvailable 1 of 1 would allow no disruption: every node drain would hang
+        assert covered[f"{FULLNAME}-gateway"] == {**covered[f"{FULLNAME}-gateway"],
+                                                  "maxUnavailable": 1}
+        assert "minAvailable" not in covered[f"{FULLNAME}-gateway"]
     for worker in workers:
         assert covered[worker]["maxUnavailable"] == 1
 
@@ -377,3 +383,31 @@ def test_image_tag_follows_the_variant_or_digest() -> None:
     assert images("cpu") == {"splitserve:0.1.0-cpu"}
     (pinned,) = images("keda")
     assert pinned.startswith("splitserve:0.1.0-cuda@sha256:")
+
+
+@scenarios
+def test_pod_templates_carry_no_chart_or_app_version(scenario: str) -> None:
+    """A chart release that changes nothing in the pods must not roll them: with the chart's
+    version among a pod template's labels, any new chart (its docs alone) restarted every
+    worker and reloaded every model (a chart audit). The objects themselves keep both."""
+    rendered = render_scenario(scenario)
+    for deployment, pod in pod_templates(rendered):
+        labels = pod["metadata"]["labels"]
+        assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(labels), deployment
+        assert "helm.sh/chart" in deployment["metadata"]["labels"]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert labels.items() >= selector.items()
+
+
+@scenarios
+def test_worker_memory_is_requested_as_its_limit(scenario: str) -> None:
+    """values.yaml's rule (a worker grown past a lower request is among the first evicted when
+    its node runs short, with every stream it decodes), which the GPU examples broke with
+    64Gi requested against 96Gi (a chart audit)."""
+    rendered = render_scenario(scenario)
+    for deployment, pod in pod_templates(rendered):
+        if deployment["metadata"]["name"] not in worker_deployments(rendered):
+            continue
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert resources["requests"]["memory"] == resources["limits"]["memory"], \
+            deployment["metadata"]["name"]

@@ -196,6 +196,8 @@ def test_rollouts_fit_a_cluster_without_a_spare_gpu_and_wait_for_a_model_load() 
     assert full.get("Deployment", f"{FULLNAME}-decode")["spec"]["strategy"]["rollingUpdate"] == {
         "maxUnavailable": 1, "maxSurge": 0}
     assert "both 0" in render_error({"worker": {"maxSurge": 0}})
+    # As percentages too, which the API server refuses alike (a chart audit).
+    assert "both 0" in render_error({"worker": {"maxSurge": "0%", "maxUnavailable": "0%"}})
     message = render_error({"worker": {"progressDeadlineSeconds": 600}})
     assert "must exceed startupTimeoutSeconds (600)" in message
 
@@ -207,6 +209,13 @@ def test_keda_scales_down_at_the_hpa_pace() -> None:
         behavior = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert behavior["scaleDown"]["policies"] == [
             {"type": "Pods", "value": 1, "periodSeconds": 120}]
+        # Nor may an empty answer read as 0 scale a pool down (a chart audit): no
+        # ServiceMonitor here, so the default queries find nothing, and the notes say so.
+        assert obj["spec"]["triggers"][0]["metadata"]["ignoreNullValues"] == "false"
+    assert "KEDA holds the pools where they are" in rendered.notes
+    monitored = render({"keda": {"enabled": True}, "autoscaler": {"enabled": False},
+                        "metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "KEDA holds the pools" not in monitored.notes
 
 
 def test_install_notes_warn_of_cpu_autoscaler_defaults_on_gpu_pools_and_single_replicas() -> None:

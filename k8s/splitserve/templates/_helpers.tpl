@@ -40,6 +40,18 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end -}}
 
+{{/* A pod template's labels: those of its objects less the chart's and the app's version
+(and managed-by), so that a new chart release that changes nothing in the pods (its docs, a
+template of another object) does not roll every worker and reload every model. A new image
+rolls them through its tag. */}}
+{{- define "splitserve.podLabels" -}}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/part-of: splitserve
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{/* Labels every pod of this release carries, whatever its component (NetworkPolicy peers). */}}
 {{- define "splitserve.releaseSelector" -}}
 app.kubernetes.io/name: {{ include "splitserve.name" . }}
