@@ -12,6 +12,7 @@ from chart_render import (
     SCENARIOS,
     Rendered,
     pod_templates,
+    render,
     render_scenario,
     selects,
     worker_deployments,
@@ -411,3 +412,29 @@ def test_worker_memory_is_requested_as_its_limit(scenario: str) -> None:
         resources = pod["spec"]["containers"][0]["resources"]
         assert resources["requests"]["memory"] == resources["limits"]["memory"], \
             deployment["metadata"]["name"]
+
+
+def test_serving_pods_can_run_under_a_service_account_a_cloud_identity_is_bound_to():
+    """values.yaml promised the model download could use the pod's own identity (IRSA, EKS Pod
+    Identity), but gateway and worker pods ran as the namespace's default service account with
+    no way to change it (a chart audit)."""
+    plain = render({})
+    assert not plain.of_kind("ServiceAccount") or all(
+        sa["metadata"]["name"].endswith("-autoscaler") for sa in plain.of_kind("ServiceAccount"))
+    for deployment, pod in pod_templates(plain):
+        if not deployment["metadata"]["name"].endswith(("-autoscaler", "-redis")):
+            assert "serviceAccountName" not in pod["spec"]
+    role_arn = {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/weights"}
+    created = render({"serviceAccount": {"create": True, "annotations": role_arn}})
+    account = created.get("ServiceAccount", FULLNAME)
+    assert account["metadata"]["annotations"] == role_arn
+    assert account["automountServiceAccountToken"] is False
+    named = render({"serviceAccount": {"name": "weights-reader"}})
+    for rendered, name in ((created, FULLNAME), (named, "weights-reader")):
+        for deployment, pod in pod_templates(rendered):
+            if deployment["metadata"]["name"].endswith(("-autoscaler", "-redis")):
+                continue  # its own account; Redis downloads nothing
+            assert pod["spec"]["serviceAccountName"] == name, deployment["metadata"]["name"]
+            assert pod["spec"]["automountServiceAccountToken"] is False
+    assert not [sa for sa in named.of_kind("ServiceAccount") if sa["metadata"]["name"] ==
+                "weights-reader"]  # named: yours, not created

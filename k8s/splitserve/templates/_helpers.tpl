@@ -188,3 +188,12 @@ and scaled (hpa, keda) by the decode settings, since decode's KV bounds what it 
 {{- $tp := int (default 0 .tensorParallelSize) -}}
 {{- if eq $tp 0 -}}{{- max 1 (int .gpus) -}}{{- else -}}{{- $tp -}}{{- end -}}
 {{- end -}}
+
+{{/* The gateway's and workers' service account: empty for the namespace's default. */}}
+{{- define "splitserve.servingServiceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{ default (include "splitserve.fullname" .) .Values.serviceAccount.name }}
+{{- else -}}
+{{ .Values.serviceAccount.name }}
+{{- end -}}
+{{- end -}}
