@@ -438,3 +438,21 @@ def test_serving_pods_can_run_under_a_service_account_a_cloud_identity_is_bound_
             assert pod["spec"]["automountServiceAccountToken"] is False
     assert not [sa for sa in named.of_kind("ServiceAccount") if sa["metadata"]["name"] ==
                 "weights-reader"]  # named: yours, not created
+
+
+def test_gateways_spread_over_nodes_unless_told_otherwise():
+    """Both gateways could land on one node and go down with it (a chart audit): a soft spread
+    by default; a list of the user's replaces it."""
+    default = render({})
+    gateway = default.get("Deployment", f"{FULLNAME}-gateway")
+    (spread,) = gateway["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert selects(spread["labelSelector"], gateway["spec"]["template"]["metadata"]["labels"])
+    assert spread["labelSelector"]["matchLabels"] == gateway["spec"]["selector"]["matchLabels"]
+    zones = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+              "whenUnsatisfiable": "DoNotSchedule",
+              "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}]
+    told = render({"gateway": {"topologySpreadConstraints": zones}})
+    assert told.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"][
+        "topologySpreadConstraints"] == zones
