@@ -456,3 +456,23 @@ def test_gateways_spread_over_nodes_unless_told_otherwise():
     told = render({"gateway": {"topologySpreadConstraints": zones}})
     assert told.get("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"][
         "topologySpreadConstraints"] == zones
+
+
+def test_a_pool_can_annotate_its_own_pods():
+    """SR-IOV RDMA needs a Multus network annotation on the worker pods alone: podAnnotations
+    put it on the gateway's and autoscaler's too, whose network setup would then fail (a chart
+    audit). A pool's podAnnotations go on its pods only, over the global ones."""
+    network = {"k8s.v1.cni.cncf.io/networks": "sriov-rdma"}
+    rendered = render({"podAnnotations": {"team": "llm", "k8s.v1.cni.cncf.io/networks": "x"},
+                       "prefill": {"podAnnotations": network},
+                       "decode": {"podAnnotations": network}})
+    for deployment, pod in pod_templates(rendered):
+        annotations = pod["metadata"].get("annotations", {})
+        if deployment["metadata"]["name"] in worker_deployments(rendered):
+            assert annotations == {**annotations, "team": "llm", **network}
+        else:
+            assert annotations.get("k8s.v1.cni.cncf.io/networks") != "sriov-rdma"
+    plain = render({})
+    for deployment, pod in pod_templates(plain):
+        if deployment["metadata"]["name"] in worker_deployments(plain):
+            assert not pod["metadata"].get("annotations")
