@@ -9,7 +9,12 @@ tokens at once, each sent again when it ends (0.2 s after a refusal, ignoring Re
 and refused and its TTFT p50/p99, and the flood's admitted count and its streams' time per
 output token.
 
-    python -m bench.flood_fairness [--flood 64] [--phase-s 20] [--port 8800]
+With --anonymous there is no tenants file and no key (as `make run` ships): `light` and
+`heavy` are two clients, `light` from 127.0.0.2, the rest from 127.0.0.1; it runs twice, with
+the shipped per-client shares of the fair queue and with all clients one share
+(SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS=none, as before December 7), one after the other.
+
+    python -m bench.flood_fairness [--flood 64] [--phase-s 20] [--port 8800] [--anonymous]
 """
 
 from __future__ import annotations
@@ -125,20 +130,25 @@ def report(name: str, light: list[RequestRecord],
     print(line, flush=True)
 
 
+def _client(local_address: str = "") -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    transport = httpx.AsyncHTTPTransport(limits=limits, local_address=local_address or None)
+    return httpx.AsyncClient(transport=transport, timeout=300)
+
+
 async def run(url: str, args) -> None:
     target = Target(url, MODEL)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+    async with _client() as client, _client("127.0.0.2" if args.anonymous else "") as other:
         for wave in (4, 12, 24, 12, 4):  # varied batch sizes before anything is measured
             await asyncio.gather(*(send(client, target, request("warm", 32), LIGHT_PROMPT, 0.0)
                                    for _ in range(wave)))
         print("warm-up done", flush=True)
-        report("alone", await steady(client, target, args.phase_s))
+        report("alone", await steady(other, target, args.phase_s))
         heavy: list[RequestRecord] = []
         until = asyncio.get_running_loop().time() + args.phase_s
         floods = [asyncio.create_task(flooder(client, target, until, heavy))
                   for _ in range(args.flood)]
-        light = await steady(client, target, args.phase_s)
+        light = await steady(other, target, args.phase_s)
         await asyncio.gather(*floods)
         report(f"beside a flood of {args.flood}", light, heavy)
 
@@ -148,7 +158,19 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=64)
     parser.add_argument("--phase-s", type=float, default=20.0)
     parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--anonymous", action="store_true",
+                        help="no tenants file: light and heavy are two clients by address")
     args = parser.parse_args()
+    if args.anonymous:
+        for mode in ("client", "none"):
+            changed = ("nothing" if mode == "client" else "SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS"
+                       "=none (all clients one share of the fair queue, as before)")
+            print(f"splitserve up as shipped, no tenants file or key, light from 127.0.0.2 and "
+                  f"heavy from 127.0.0.1; changed: {changed}", flush=True)
+            env = {} if mode == "client" else {"SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS": mode}
+            with shipped_up(args.port, env) as url:
+                asyncio.run(run(url, args))
+        return
     with tempfile.TemporaryDirectory() as folder:
         tenants = _tenants_file(folder)
         print(f"splitserve up as shipped; changed: SPLITSERVE_TENANTS_FILE={tenants} (tenants "

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-_EXTRA_FIELDS = ("request_id", "tenant", "worker_id", "api", "endpoint", "outcome", "reason", "status",
+_EXTRA_FIELDS = ("request_id", "tenant", "client", "worker_id", "api", "endpoint", "outcome", "reason", "status",
                  "queue_s", "ttft_s", "e2e_s", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "decode_worker", "prefill_worker", "route", "trace_id",
                  "prompt", "compute_seconds", "migrations", "migration_reasons")

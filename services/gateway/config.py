@@ -97,6 +97,9 @@ class GatewayConfig:
     tenants_reload_s: float = 10.0
     quota_fail_mode: str = "open"  # Redis unreachable: open (local limits) | closed (503)
     fairness: str = "vtc"  # vtc | round_robin | fcfs
+    # No API keys: each client address a share of the fair queue (client), or all one (none).
+    anonymous_fairness: str = "client"
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For names the client
     output_token_weight: float = 2.0  # an output token's cost in the virtual token counter
     ttft_target_s: float = 1.0  # predicted or waited past it -> 503 (0: off)
     tpot_target_s: float = 0.1  # a decode worker's streams slower than this take no more (0: off)
@@ -132,6 +135,11 @@ class GatewayConfig:
         from services.gateway.api.request_limits import validate_limits
 
         validate_limits(self)
+        from services.gateway.api.client_address import ClientAddresses
+
+        ClientAddresses(self.forwarded_allow_ips)
+        if self.anonymous_fairness not in ("client", "none"):
+            raise ValueError("--anonymous-fairness must be client or none")
         for name in ("health_interval_s", "prefill_timeout_s", "slow_client_timeout_s",
                      "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
@@ -236,6 +244,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                         "when it changes",
         "tenants_reload_s": "how often the tenants and API-keys files are checked for "
                             "changes, which take effect without a restart (0: only on SIGHUP)",
+        "anonymous_fairness": "with no API keys, client: each client address (an IPv6 "
+                              "client's /64) is a share of the fair queue of its own, as a "
+                              "tenant would be; none: all clients are one share",
+        "forwarded_allow_ips": "proxies (addresses or CIDR networks, comma-separated, or *) "
+                               "whose X-Forwarded-For header names the client; other peers' "
+                               "is ignored (empty: the connection's peer is the client)",
         "redis_url": "discover workers (and follow their prefix caches) in this Redis",
         "routing": "scored (the scorers below) or round_robin (a baseline)",
         "decode_scorers": "name=weight,... of free_kv, running_load, prefix_cache, queued_prefill",

@@ -21,6 +21,7 @@ from services.common.security import read_cluster_secret
 from services.gateway.admission.config import directory_of, make_admission
 from services.gateway.admission.tenants_watch import TenantsWatcher
 from services.gateway.admission.ticket import Ticket
+from services.gateway.api.client_address import ClientAddresses
 from services.gateway.api.deadline import RequestDeadline, StreamCutoff
 from services.gateway.api.preprocess import ModelLimits, Preprocessor
 from services.gateway.api.request_body import BodiesInFlight
@@ -77,6 +78,7 @@ class Gateway:
         self.draining = False  # SIGTERM: not ready, finishing the streams it has
         self.cutoff = StreamCutoff()  # and ending those still open a little before the grace ends
         self.bodies = BodiesInFlight()  # request bodies being received (api/request_body.py)
+        self.clients = ClientAddresses(config.forwarded_allow_ips)  # who a request is from
         self.dispatcher = Dispatcher(self.router, disaggregated=config.disaggregated,
                                      prefill_timeout_s=config.prefill_timeout_s,
                                      migration_limit=config.migration_limit,

@@ -60,6 +60,7 @@ class RequestRecord:
         self.arrival = time.monotonic()
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
         self.tenant = "unknown"  # until authenticated
+        self.client = ""  # its address (api/client_address.py), set by the front door
         self.prompt_tokens = 0
         self.prompt_text: str | None = None  # kept only under the debug flag
         self.queue_s: float | None = None
@@ -279,7 +280,7 @@ class RequestRecord:
         trace_id = self.span.get_span_context().trace_id
         fields = {
             "request_id": self.request_id, "api": self.api, "endpoint": self.endpoint or None,
-            "tenant": self.tenant,
+            "tenant": self.tenant, "client": self.client or None,
             "status": status, "outcome": outcome, "reason": reason,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": output_tokens,
             "cached_tokens": self.cached_tokens,

@@ -73,6 +73,9 @@ async def serve(config: GatewayConfig) -> None:
                                  lambda reason: closed.labels(reason).inc(),
                                  flush_timeout_s=config.slow_client_timeout_s),
         timeout_keep_alive=config.keep_alive_timeout_s,
+        # The peer stays the peer: uvicorn would take X-Forwarded-For from 127.0.0.1 on its
+        # own; which proxies may name the client is --forwarded-allow-ips' (client_address.py).
+        proxy_headers=False,
     ))
     gateway.observer.metrics.open_connections.set_function(
         lambda: len(server.server_state.connections))

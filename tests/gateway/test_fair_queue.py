@@ -22,6 +22,10 @@ class Req:
     seq: int = 0
     slots: int = 1
     max_output_tokens: int = 10
+    share: str = ""
+
+    def __post_init__(self) -> None:
+        self.share = self.share or self.tenant.name
 
 
 def drain(queue: FairQueue, count: int | None = None, output_tokens: int = 0) -> list[str]:
@@ -30,7 +34,7 @@ def drain(queue: FairQueue, count: int | None = None, output_tokens: int = 0) ->
         entry = queue.peek()
         queue.pop(entry)
         if output_tokens:
-            queue.charge_output(entry.tenant, output_tokens)
+            queue.charge_output(entry, output_tokens)
         served.append(entry.name or entry.tenant.name)
     return served
 
@@ -60,8 +64,8 @@ def test_output_tokens_weigh_more_than_prompt_tokens():
         queue.push(Req(A, prompt_tokens=10))
         queue.push(Req(B, prompt_tokens=10))
     drain(queue, count=2)  # one each; both still backlogged
-    queue.charge_output(A, 5)  # A: 10 + 2*5 = 20
-    queue.charge_output(B, 9)  # B: 10 + 2*9 = 28
+    queue.charge_output(Req(A), 5)  # A: 10 + 2*5 = 20
+    queue.charge_output(Req(B), 9)  # B: 10 + 2*9 = 28
     assert queue.counters == {"a": 20.0, "b": 28.0}
     assert queue.peek().tenant is A
 
@@ -144,12 +148,12 @@ def test_ahead_counts_only_what_the_policy_serves_first(policy):
     queue = FairQueue(policy)
     for _ in range(10):
         queue.push(Req(A, prompt_tokens=100))
-    requests, tokens = queue.ahead(B)
+    requests, tokens = queue.ahead(Req(B))
     if policy == "fcfs":
         assert (requests, tokens) == (10, 1000)
     else:  # a newcomer waits behind at most one of A's requests, not A's whole backlog
         assert requests <= 1 and tokens <= 100
-    assert queue.ahead(A) == (10, 1000)  # A waits behind its own backlog
+    assert queue.ahead(Req(A)) == (10, 1000)  # A waits behind its own backlog
 
 
 def test_weighted_shares_hold_under_continuous_backlog():
@@ -163,7 +167,7 @@ def test_weighted_shares_hold_under_continuous_backlog():
     for _ in range(600):
         entry = queue.peek()
         queue.pop(entry)
-        queue.charge_output(entry.tenant, 16)
+        queue.charge_output(entry, 16)
         served[entry.tenant.name] += 20 + 16
         queue.push(Req(entry.tenant, prompt_tokens=20))  # a closed loop keeps both waiting
     assert served["heavy"] / served["light"] == pytest.approx(2.0, rel=0.02)

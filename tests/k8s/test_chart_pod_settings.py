@@ -111,3 +111,27 @@ def test_a_pool_can_annotate_its_own_pods():
     for deployment, pod in pod_templates(plain):
         if deployment["metadata"]["name"] in worker_deployments(plain):
             assert not pod["metadata"].get("annotations")
+
+
+def test_the_gateway_can_trust_the_proxy_in_front_to_name_clients():
+    """Without API keys each client address is a share of the fair queue; behind an ingress
+    every client is the ingress unless the gateway trusts its X-Forwarded-For, and behind a
+    LoadBalancer Service of the default traffic policy every client is a node. The trusted
+    proxies reach the gateway as a value its own parser takes; the policy reaches the Service."""
+    from services.gateway.api.client_address import ClientAddresses
+
+    rendered = render({"gateway": {"trustedProxies": ["10.0.0.0/8", "192.168.1.5"],
+                                   "service": {"type": "LoadBalancer",
+                                               "externalTrafficPolicy": "Local"}}})
+    gateway = rendered.get("Deployment", f"{FULLNAME}-gateway")
+    env = {e["name"]: e.get("value") for e in gateway["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    trusted = env["SPLITSERVE_GATEWAY_FORWARDED_ALLOW_IPS"]
+    assert trusted == "10.0.0.0/8,192.168.1.5"
+    assert ClientAddresses(trusted.split(",")).client("10.2.3.4", ["203.0.113.9"]) == "203.0.113.9"
+    assert rendered.get("Service", f"{FULLNAME}-gateway")["spec"][
+        "externalTrafficPolicy"] == "Local"
+    plain = render({})
+    assert "externalTrafficPolicy" not in plain.get("Service", f"{FULLNAME}-gateway")["spec"]
+    assert "SPLITSERVE_GATEWAY_FORWARDED_ALLOW_IPS" not in str(plain.get(
+        "Deployment", f"{FULLNAME}-gateway"))

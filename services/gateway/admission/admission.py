@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from services.gateway.admission.capacity import ClusterRoom
-from services.gateway.admission.fair_queue import FairQueue
+from services.gateway.admission.fair_queue import FairQueue, client_share, who_waits
 from services.gateway.admission.inflight import InFlight
 from services.gateway.admission.metrics import AdmissionMetrics
 from services.gateway.admission.quota import QuotaRefused, Quotas
@@ -49,7 +49,7 @@ class Admission:
                  room: ClusterRoom, estimator: TTFTEstimator | None = None,
                  ttft_target_s: float = 1.0, metrics: AdmissionMetrics | None = None,
                  cached_tokens: CachedTokens | None = None,
-                 on_admitted: OnAdmitted | None = None) -> None:
+                 on_admitted: OnAdmitted | None = None, per_client: bool = True) -> None:
         self.directory = directory
         self.quotas = quotas
         self.queue = queue
@@ -59,16 +59,16 @@ class Admission:
         self.retry_schedule = RetrySchedule()  # the Retry-After of its 503s
         self.metrics = metrics or AdmissionMetrics()
         self.metrics.admission = self
-        # The TTFT estimate counts the tokens a prefill computes, not the prompt's: a prompt
-        # whose prefix is cached (a system prompt, the turns before in a chat) costs a few
-        # milliseconds where the whole prompt would cost seconds. None: whole prompts.
+        # The TTFT estimate counts the tokens a prefill computes, not the prompt's (a cached
+        # system prompt or earlier turns cost a prefill almost nothing). None: whole prompts.
         self.cached_tokens = cached_tokens
         # Prompts admitted a moment ago count as cached for the ones after them: twelve chats
-        # behind one new system prompt, sent at once, share one prefill of it (the prefill
-        # worker steps on the first alone, the rest hit its cache), not twelve.
+        # behind one new system prompt, sent at once, share one prefill of it, not twelve.
         self.on_admitted = on_admitted
+        # Authentication off: each client address its own share of the fair queue (share_of).
+        self.per_client = per_client
         self.inflight = 0  # choices released to the workers and not finished
-        self._preparing: dict[str, int] = {}  # tenant -> requests being parsed and tokenized
+        self._preparing: dict[str, int] = {}  # share -> requests being parsed and tokenized
         self.prefilling_tokens = 0  # prefill_tokens of released requests without a first token
         self.prefilling_extra = 0  # and their extra choices
         self.running = InFlight()  # the released requests, and when they will end
@@ -88,33 +88,37 @@ class Admission:
     def authenticate(self, authorization: str | None) -> Tenant:
         return self.directory.authenticate(authorization)
 
+    def share_of(self, tenant: Tenant, client: str) -> str:
+        """The fair queue's unit a request of `tenant` from `client` (its address, or "") is
+        served under: the tenant, or, with authentication off and per_client on, the client,
+        so that one client's flood leaves the others their shares as tenants' would."""
+        if self.per_client and client and not self.directory.auth_enabled:
+            return client_share(tenant.name, client)
+        return tenant.name
+
     @contextlib.contextmanager
-    def preparing(self, tenant: Tenant) -> Iterator[None]:
+    def preparing(self, tenant: Tenant, share: str = "") -> Iterator[None]:
         """Around a request's parsing, templating, tokenizing and constraint check, before
         admit(): a tenant with a queue limit has at most max_concurrency + max_queued requests
         in preparation and in the queue together, and one over it is refused (429
-        queue_full) before the gateway spends CPU on it. Before, a tenant at its limits still
-        had every request prepared, and an audit's six 40,000-choice requests slowed another
-        tenant's 2-token answer from 0.08 s to 9.7 s."""
-        name = tenant.name
+        queue_full) before the gateway spends CPU on it (README: "A request being parsed")."""
+        name = share or tenant.name
         if tenant.max_queued:
             waiting = self._preparing.get(name, 0) + self.queue.queued(name)
             if waiting >= tenant.max_queued + tenant.max_concurrency:
                 raise self._reject(tenant, "queue_full", APIError.rate_limited(
-                    f"Tenant {name} already has {waiting} requests waiting; retry when some "
-                    "finish."))
+                    f"{who_waits(name)} already has {waiting} requests waiting; retry "
+                    "when some finish."))
         self._preparing[name] = self._preparing.get(name, 0) + 1
         try:
             yield
         finally:
-            left = self._preparing[name] - 1
-            if left:
-                self._preparing[name] = left
-            else:
+            self._preparing[name] -= 1
+            if not self._preparing[name]:
                 del self._preparing[name]
 
     async def admit(self, tenant: Tenant, specs: list[GenerationSpec],
-                    prompt_tokens: int) -> Ticket:
+                    prompt_tokens: int, share: str = "") -> Ticket:
         """Waits in the fair queue until released. Raises APIError: 400 (over the tenant's
         prompt limit), 429 (quota, queue full), 503 (cannot meet the TTFT target, or the
         quota service is down under fail-closed). Cancelling it leaves nothing behind."""
@@ -132,11 +136,11 @@ class Admission:
             arrival=now,
             deadline=(now + self._ttft_budget_s(prefill_tokens, len(specs) - 1)
                       if self.ttft_target_s else math.inf),
-            prefill_tokens=prefill_tokens)
-        if tenant.max_queued and self.queue.queued(tenant.name) >= tenant.max_queued:
+            prefill_tokens=prefill_tokens, share=share or tenant.name)
+        if tenant.max_queued and self.queue.queued(ticket.share) >= tenant.max_queued:
             raise self._reject(tenant, "queue_full", APIError.rate_limited(
-                f"Tenant {tenant.name} already has {tenant.max_queued} requests waiting; retry "
-                "when some finish."))
+                f"{who_waits(ticket.share)} already has {tenant.max_queued} requests "
+                "waiting; retry when some finish."))
         self._check_on_time(ticket)
         if self.on_admitted is not None:
             # Before the first await: requests that arrive together are judged one after
@@ -192,7 +196,7 @@ class Admission:
     def _check_on_time(self, ticket: Ticket) -> None:
         if not self.ttft_target_s:
             return
-        requests, tokens = self.queue.ahead(ticket.tenant)
+        requests, tokens = self.queue.ahead(ticket)
         room = requests == 0 and self._blind(ticket) and (
             self.room.has_room(self.inflight, ticket.prompt_tokens, ticket.blocks)
             or (self._owed(ticket) and self.room.fits(ticket.prompt_tokens, ticket.blocks)))
@@ -314,10 +318,11 @@ class Admission:
                 or self.prefilling_tokens + ticket.prefill_tokens <= BLIND_PREFILL_TOKENS)
 
     def _owed(self, ticket: Ticket) -> bool:
-        """Below its tenant's weighted share of the in-flight limit: such a request need not
-        wait for the limit, so a tenant crowded out while it was idle gets its share back at
-        once rather than after others' requests finish. The limit is then exceeded briefly
-        (by at most the limit itself), and nothing else is released until it is back under."""
+        """Below its share's weighted part of the in-flight limit: such a request need not
+        wait for the limit, so a tenant (or anonymous client) crowded out while it was idle
+        gets its share back at once rather than after others' requests finish. The limit is
+        then exceeded briefly (by at most the limit itself), and nothing else is released
+        until it is back under."""
         return self.queue.within_share(ticket, self.room.inflight_limit())
 
     def _drop(self, ticket: Ticket) -> None:
@@ -359,7 +364,7 @@ class Admission:
 
     def tokens(self, ticket: Ticket, count: int) -> None:
         self.running.tokens(ticket, count)
-        self.queue.charge_output(ticket.tenant, count)
+        self.queue.charge_output(ticket, count)
 
     def first_token(self, ticket: Ticket) -> None:
         self.prefilling_tokens -= ticket.prefill_tokens
@@ -392,3 +397,4 @@ class Admission:
                 self._drain()
             except Exception:  # a bug here must not stop releasing requests
                 log.exception("admission dispatcher failed")
+

@@ -40,6 +40,8 @@ class AdmissionSettings(Protocol):
     @property
     def output_token_weight(self) -> float: ...
     @property
+    def anonymous_fairness(self) -> str: ...
+    @property
     def ttft_target_s(self) -> float: ...
     @property
     def tpot_target_s(self) -> float: ...
@@ -116,8 +118,9 @@ def make_admission(config: AdmissionSettings, pool: WorkerPool,
                    cached_tokens: CachedTokens | None = None,
                    on_admitted: OnAdmitted | None = None) -> Admission:
     directory = directory_of(config)
-    log.info("admission: %s; fairness %s; ttft target %gs; tpot target %gs; quotas %s "
-             "(fail %s)", directory.describe(), config.fairness, config.ttft_target_s,
+    log.info("admission: %s; fairness %s (anonymous: %s); ttft target %gs; tpot target %gs; "
+             "quotas %s (fail %s)", directory.describe(), config.fairness,
+             config.anonymous_fairness, config.ttft_target_s,
              config.tpot_target_s,
              "shared in redis" if config.redis_url else "in process", config.quota_fail_mode)
     rule = CapacityRule(config.max_inflight, config.max_inflight_per_decode, config.kv_headroom,
@@ -125,4 +128,5 @@ def make_admission(config: AdmissionSettings, pool: WorkerPool,
     return Admission(directory, Quotas(config.redis_url, config.quota_fail_mode),
                      FairQueue(config.fairness, config.output_token_weight),
                      ClusterRoom(rule, pool), TTFTEstimator(), config.ttft_target_s,
-                     cached_tokens=cached_tokens, on_admitted=on_admitted)
+                     cached_tokens=cached_tokens, on_admitted=on_admitted,
+                     per_client=config.anonymous_fairness == "client")

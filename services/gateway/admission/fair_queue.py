@@ -1,15 +1,19 @@
-"""Per-tenant request queues and the policy that picks whose request runs next.
+"""Per-share request queues and the policy that picks whose request runs next.
 
-Policies: "vtc" (the default) serves the backlogged tenant with the least weighted service
+A share is what the policy is fair between: a tenant, or, for the anonymous tenant (no API
+keys), each client address (`Queued.share`, "anonymous/ADDRESS"; Admission.share_of). A
+share takes its weight and priority class from its tenant.
+
+Policies: "vtc" (the default) serves the backlogged share with the least weighted service
 so far, a virtual token counter charging prompt tokens when a request is released and output
-tokens as they stream (output tokens weigh more), divided by the tenant's weight; a tenant that
+tokens as they stream (output tokens weigh more), divided by the tenant's weight; a share that
 becomes backlogged has its counter lifted to the current minimum, so idling banks no credit.
-"round_robin" takes one request per backlogged tenant in turn; "fcfs" ignores tenants.
-Strict priority classes sit above vtc and round_robin; each tenant's queue is FCFS.
+"round_robin" takes one request per backlogged share in turn; "fcfs" ignores shares.
+Strict priority classes sit above vtc and round_robin; each share's queue is FCFS.
 
-The queue also knows what each tenant has running, for two things: ties between equal counters
-go to the tenant with fewer requests running, and `within_share` tells whether a tenant holds
-less than its weighted share of the in-flight limit (admission then releases its request
+The queue also knows what each share has running, for two things: ties between equal counters
+go to the share with fewer requests running, and `within_share` tells whether a share holds
+less than its weighted part of the in-flight limit (admission then releases its request
 without waiting for the limit: see Admission._drain).
 
 Owned by the gateway's event loop.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,15 +34,38 @@ POLICIES = ("vtc", "round_robin", "fcfs")
 
 class Queued(Protocol):
     tenant: Tenant
+    share: str  # the unit the policy is fair between: the tenant's name, or one of its clients
     prompt_tokens: int
     max_output_tokens: int  # all its choices together
     slots: int  # sequences it runs (its choices)
     seq: int  # arrival order, set by push
 
 
+# Counters of shares with nothing queued or running kept at most: each client address of
+# anonymous traffic is a share, and an idle share's counter is only ever lifted (_lifted), so
+# the oldest idle ones are forgotten rather than kept for every address ever seen.
+IDLE_COUNTERS = 4096
+
+
+def client_share(tenant: str, client: str) -> str:
+    return f"{tenant}/{client}"
+
+
+def tenant_of(share: str) -> str:
+    """The tenant a share belongs to (tenant names hold no "/")."""
+    return share.split("/", 1)[0]
+
+
+def who_waits(share: str) -> str:
+    """How a refusal names a share: its tenant, or its client."""
+    tenant, _, client = share.partition("/")
+    return f"Client {client}" if client else f"Tenant {tenant}"
+
+
 @dataclass
-class _TenantQueue:
+class _ShareQueue:
     tenant: Tenant
+    key: str
     entries: deque = field(default_factory=deque)
     tokens: int = 0  # prompt tokens queued
     cost: float = 0.0  # what its queued requests will add to its counter, weight aside
@@ -50,10 +77,11 @@ class FairQueue:
             raise ValueError(f"fairness policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.output_weight = output_weight
-        self.counters: dict[str, float] = {}  # tenant -> weighted service (vtc)
-        self._queues: dict[str, _TenantQueue] = {}  # backlogged tenants only
+        self.counters: dict[str, float] = {}  # share -> weighted service (vtc)
+        self._queues: dict[str, _ShareQueue] = {}  # backlogged shares only
         self.running: dict[str, tuple[Tenant, int]] = {}  # released, not finished: slots
-        self._last_served: dict[int, float] = {}  # priority -> counter of the last tenant served
+        self._idle: OrderedDict[str, None] = OrderedDict()  # counters of idle shares, oldest first
+        self._last_served: dict[int, float] = {}  # priority -> counter of the last share served
         self._turn: deque[str] = deque()  # round_robin order
         self._seq = itertools.count()
         self._len = 0
@@ -62,18 +90,31 @@ class FairQueue:
     def __len__(self) -> int:
         return self._len
 
-    def queued(self, tenant: str) -> int:
-        queue = self._queues.get(tenant)
+    def queued(self, share: str) -> int:
+        queue = self._queues.get(share)
         return len(queue.entries) if queue else 0
 
+    def by_tenant(self) -> dict[str, tuple[int, float]]:
+        """Tenant -> (requests waiting, highest counter) over its shares: its own, or, for the
+        anonymous tenant's clients, the most any one of them received."""
+        found: dict[str, tuple[int, float]] = {}
+        for key, counter in self.counters.items():
+            tenant = tenant_of(key)
+            found[tenant] = (0, max(counter, found.get(tenant, (0, counter))[1]))
+        for queue in self._queues.values():
+            waiting, counter = found.get(queue.tenant.name, (0, 0.0))
+            found[queue.tenant.name] = (waiting + len(queue.entries), counter)
+        return found
+
     def push(self, entry: Queued) -> None:
-        tenant = entry.tenant
+        tenant, key = entry.tenant, entry.share
         entry.seq = next(self._seq)
-        queue = self._queues.get(tenant.name)
+        queue = self._queues.get(key)
         if queue is None:
-            self._lift(tenant)
-            queue = self._queues[tenant.name] = _TenantQueue(tenant)
-            self._turn.append(tenant.name)
+            self._lift(key, tenant)
+            queue = self._queues[key] = _ShareQueue(tenant, key)
+            self._turn.append(key)
+            self._idle.pop(key, None)
         queue.entries.append(entry)
         queue.tokens += entry.prompt_tokens
         queue.cost += self._cost(entry)
@@ -88,28 +129,29 @@ class FairQueue:
             return min((q.entries[0] for q in self._queues.values()), key=lambda e: e.seq)
         top = max(q.tenant.priority for q in self._queues.values())
         if self.policy == "round_robin":
-            name = next(n for n in self._turn if self._queues[n].tenant.priority == top)
-            return self._queues[name].entries[0]
+            key = next(k for k in self._turn if self._queues[k].tenant.priority == top)
+            return self._queues[key].entries[0]
         queue = min((q for q in self._queues.values() if q.tenant.priority == top),
-                    key=lambda q: (self.counters.get(q.tenant.name, 0.0),
-                                   self._running(q.tenant.name), q.entries[0].seq))
+                    key=lambda q: (self.counters.get(q.key, 0.0), self._running(q.key),
+                                   q.entries[0].seq))
         return queue.entries[0]
 
     def pop(self, entry: Queued) -> None:
         """Release `entry` (normally what peek returned): it leaves the queue and is charged."""
-        tenant = entry.tenant
-        counter = self.counters.get(tenant.name, 0.0)
+        tenant, key = entry.tenant, entry.share
+        counter = self.counters.get(key, 0.0)
         self._last_served[tenant.priority] = counter
-        self.counters[tenant.name] = counter + entry.prompt_tokens / tenant.weight
-        self.running[tenant.name] = (tenant, self._running(tenant.name) + entry.slots)
+        self.counters[key] = counter + entry.prompt_tokens / tenant.weight
+        self.running[key] = (tenant, self._running(key) + entry.slots)
         self.remove(entry)
-        if tenant.name in self._queues:  # round robin: to the back of the line
-            self._turn.remove(tenant.name)
-            self._turn.append(tenant.name)
+        if key in self._queues:  # round robin: to the back of the line
+            self._turn.remove(key)
+            self._turn.append(key)
 
     def remove(self, entry: Queued) -> bool:
         """Take `entry` out without serving it (cancelled, expired); False if not queued."""
-        queue = self._queues.get(entry.tenant.name)
+        key = entry.share
+        queue = self._queues.get(key)
         if queue is None:
             return False
         try:
@@ -121,65 +163,70 @@ class FairQueue:
         self._len -= 1
         self.tokens -= entry.prompt_tokens
         if not queue.entries:
-            del self._queues[entry.tenant.name]
-            self._turn.remove(entry.tenant.name)
+            del self._queues[key]
+            self._turn.remove(key)
+            self._went_idle(key)
         return True
 
     def finished(self, entry: Queued) -> None:
         """A released request ended."""
-        slots = self._running(entry.tenant.name) - entry.slots
+        key = entry.share
+        slots = self._running(key) - entry.slots
         if slots > 0:
-            self.running[entry.tenant.name] = (entry.tenant, slots)
+            self.running[key] = (entry.tenant, slots)
         else:
-            self.running.pop(entry.tenant.name, None)
+            self.running.pop(key, None)
+            self._went_idle(key)
 
     def within_share(self, entry: Queued, limit: int) -> bool:
-        """Whether `entry`, the one request its tenant has waiting, keeps the tenant within
-        its weighted share of `limit` in-flight slots (shared with the tenants of its priority
-        class that are waiting or running) and (vtc) the tenant's counter is within one such
+        """Whether `entry`, the one request its share has waiting, keeps the share within
+        its weighted part of `limit` in-flight slots (shared with the shares of its priority
+        class that are waiting or running) and (vtc) the share's counter is within one such
         request of the least counter waiting in its class: the policy would serve it about now
         anyway, so it need not wait for the limit, and the counters' spread stays bounded by a
-        request. A tenant with more waiting is backlogged: the policy's order alone decides.
-        Never with fcfs, nor while a higher class waits; round robin weighs tenants alike."""
-        tenant, slots = entry.tenant, entry.slots
+        request. A share with more waiting is backlogged: the policy's order alone decides.
+        Never with fcfs, nor while a higher class waits; round robin weighs shares alike."""
+        tenant, key, slots = entry.tenant, entry.share, entry.slots
         if self.policy == "fcfs" or not limit:
             return False
-        if self.queued(tenant.name) > 1:  # backlogged: the policy's order alone decides
+        if self.queued(key) > 1:  # backlogged: the policy's order alone decides
             return False
         if any(q.tenant.priority > tenant.priority for q in self._queues.values()):
             return False
         if self.policy == "vtc":
-            others = [self.counters.get(q.tenant.name, 0.0) for q in self._queues.values()
-                      if q.tenant.priority == tenant.priority and q.tenant.name != tenant.name]
-            if others and (self.counters.get(tenant.name, 0.0)
+            others = [self.counters.get(q.key, 0.0) for q in self._queues.values()
+                      if q.tenant.priority == tenant.priority and q.key != key]
+            if others and (self.counters.get(key, 0.0)
                            > min(others) + self._cost(entry) / tenant.weight):
                 return False
-        active = {name: t for name, (t, _) in self.running.items()}
-        active.update((q.tenant.name, q.tenant) for q in self._queues.values())
-        active[tenant.name] = tenant
+        active = {k: t for k, (t, _) in self.running.items()}
+        active.update((q.key, q.tenant) for q in self._queues.values())
+        active[key] = tenant
         weight = (lambda t: t.weight) if self.policy == "vtc" else (lambda t: 1.0)
         total = sum(weight(t) for t in active.values() if t.priority == tenant.priority)
-        return self._running(tenant.name) + slots <= limit * weight(tenant) / total
+        return self._running(key) + slots <= limit * weight(tenant) / total
 
-    def charge_output(self, tenant: Tenant, num_tokens: int) -> None:
-        self.counters[tenant.name] = (self.counters.get(tenant.name, 0.0)
-                                      + self.output_weight * num_tokens / tenant.weight)
+    def charge_output(self, entry: Queued, num_tokens: int) -> None:
+        key = entry.share
+        self.counters[key] = (self.counters.get(key, 0.0)
+                              + self.output_weight * num_tokens / entry.tenant.weight)
 
     def heads(self) -> list[Queued]:
-        """The oldest request of each tenant (per tenant, also the first to expire)."""
+        """The oldest request of each share (per share, also the first to expire)."""
         return [q.entries[0] for q in self._queues.values()]
 
-    def ahead(self, tenant: Tenant) -> tuple[int, int]:
-        """(requests, prompt tokens) the policy would release before a request of `tenant`
-        that joined now: the backlog it would wait behind. For vtc, another tenant is served
-        until its counter passes where ours will stand, each of its requests counted at its
-        full eventual charge (prompt plus weighted max_tokens)."""
+    def ahead(self, entry: Queued) -> tuple[int, int]:
+        """(requests, prompt tokens) the policy would release before `entry` if it joined now:
+        the backlog it would wait behind. For vtc, another share is served until its counter
+        passes where this one's will stand, each of its requests counted at its full eventual
+        charge (prompt plus weighted max_tokens)."""
         if self.policy == "fcfs":
             return self._len, self.tokens
+        tenant, key = entry.tenant, entry.share
         requests = tokens = 0
-        own = self._queues.get(tenant.name)
+        own = self._queues.get(key)
         own_count = len(own.entries) if own else 0
-        start = self.counters.get(tenant.name, 0.0) if own else self._lifted(tenant)
+        start = self.counters.get(key, 0.0) if own else self._lifted(key, tenant)
         target = start + (own.cost if own else 0.0) / tenant.weight
         for queue in self._queues.values():
             count = len(queue.entries)
@@ -190,7 +237,7 @@ class FairQueue:
             elif self.policy == "round_robin":
                 served = min(count, own_count + 1)
             else:
-                gap = (target - self.counters.get(queue.tenant.name, 0.0)) * queue.tenant.weight
+                gap = (target - self.counters.get(queue.key, 0.0)) * queue.tenant.weight
                 served = min(count, max(0, math.ceil(gap * count / max(1.0, queue.cost))))
             requests += served
             tokens += queue.tokens * served // max(1, count)
@@ -199,18 +246,29 @@ class FairQueue:
     def _cost(self, entry: Queued) -> float:
         return entry.prompt_tokens + self.output_weight * entry.max_output_tokens
 
-    def _running(self, name: str) -> int:
-        return self.running.get(name, (None, 0))[1]
+    def _running(self, key: str) -> int:
+        return self.running.get(key, (None, 0))[1]
 
-    def _lifted(self, tenant: Tenant) -> float:
-        """Where a newly backlogged tenant's counter starts: no lower than the least counter
-        of the tenants already waiting in its class (or, with none, of the last one served)."""
-        own = self.counters.get(tenant.name, 0.0)
-        waiting = [self.counters.get(q.tenant.name, 0.0) for q in self._queues.values()
+    def _went_idle(self, key: str) -> None:
+        """`key` may have nothing queued and nothing running now: its counter is kept among
+        the idle ones, the oldest of which are forgotten past IDLE_COUNTERS."""
+        if key in self._queues or key in self.running or key not in self.counters:
+            return
+        self._idle[key] = None
+        self._idle.move_to_end(key)
+        while len(self._idle) > IDLE_COUNTERS:
+            oldest, _ = self._idle.popitem(last=False)
+            self.counters.pop(oldest, None)
+
+    def _lifted(self, key: str, tenant: Tenant) -> float:
+        """Where a newly backlogged share's counter starts: no lower than the least counter
+        of the shares already waiting in its class (or, with none, of the last one served)."""
+        own = self.counters.get(key, 0.0)
+        waiting = [self.counters.get(q.key, 0.0) for q in self._queues.values()
                    if q.tenant.priority == tenant.priority]
         floor = min(waiting) if waiting else self._last_served.get(tenant.priority, 0.0)
         return max(own, floor)
 
-    def _lift(self, tenant: Tenant) -> None:
+    def _lift(self, key: str, tenant: Tenant) -> None:
         if self.policy == "vtc":
-            self.counters[tenant.name] = self._lifted(tenant)
+            self.counters[key] = self._lifted(key, tenant)

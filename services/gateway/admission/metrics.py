@@ -53,9 +53,11 @@ class _StateCollector:
                                   "Requests waiting in the fair queue.", labels=["tenant"])
         counter = GaugeMetricFamily("splitserve_gateway_virtual_token_counter",
                                     "Weighted service received (fair queue).", labels=["tenant"])
+        shares = admission.queue.by_tenant()
         for name in admission.directory.tenants:
-            depth.add_metric([name], admission.queue.queued(name))
-            counter.add_metric([name], admission.queue.counters.get(name, 0.0))
+            waiting, served = shares.get(name, (0, 0.0))
+            depth.add_metric([name], waiting)
+            counter.add_metric([name], served)
         yield depth
         yield counter
         yield GaugeMetricFamily("splitserve_gateway_inflight_requests",

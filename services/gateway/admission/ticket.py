@@ -38,6 +38,9 @@ class Ticket:
     arrival: float
     deadline: float
     lease: Lease | None = None
+    # The fair queue's unit it is served under: its tenant's name, or for anonymous traffic
+    # its client's (Admission.share_of).
+    share: str = ""
     seq: int = 0
     released_at: float | None = None  # left the queue for the workers
     # Its prompt tokens not already in a worker's prefix cache (estimated at admission): what

@@ -14,6 +14,7 @@ from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common import convert, tracing
 from services.common.malformed import add_servicer, refuse_malformed
+from services.gateway.api.client_address import grpc_peer_host
 from services.gateway.api.deadline import RequestDeadline
 from services.gateway.api.request_ids import gateway_request_id, worker_request_id
 from services.gateway.api.text_stream import TextDelta
@@ -46,6 +47,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record = self.gateway.observer.begin("grpc", request_id,
                                              tracing.context_from_grpc(context),
                                              "/splitserve.v1.Gateway/Generate")
+        record.client = self.gateway.clients.client(
+            grpc_peer_host(context.peer()),
+            [v for k, v in context.invocation_metadata() or () if k == "x-forwarded-for"])
         try:
             await self._generate(request, context, record, bad_id)
         except asyncio.CancelledError:  # the caller cancelled, went away or ran out of time
@@ -70,13 +74,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # Who is asking first: an unauthenticated caller learns nothing of the rest.
             tenant = gateway.admission.authenticate(_authorization(request, context))
             record.authenticated(tenant.name)
+            share = gateway.admission.share_of(tenant, record.client)
             if bad_id is not None:
                 raise bad_id
             if request.model:
                 gateway.check_model(request.model)
             deadline = RequestDeadline.for_grpc(gateway.config, context, record.arrival,
                                                 gateway.cutoff)
-            with gateway.admission.preparing(tenant):
+            with gateway.admission.preparing(tenant, share):
                 spec = await deadline.within(gateway.off_loop(
                     request.ByteSize(), self._spec, request,
                     worker_request_id(record.request_id), gateway.limits()), "tokenizing")
@@ -84,7 +89,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                           lambda: gateway.tokenizer.decode(spec.prompt_token_ids))
             # Waits in the fair queue; a cancelled call gives its place up.
             ticket = await deadline.within(
-                gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids)), "queued")
+                gateway.admission.admit(tenant, [spec], len(spec.prompt_token_ids), share),
+                "queued")
         except APIError as exc:
             await _abort(context, record, exc)
         spec = ticket.specs[0]  # max_tokens within the tenant's limit

@@ -208,21 +208,22 @@ async def _generate(gateway: Gateway, request: Request, body_type, preprocess,
             raise bad_id
         tenant = gateway.admission.authenticate(request.headers.get("authorization"))
         record.authenticated(tenant.name)
+        share = gateway.admission.share_of(tenant, record.client)
         config = gateway.config
         deadline = RequestDeadline.for_http(config, request.headers, record.arrival,
                                             gateway.cutoff)
         body = await deadline.within(read_body(request, config, gateway.bodies),
                                      "reading the body")
         # Parsing, the chat template and tokenizing are CPU work: off the event loop.
-        with gateway.admission.preparing(tenant):
+        with gateway.admission.preparing(tenant, share):
             req, (specs, format_options) = await deadline.within(gateway.off_loop(
                 len(body), _prepare, gateway, body_type, body, preprocess,
                 worker_request_id(record.request_id), gateway.limits()), "tokenizing")
         fmt = format_type(gateway.model_name, gateway.tokenizer, specs, req.include_usage,
                           continuous_usage=getattr(req, "continuous_usage", False),
                           system_fingerprint=gateway.system_fingerprint, **format_options)
-        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, req.n,
-                            deadline)
+        return await _serve(gateway, request, record, specs, fmt, req.stream, tenant, share,
+                            req.n, deadline)
     except BaseException as exc:
         _failed(record, exc)
         raise
@@ -249,6 +250,8 @@ def _begin(gateway: Gateway, request: Request) -> tuple[RequestRecord, APIError 
                                     tracing.context_from_headers(request.headers),
                                     request.url.path)
     request.state.request_id = record.request_id  # for an error answered by the handlers
+    peer = request.client.host if request.client else None
+    record.client = gateway.clients.client(peer, request.headers.getlist("x-forwarded-for"))
     return record, bad_id
 
 
@@ -261,7 +264,8 @@ def _failed(record: RequestRecord, exc: BaseException) -> None:
 
 
 async def _serve(gateway: Gateway, request: Request, record: RequestRecord, specs, fmt,
-                 stream: bool, tenant: Tenant, n: int, deadline: RequestDeadline) -> Response:
+                 stream: bool, tenant: Tenant, share: str, n: int,
+                 deadline: RequestDeadline) -> Response:
     # Prompt tokens count once per prompt, however many choices (n) sample from it.
     prompt_tokens = sum(len(s.prompt_token_ids) for s in specs if s.index % n == 0)
     record.prompt(prompt_tokens, lambda: gateway.tokenizer.decode(specs[0].prompt_token_ids))
@@ -269,7 +273,7 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
     try:
         # Waits in the fair queue; a client that leaves meanwhile gives its place up.
         ticket = await until_disconnected(request.receive, deadline.within(
-            gateway.admission.admit(tenant, specs, prompt_tokens), "queued"))
+            gateway.admission.admit(tenant, specs, prompt_tokens, share), "queued"))
     except ClientDisconnected:
         log.info("client disconnected while queued; request dropped",
                  extra={"request_id": record.request_id})
