@@ -25,6 +25,8 @@ class APIError(Exception):
     # of retrying every 5xx (a request past the deadline its caller set would run, and fail,
     # the same way again).
     should_retry: bool | None = None
+    # A prompt refused for its length before it reached admission: its tokens, for the log.
+    prompt_tokens: int | None = None
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -48,8 +50,10 @@ class APIError(Exception):
     # -- the errors the gateway raises ----------------------------------------------------
 
     @classmethod
-    def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
-        return cls(400, message, "invalid_request_error", param, code)
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None,
+                prompt_tokens: int | None = None) -> APIError:
+        return cls(400, message, "invalid_request_error", param, code,
+                   prompt_tokens=prompt_tokens)
 
     @classmethod
     def unauthorized(cls) -> APIError:

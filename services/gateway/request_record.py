@@ -185,6 +185,8 @@ class RequestRecord:
             span.end()
         self._migration_spans.clear()
         now = time.monotonic()
+        if not self.prompt_tokens and getattr(error, "prompt_tokens", None):
+            self.prompt_tokens = error.prompt_tokens  # refused for its length, before admission
         outcome, reason = self._outcome(error, cancelled)
         metrics, model = self.observer.metrics, self.observer.model
         metrics.requests.labels(model, self.tenant, outcome, reason).inc()

@@ -169,6 +169,24 @@ def test_an_error_answer_carries_the_request_id_the_access_log_has(traced):
     assert line["status"] == 404 and line["reason"] == "model_not_found"
 
 
+def test_a_prompt_refused_for_its_length_logs_its_length(traced):
+    """The access log said prompt_tokens 0 for a 400 context_length_exceeded: the prompt was
+    refused before admission recorded it. The tiny model's context is 512 tokens."""
+    cases = {"too-long-prompt": ({"prompt": list(range(5, 605)), "max_tokens": 1}, 600),
+             "too-long-answer": ({"prompt": list(range(5, 15)), "max_tokens": 600}, 10)}
+    for request_id, (body, _) in cases.items():
+        refused = httpx.post(f"{traced.url}/v1/completions", timeout=30,
+                             headers={"x-request-id": request_id},
+                             json={"model": traced.model_name, **body})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    for request_id, (_, tokens) in cases.items():
+        (line,) = _poll(lambda prefix=request_id: [e for e in traced.access_log()
+                                                   if e["request_id"].startswith(prefix)],
+                        bool, request_id)
+        assert line["status"] == 400 and line["prompt_tokens"] == tokens, line
+
+
 def test_grpc_front_door_continues_the_callers_trace(traced):
     async def call() -> list[gateway_pb2.GenerateTextResponse]:
         async with grpc.aio.insecure_channel(traced.gateway.field("grpc")) as channel:

@@ -235,7 +235,7 @@ class Preprocessor:
             raise APIError.invalid(
                 f"This model's maximum context length is {limits.max_model_len} tokens; the "
                 f"prompt has {len(prompt_ids)} tokens and at least one must be generated.",
-                param=param, code="context_length_exceeded")
+                param=param, code="context_length_exceeded", prompt_tokens=len(prompt_ids))
         bad = next((t for t in prompt_ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             raise APIError.invalid(
@@ -253,7 +253,7 @@ class Preprocessor:
                 f"This model's maximum context length is {limits.max_model_len} tokens. However, "
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion).",
-                param=param, code="context_length_exceeded")
+                param=param, code="context_length_exceeded", prompt_tokens=num_prompt)
 
     def _params(self, req: _SamplingFields, max_tokens: int, num_prompt: int, limits: ModelLimits,
                 logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
