@@ -4,7 +4,9 @@ Retry-After when every worker is full or gone, 401 and 429 from admission."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 
 import httpx
 import openai
@@ -50,6 +52,39 @@ def test_failure_after_tokens_ends_the_stream_with_an_error(servers, gateway_fac
     # Not streaming: nothing was sent yet, so it is a plain 500 error body.
     whole = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=30)
     assert whole.status_code == 500 and whole.json()["error"]["code"] == "worker_failed"
+
+
+def test_one_choice_failing_ends_every_open_choice_and_counts_their_tokens(servers,
+                                                                          gateway_factory,
+                                                                          model):
+    """n=2, migration off: one choice's worker fails after 3 tokens while the other has sent 4
+    and goes on. The response ends with the error event; before it, the open choice gets its
+    finishing chunk too (a migration audit saw an n=2 stream leave one choice without a
+    finish_reason), and the usage counts both choices' tokens (it counted the failed one's)."""
+    calls = itertools.count()
+    fail, go_on = fails_after([40, 41, 42], start_index=0), hangs([50, 51, 52, 53], start_index=0)
+
+    def script(request, context, fake):
+        if next(calls) == 0:
+            yield from fail(request, context, fake)
+        else:
+            time.sleep(0.01)
+            yield from go_on(request, context, fake)
+
+    worker = servers(FakeDecode(script, role="both"))
+    gateway = gateway_factory("--worker", worker.address, "--migration-limit", "0")
+    with httpx.stream("POST", f"http://{gateway.address}/v1/completions", timeout=30, json={
+            "model": model, "prompt": "hi", "max_tokens": 10, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        events = _sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c for c in chunks if "error" in c], chunks
+    finished = {c["index"]: c["finish_reason"] for chunk in chunks
+                for c in chunk.get("choices", ()) if c["finish_reason"]}
+    assert finished == {0: "error", 1: "error"}, chunks
+    (usage,) = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    assert usage["completion_tokens"] == 7, usage
 
 
 def test_failure_before_the_first_token_is_retried_invisibly(servers, gateway_factory, model):

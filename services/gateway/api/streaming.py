@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -101,7 +102,7 @@ async def sse_events(
         await buffer.put(_END)  # not when cancelled: nobody would read it
 
     pumps = [asyncio.create_task(pump(f, s)) for f, s in zip(firsts, streams, strict=True)]
-    latest: dict[int, TextDelta] = {}  # each choice's last delta, for continuous usage
+    latest: dict[int, TextDelta] = {}  # each choice's last delta (usage so far, open choices)
     completion_tokens = cached_tokens = 0
     compute = ComputeSeconds()
     try:
@@ -116,8 +117,8 @@ async def sse_events(
                 remaining -= 1
                 continue
             chunks = fmt.chunks(item)
+            latest[item.index] = item
             if fmt.continuous_usage:
-                latest[item.index] = item
                 for chunk in chunks:
                     chunk["usage"] = _usage_so_far(prompt_tokens, latest.values())
             for chunk in chunks:
@@ -132,6 +133,17 @@ async def sse_events(
                          if item.error_code == "invalid_structured_output" else
                          APIError(500, item.error or "a worker failed mid-stream",
                                   "server_error", code=item.error_code or "worker_failed"))
+                # The response ends here: the other choices still open end too, each with
+                # its finish_reason, and the tokens they were sent count in the usage (an
+                # n=2 stream left one choice unfinished and counted 79 of 172 tokens).
+                for other in latest.values():
+                    if other.finish_reason is None:
+                        completion_tokens += other.num_output_tokens
+                        for chunk in fmt.chunks(dataclasses.replace(
+                                other, text="", token_ids=(), logprobs=(),
+                                finish_reason="error", error=item.error,
+                                error_code=item.error_code, prompt_logprobs=None)):
+                            yield fmt.encode(chunk)
                 yield fmt.error_event(error)
                 break
         for event in fmt.closing(usage(prompt_tokens, completion_tokens, cached_tokens, compute)):
