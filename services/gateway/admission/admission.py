@@ -261,8 +261,8 @@ class Admission:
                 break
             self._release(ticket, now)
         while True:
-            owed = [t for t in self.queue.heads() if self._blind(t) and self._owed(t)
-                    and self.room.fits(t.prompt_tokens, t.blocks)]
+            owed = [t for t in self.queue.owed(self.room.inflight_limit())
+                    if self._blind(t) and self.room.fits(t.prompt_tokens, t.blocks)]
             if not owed:
                 break
             self._release(min(owed, key=lambda t: t.seq), now)

@@ -21,6 +21,8 @@ Owned by the gateway's event loop.
 
 from __future__ import annotations
 
+import heapq
+import ipaddress
 import itertools
 import math
 from collections import OrderedDict, deque
@@ -48,6 +50,10 @@ IDLE_COUNTERS = 4096
 
 
 def client_share(tenant: str, client: str) -> str:
+    """The share of `tenant`'s requests from the client at address `client`: an IPv6 client
+    counts by its /64 (one host or site has one, and can use every address in it)."""
+    if ":" in client:
+        client = str(ipaddress.ip_network(f"{client}/64", strict=False))
     return f"{tenant}/{client}"
 
 
@@ -186,25 +192,53 @@ class FairQueue:
         anyway, so it need not wait for the limit, and the counters' spread stays bounded by a
         request. A share with more waiting is backlogged: the policy's order alone decides.
         Never with fcfs, nor while a higher class waits; round robin weighs shares alike."""
-        tenant, key, slots = entry.tenant, entry.share, entry.slots
         if self.policy == "fcfs" or not limit:
             return False
+        if any(q.tenant.priority > entry.tenant.priority for q in self._queues.values()):
+            return False
+        return self._within(entry, limit, self._class_state(entry.tenant.priority, entry))
+
+    def owed(self, limit: int) -> list[Queued]:
+        """The heads within_share says yes to, in one pass over the shares: asked head by head,
+        each answer was a pass of its own, and a drain with N clients waiting cost N² (an
+        audit: 1.1 s a drain at 2,000 clients, a probe waiting 97 s behind 600 of them)."""
+        if self.policy == "fcfs" or not limit or not self._queues:
+            return []
+        top = max(q.tenant.priority for q in self._queues.values())
+        state = self._class_state(top)
+        return [q.entries[0] for q in self._queues.values() if q.tenant.priority == top
+                and len(q.entries) == 1 and self._within(q.entries[0], limit, state)]
+
+    def _class_state(self, priority: int, joining: Queued | None = None
+                     ) -> tuple[float, list[tuple[float, str]]]:
+        """Of a priority class: the weight of its shares waiting or running (`joining`'s too,
+        which may be neither yet) and the two least counters of its shares waiting."""
+        weight = self._weight
+        active = {k: t for k, (t, _) in self.running.items() if t.priority == priority}
+        active.update((q.key, q.tenant) for q in self._queues.values()
+                      if q.tenant.priority == priority)
+        if joining is not None:
+            active[joining.share] = joining.tenant
+        least = heapq.nsmallest(2, ((self.counters.get(q.key, 0.0), q.key)
+                                    for q in self._queues.values()
+                                    if q.tenant.priority == priority))
+        return sum(weight(t) for t in active.values()), least
+
+    def _within(self, entry: Queued, limit: int,
+                state: tuple[float, list[tuple[float, str]]]) -> bool:
+        tenant, key = entry.tenant, entry.share
         if self.queued(key) > 1:  # backlogged: the policy's order alone decides
             return False
-        if any(q.tenant.priority > tenant.priority for q in self._queues.values()):
-            return False
+        total, least = state
         if self.policy == "vtc":
-            others = [self.counters.get(q.key, 0.0) for q in self._queues.values()
-                      if q.tenant.priority == tenant.priority and q.key != key]
+            others = [counter for counter, other in least if other != key]
             if others and (self.counters.get(key, 0.0)
-                           > min(others) + self._cost(entry) / tenant.weight):
+                           > others[0] + self._cost(entry) / tenant.weight):
                 return False
-        active = {k: t for k, (t, _) in self.running.items()}
-        active.update((q.key, q.tenant) for q in self._queues.values())
-        active[key] = tenant
-        weight = (lambda t: t.weight) if self.policy == "vtc" else (lambda t: 1.0)
-        total = sum(weight(t) for t in active.values() if t.priority == tenant.priority)
-        return self._running(key) + slots <= limit * weight(tenant) / total
+        return self._running(key) + entry.slots <= limit * self._weight(tenant) / total
+
+    def _weight(self, tenant: Tenant) -> float:
+        return tenant.weight if self.policy == "vtc" else 1.0
 
     def charge_output(self, entry: Queued, num_tokens: int) -> None:
         key = entry.share

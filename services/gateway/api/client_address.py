@@ -6,7 +6,7 @@ The client is the connection's peer address, or, when that peer is a proxy the g
 from its right end, each entry added by the hop after it, up to the first that is not itself
 a trusted proxy. An untrusted peer's X-Forwarded-For is ignored: anyone can write one, and it
 would let a client be as many clients as it likes. An IPv6 client counts by its /64 (a host or
-a site has one), an IPv4 client by its address.
+a site has one: Admission.share_of), an IPv4 client by its address; the log has the address.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ClientAddresses:
         return self._any or any(address in network for network in self._trusted)
 
     def client(self, peer: str | None, forwarded_for: Iterable[str] = ()) -> str:
-        """The client's key ("" when the peer is not an IP address, e.g. a Unix socket)."""
+        """The client's address ("" when the peer is not an IP address, e.g. a Unix socket)."""
         address = parse_ip(peer or "")
         if address is None:
             return ""
@@ -51,29 +51,26 @@ class ClientAddresses:
                 address = before
                 if not self.trusts(address):
                     break
-        return client_key(address)
-
-
-def client_key(address: IPAddress) -> str:
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address)
+        return str(address)
 
 
 def parse_ip(text: str) -> IPAddress | None:
     """An address as peers and proxies write it: bare, or with a port ("1.2.3.4:80",
-    "[::1]:80"), or an IPv6 scope ("fe80::1%eth0"); None if it is none of these."""
+    "[::1]:80"), or an IPv6 scope ("fe80::1%eth0"); None if it is none of these. An IPv4
+    address mapped into IPv6 (a socket listening on "::" sees IPv4 peers so) is the IPv4
+    one, which trusted networks and shares are written in."""
     text = text.strip()
     if text.startswith("["):
         text = text[1:].partition("]")[0]
     elif text.count(":") == 1:
         text = text.partition(":")[0]
     try:
-        return ipaddress.ip_address(text.partition("%")[0])
+        address = ipaddress.ip_address(text.partition("%")[0])
     except ValueError:
         return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def grpc_peer_host(peer: str) -> str:
