@@ -35,10 +35,13 @@ def run(decoders, prefills=(), consume=None, migration_limit: int = 3):
     """Run a request through a Dispatcher over these fakes; returns (events, error)."""
 
     async def scenario():
+        # Polled as a gateway polls (faster): a move goes back to a worker that failed the
+        # stream only once a poll begun after the failure finds it serving.
         pool = WorkerPool(prefill_addresses=[p.address for p in prefills],
                           decode_addresses=[d.address for d in decoders] if prefills else [],
-                          both_addresses=[] if prefills else [d.address for d in decoders])
-        await pool.poll_once()
+                          both_addresses=[] if prefills else [d.address for d in decoders],
+                          poll_interval_s=0.05)
+        await pool.start()
         dispatcher = Dispatcher(ScoringRouter(pool), disaggregated=bool(prefills),
                                 migration_limit=migration_limit)
         events, error = [], None

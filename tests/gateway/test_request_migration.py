@@ -278,6 +278,30 @@ def test_with_every_decoder_gone_the_stream_ends_with_the_error_event(deployment
     assert after.status_code == 503
 
 
+def test_a_stream_waits_for_its_killed_decoder_to_restart_rather_than_spend_its_moves(
+        deployment, long_model):
+    """One move allowed, one decoder left: kill -9 of it mid-stream and a restart on its port.
+    The move waits for a Health poll to find it serving again; before, the dead worker still
+    looked available (its breaker closed), the move was tried on it at once, refused, and the
+    stream ended in an error 30 ms after the kill (a migration audit)."""
+    deployment.start("--migration-limit", "1", "--migration-wait-s", "60")
+    d1, d2 = deployment.workers["d1"], deployment.workers["d2"]
+    d2.kill(signal.SIGKILL)
+    wait_until(lambda: "unreachable" in deployment.gateway.output(), timeout=30,
+               what="the gateway to see d2 gone", interval=0.05)
+    started = threading.Event()
+    body = {**request_body(0, long_model.name), "max_tokens": 1500}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(stream, deployment.url, body, started)
+        assert started.wait(60)
+        kill_when_decoding(d1, streams=1)
+        deployment.workers["d1"] = start_worker("decode", long_model, *FLAGS, port=d1.port)
+        result = future.result(timeout=120)
+    assert result.status == 200 and not result.errors, result
+    assert result.finish == {0: "length"} and result.usage["completion_tokens"] == 1500
+    assert deployment.metric("splitserve_gateway_migrations_total") == 1
+
+
 def stop_at(text: str, stop: str) -> str:
     """The text a `stop` string cuts `text` to (the stop string itself is not sent)."""
     return text[:text.index(stop)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from services.gateway.routing.decode_stream import (
     synthetic_error,
 )
 from services.gateway.routing.router import Route, Router
+from services.gateway.routing.worker_pool import WorkerEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class Dispatcher:
         up to `migration_limit` moves; past it, one final event with finish_reason "error".
         `cache_salt` (the tenant's) goes to both workers and into the router's block hashes."""
         tried: set[str] = set()
+        failed_at: dict[str, tuple[WorkerEndpoint, float]] = {}  # address -> (it, when)
         last: AttemptFailed | None = None
         sent: list[int] = []  # every token yielded so far, across attempts
         attempt = moves = 0
@@ -122,7 +125,7 @@ class Dispatcher:
             try:
                 async with aclosing(self._attempt(attempt_id, prompt_token_ids, resumed,
                                                   sampling, tried, attempt, observer,
-                                                  cache_salt)) as events:
+                                                  cache_salt, failed_at)) as events:
                     async for event in events:
                         if awaiting_resume and event.token_ids:
                             awaiting_resume = False
@@ -133,6 +136,7 @@ class Dispatcher:
             except AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
+                failed_at[failed.endpoint.address] = (failed.endpoint, time.monotonic())
                 first_failure_there = failed.endpoint.address not in tried
                 tried.add(failed.endpoint.address)
                 if sent and awaiting_resume and first_failure_there \
@@ -185,29 +189,38 @@ class Dispatcher:
                 return
 
     async def _migration_route(self, tokens: list[int], max_tokens: int, tried: set[str],
-                               cache_salt: str) -> Route | None:
+                               cache_salt: str,
+                               failed_at: dict[str, tuple[WorkerEndpoint, float]]
+                               ) -> Route | None:
         """A decode worker for a stream the client already has part of (the router prefers
         one it has not tried, else one that takes work again), waiting up to migration_wait_s
         for one. A stall of seconds beats an error mid-answer: with no wait, when a second
         decode worker failed while the first was back but its breaker let one trial through at
-        a time, 15 of 16 streams ended in an error (a chaos audit)."""
+        a time, 15 of 16 streams ended in an error (a chaos audit). Never a worker that failed
+        this stream and has not been found serving by a Health poll begun since: the one just
+        killed still looked available until its breaker opened, and a stream spent its three
+        moves on it in 4 ms instead of waiting for it to restart (a migration audit)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
+            avoid = {address for address, (endpoint, when) in failed_at.items()
+                     if endpoint.serving_polled_at <= when}
             route = self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt,
-                                      local="migration")
+                                      local="migration", avoid=avoid)
             if route is not None or loop.time() >= deadline:
                 return route
             await asyncio.sleep(0.1)
 
     async def _attempt(self, request_id, prompt, resumed: tuple[int, ...], sampling, tried,
-                       attempt: int, observer: AttemptObserver,
-                       cache_salt: str) -> AsyncIterator[TokenEvent]:
+                       attempt: int, observer: AttemptObserver, cache_salt: str,
+                       failed_at: dict[str, tuple[WorkerEndpoint, float]]
+                       ) -> AsyncIterator[TokenEvent]:
         """One try on one decode worker. `resumed`: tokens already sent (a migration), which
         that worker recomputes after the prompt itself: no prefill worker is involved."""
         tokens = [*prompt, *resumed]
         max_tokens = sampling.max_tokens - len(resumed)
-        route = (await self._migration_route(tokens, max_tokens, tried, cache_salt) if resumed
+        route = (await self._migration_route(tokens, max_tokens, tried, cache_salt, failed_at)
+                 if resumed
                  else self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt))
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")

@@ -55,10 +55,10 @@ _REASON_LABELS = {
 class Router(Protocol):
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
               exclude: Collection[str] = (), cache_salt: str = "",
-              local: str = "") -> Route | None:
+              local: str = "", avoid: Collection[str] = ()) -> Route | None:
         """Workers for one attempt, avoiding addresses in `exclude` unless none other is
-        left; None when no worker can take it now. `local`: the decode worker alone, for
-        this reason."""
+        left, and decode workers in `avoid` always; None when no worker can take it now.
+        `local`: the decode worker alone, for this reason."""
 
     def ready(self) -> bool:
         """Whether requests can be routed at all."""
@@ -111,16 +111,16 @@ class ScoringRouter:
 
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
               exclude: Collection[str] = (), cache_salt: str = "",
-              local: str = "") -> Route | None:
+              local: str = "", avoid: Collection[str] = ()) -> Route | None:
         """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count.
         `local`: a reason the decode worker computes the tokens itself (a migration's
         recompute): no prefill worker is chosen, nor booked with work it never gets (one was,
         its breaker's half-open trial included)."""
         request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size(),
                                        cache_salt)
-        decode = (self._holder(request, exclude)
-                  or _best(self.pool.decoders(), self.decode_scorers, request, exclude,
-                           self._decode_turn))
+        decoders = [e for e in self.pool.decoders() if e.address not in avoid]
+        decode = (self._holder(request, exclude, decoders)
+                  or _best(decoders, self.decode_scorers, request, exclude, self._decode_turn))
         if decode is None:
             return None
         route = (Route(decode, None, local, self._cached_tokens(request, decode)) if local
@@ -129,13 +129,13 @@ class ScoringRouter:
             self._commit(request, route)
         return route
 
-    def _holder(self, request: RoutingRequest, exclude: Collection[str]) -> WorkerEndpoint | None:
+    def _holder(self, request: RoutingRequest, exclude: Collection[str],
+                decoders: Sequence[WorkerEndpoint]) -> WorkerEndpoint | None:
         """Prefix affinity (see the class): the decode-capable worker holding most of the
         prompt, if it may take it; None leaves the choice to the scorers."""
         if self.decode_affinity_slack < 0 or len(request.block_hashes) < _AFFINITY_MIN_BLOCKS:
             return None
-        candidates = _prefer_unexcluded([e for e in self.pool.decoders() if e.available()],
-                                        exclude)
+        candidates = _prefer_unexcluded([e for e in decoders if e.available()], exclude)
         if len(candidates) < 2:
             return None
         held = {e.address: self.index.matched_blocks(e.worker_id, e.address,

@@ -70,6 +70,9 @@ class WorkerEndpoint:
     prefill_tokens_in_flight: int = 0
     last_error: str = ""
     missing_since: float | None = None  # registry workers: when its entry was last not found
+    # When the last Health poll that found it serving began (monotonic): a stream that failed
+    # here before then is not moved back to it (Dispatcher._migration_route).
+    serving_polled_at: float = 0.0
 
     @property
     def routable(self) -> bool:
@@ -249,6 +252,7 @@ class WorkerPool:
 
     async def _poll(self, endpoint: WorkerEndpoint) -> None:
         stub = endpoint.decode or endpoint.prefill
+        started = time.monotonic()
         try:
             health = await stub.Health(common_pb2.HealthRequest(), timeout=self.poll_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -272,6 +276,8 @@ class WorkerPool:
                      common_pb2.HealthResponse.Status.Name(health.status))
         endpoint.health = health
         endpoint.reachable = True
+        if health.status == common_pb2.HealthResponse.SERVING:
+            endpoint.serving_polled_at = started
         endpoint.draining = health.status == common_pb2.HealthResponse.DRAINING
         endpoint.worker_id = health.worker_id or endpoint.worker_id
         endpoint.model = health.model or endpoint.model
