@@ -311,6 +311,7 @@ def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, t
     assert response.output_text == expected
     assert response.status == "incomplete" and response.incomplete_details.reason == (
         "max_output_tokens")
+    assert [item.status for item in response.output] == ["incomplete"]  # it said completed
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     events = list(client.responses.create(
@@ -321,6 +322,7 @@ def test_the_responses_api_answers_as_the_chat_completion_it_amounts_to(stack, t
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
     assert kinds[-1] == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == expected == events[-1].response.output_text

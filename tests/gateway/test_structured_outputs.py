@@ -213,3 +213,21 @@ def test_a_constraint_that_can_never_complete_ends_in_an_error_not_a_stop(
                 if c.get("finish_reason")]
     assert finishes == ["error"]
     assert events[-1]["error"]["code"] == "invalid_structured_output"
+
+
+def test_a_streamed_response_whose_constraint_cannot_complete_fails(smollm2_stack, smollm2_dir):
+    """/v1/responses streamed: after the error event the response ends response.failed with
+    the error and its items incomplete; it ended response.completed with the cut text, which
+    the SDK handed over as an answer (a tools audit)."""
+    response = httpx.post(f"{smollm2_stack.url}/v1/responses", timeout=60, json={
+        "model": smollm2_dir.name, "input": "x", "max_output_tokens": 10, "stream": True,
+        "text": {"format": {"type": "json_schema", "name": "a",
+                            "schema": {"const": "<|im_end|>"}}}})
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert "error" in kinds and kinds[-1] == "response.failed", kinds
+    final = events[-1]["response"]
+    assert final["status"] == "failed"
+    assert final["error"]["code"] == "invalid_structured_output"
+    assert {item["status"] for item in final["output"]} == {"incomplete"}

@@ -166,6 +166,18 @@ def test_a_forced_call_streams_its_arguments_as_they_are_generated():
     assert finish_reason("stop", 1, named) == "stop"  # OpenAI's and vLLM's for a named call
 
 
+def test_a_call_cut_by_the_requests_stop_string_or_token_does_not_ask_for_results():
+    """A required call cut inside its arguments by a stop string said "tool_calls" over
+    arguments that were not JSON (a tools audit): only a choice that stopped by itself does."""
+    plan = tool_plan(TOOLS, "required", HermesFormat())
+    stream = ToolCallStream(plan)
+    deltas = stream.deltas('<tool_call>\n{"name": "add", "arguments": {"a": ', final=True)
+    assert _assemble(deltas)[1] == [{"name": "add", "arguments": '{"a":'}]  # not JSON
+    assert finish_reason("stop", stream.num_calls, plan, stop_reason="Paris") == "stop"
+    assert finish_reason("stop", stream.num_calls, plan, stop_reason=42) == "stop"
+    assert finish_reason("stop", stream.num_calls, plan, stop_reason=None) == "tool_calls"
+
+
 def test_a_forced_call_cut_short_keeps_what_there_is_of_its_arguments():
     plan = tool_plan(TOOLS, "required", HermesFormat())
     message = tool_message(plan, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')

@@ -223,7 +223,8 @@ class ChatFormat(BodyFormat):
     def _tool_chunks(self, delta: TextDelta) -> list[dict]:
         stream = self._tool_streams.setdefault(delta.index, ToolCallStream(self.tools))
         deltas = stream.deltas(delta.text, final=delta.finish_reason is not None)
-        finish = finish_reason(delta.finish_reason, stream.num_calls, self.tools)
+        finish = finish_reason(delta.finish_reason, stream.num_calls, self.tools,
+                               delta.stop_reason)
         if not deltas and not delta.logprobs and finish is None and not self._wants_ids(delta):
             return []
         if not deltas:
@@ -274,7 +275,7 @@ class ChatFormat(BodyFormat):
         else:
             message = tool_message(self.tools, text)
             finish = finish_reason(c.finish_reason, len(message.get("tool_calls", ())),
-                                   self.tools)
+                                   self.tools, c.stop_reason)
         return {"index": c.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.index),
                 "finish_reason": finish, "stop_reason": c.stop_reason,

@@ -32,11 +32,12 @@ class ResponsesFormat(BodyFormat):
         self._sequence = 0
         self._text: list[str] = []
         self._finish: str | None = None
+        self._error: dict | None = None  # the error event's, when the stream failed
 
     def _object(self, status: str, output: list[dict], usage_body: dict | None) -> dict:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "error": None,
+            "model": self.model, "output": output, "error": self._error,
             "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
                                    else None),
             "instructions": self.echo.get("instructions"), "metadata": self.echo.get("metadata"),
@@ -56,15 +57,17 @@ class ResponsesFormat(BodyFormat):
         return {"id": self.message_id, "type": "message", "role": "assistant",
                 "status": status or "in_progress", "content": content}
 
-    def _items(self, text: str) -> list[dict]:
-        """The completed output items of the whole text: the message, and any calls."""
+    def _items(self, text: str, status: str) -> list[dict]:
+        """The output items of the whole text, the message and any calls: "completed", or
+        "incomplete" where the output was cut short (a call's arguments then may not be
+        whole JSON; they said "completed" until December 7, a tools audit)."""
         if self.tools is None:
-            return [self._message(text, "completed")]
+            return [self._message(text, status)]
         message = tool_message(self.tools, text)
-        items = ([self._message(message["content"], "completed")] if message["content"]
+        items = ([self._message(message["content"], status)] if message["content"]
                  else [])
         return items + [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
-                         "status": "completed", "call_id": call["id"],
+                         "status": status, "call_id": call["id"],
                          "name": call["function"]["name"],
                          "arguments": call["function"]["arguments"]}
                         for call in message.get("tool_calls", ())]
@@ -72,7 +75,7 @@ class ResponsesFormat(BodyFormat):
     def response(self, choices: list[ChoiceResult], usage_body: dict) -> dict:
         [choice] = choices
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        return self._object(status, self._items("".join(choice.text)), usage_body)
+        return self._object(status, self._items("".join(choice.text), status), usage_body)
 
     # -- streaming ------------------------------------------------------------------------
 
@@ -112,11 +115,18 @@ class ResponsesFormat(BodyFormat):
 
     def error_event(self, error) -> bytes:
         body = error.body()["error"]
+        self._error = {"code": body.get("code") or "server_error", "message": body.get("message")}
         return self.encode(self._event("error", code=body.get("code"),
                                        message=body.get("message"), param=body.get("param")))
 
     def closing(self, usage_body: dict) -> list[bytes]:
-        items = self._items("".join(self._text))
+        """The items, then response.completed, .incomplete (cut at max_output_tokens) or
+        .failed (after an error event: a constraint that could not be met, a worker lost; it
+        said "completed" with the partial text until December 7, a tools audit)."""
+        status = ("failed" if self._finish == "error" else
+                  "incomplete" if self._finish == "length" else "completed")
+        items = self._items("".join(self._text), "completed" if status == "completed"
+                            else "incomplete")
         events: list[dict] = []
         for index, item in enumerate(items):
             if item["type"] == "message":
@@ -140,9 +150,8 @@ class ResponsesFormat(BodyFormat):
                                 arguments=item["arguments"])]
             events.append(self._event("response.output_item.done", output_index=index,
                                       item=item))
-        status = "incomplete" if self._finish == "length" else "completed"
-        done = "response.incomplete" if status == "incomplete" else "response.completed"
-        events.append(self._event(done, response=self._object(status, items, usage_body)))
+        events.append(self._event(f"response.{status}",
+                                  response=self._object(status, items, usage_body)))
         return [self.encode(e) for e in events]
 
 
