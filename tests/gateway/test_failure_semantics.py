@@ -13,6 +13,7 @@ import openai
 import pytest
 from fake_workers import FakeDecode, fails_after, hangs, streams
 from gateway_processes import openai_client
+from splitserve.v1 import common_pb2
 
 
 @pytest.fixture
@@ -37,6 +38,7 @@ def test_failure_after_tokens_ends_the_stream_with_an_error(servers, gateway_fac
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "UNAVAILABLE" in error["message"]
+    assert worker.address not in error["message"]  # the cluster's addresses are not the caller's
     last_chunk = json.loads(events[-3])
     assert last_chunk["choices"][0]["finish_reason"] == "error"
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
@@ -52,6 +54,28 @@ def test_failure_after_tokens_ends_the_stream_with_an_error(servers, gateway_fac
     # Not streaming: nothing was sent yet, so it is a plain 500 error body.
     whole = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=30)
     assert whole.status_code == 500 and whole.json()["error"]["code"] == "worker_failed"
+
+
+def test_a_whole_answer_with_no_worker_left_to_move_to_is_a_503(servers, gateway_factory,
+                                                                model):
+    """Not streamed, nothing was sent: a stream whose worker failed and that found no worker
+    to move to is a 503 with Retry-After, as before its first token (it was a 500 whose
+    message said 503; a migration audit), and no message names a worker's address."""
+    crash = fails_after([40, 41, 42], start_index=0)
+
+    def script(request, context, fake):
+        fake.health = common_pb2.HealthResponse(  # gone from rotation once it has failed
+            **{**{f.name: getattr(fake.health, f.name) for f, _ in fake.health.ListFields()},
+               "status": common_pb2.HealthResponse.DRAINING})
+        yield from crash(request, context, fake)
+
+    worker = servers(FakeDecode(script, role="both"))
+    gateway = gateway_factory("--worker", worker.address, "--migration-wait-s", "1")
+    whole = httpx.post(f"http://{gateway.address}/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "hi", "max_tokens": 10})
+    assert whole.status_code == 503 and whole.headers["retry-after"], whole.text
+    assert whole.json()["error"]["code"] == "overloaded"
+    assert worker.address not in whole.text and "no worker to migrate to" in whole.text
 
 
 def test_one_choice_failing_ends_every_open_choice_and_counts_their_tokens(servers,

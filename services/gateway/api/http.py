@@ -299,6 +299,8 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
             raise APIError.invalid(failed.error, code=failed.error_code)
         if failed.error_code == SHUTTING_DOWN:  # another replica may serve it
             raise APIError.shutting_down()
+        if failed.error_code == "no_worker":  # none to move to: as before its first token
+            raise APIError.overloaded(failed.error)
         timed_out = failed.error_code in TIMEOUT_CODES
         raise APIError(504 if timed_out else 500,
                        failed.error or "a worker failed mid-generation", "server_error",

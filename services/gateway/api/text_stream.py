@@ -90,7 +90,8 @@ async def stream_text(
                 finish = "stop" if matcher.stopped else finish
                 text.append(matcher.flush())
             stop_reason = _stop_reason(spec, matcher, finish, event.token_ids)
-            error, error_code = (event.error if finish == "error" else None), None
+            error, error_code = ((event.error, event.error_code) if finish == "error"
+                                 else (None, None))
             if (finish == "stop" and incomplete is not None and stop_reason is None
                     and (why := incomplete(outputs[:-1])) is not None):  # ended at EOS
                 finish, error, error_code = "error", why, "invalid_structured_output"

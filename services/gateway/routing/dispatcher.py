@@ -158,9 +158,13 @@ class Dispatcher:
                                     f"migration limit {self.migration_limit} reached"
                                     if code not in _NOT_ON_THE_WORKER else "not migratable")
                         observer.migration_failed(reason)
-                        yield TokenEvent(finish_reason="error",
-                                         error=f"worker {failed.endpoint.address} failed: "
-                                               f"{code.name}: {failed.error.details()}")
+                        # The client's message names no worker (the log above does): the
+                        # cluster's addresses are not the caller's business.
+                        yield TokenEvent(finish_reason="error", error=(
+                            f"the request was refused mid-generation: {failed.error.details()}"
+                            if code in _NOT_ON_THE_WORKER else
+                            f"a worker failed mid-generation ({code.name}) and the stream "
+                            f"could not move again (migration limit {self.migration_limit})"))
                         return
                     moves += 1
                     log.info("request %s: stream on %s broke after %d tokens (%s: %s); "
@@ -185,7 +189,8 @@ class Dispatcher:
                     raise
                 # No worker to move to: the stream ends as past the migration limit.
                 observer.migration_failed("no_worker")
-                yield TokenEvent(finish_reason="error", error=f"no worker to migrate to: {exc}")
+                yield TokenEvent(finish_reason="error", error_code="no_worker",
+                                 error=f"no worker to migrate to: {exc.message}")
                 return
 
     async def _migration_route(self, tokens: list[int], max_tokens: int, tried: set[str],
