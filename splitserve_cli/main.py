@@ -62,8 +62,17 @@ def _top_level_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Worker processes keep torch's C++ warnings out of their JSON log unless TORCH_CPP_LOG_LEVEL
+# says otherwise: a decode peer that went away made c10d print "sendBytes failed" with a
+# 20-frame C++ trace, several times, beside the worker's own one-line warning for it (a
+# migration audit). Read by libc10 when it loads, so set before the command imports torch.
+_QUIET_CPP = ("worker", "prefill", "decode")
+
+
 def _run_command(name: str, argv: list[str]) -> int:
     command = COMMANDS[name]
+    if name in _QUIET_CPP:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     module = _import_command(name, command)
     parser = argparse.ArgumentParser(prog=f"splitserve {name}", description=command.summary)
     module.add_arguments(parser)

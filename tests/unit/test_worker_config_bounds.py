@@ -44,3 +44,30 @@ def test_the_cli_says_it_in_one_line(tiny_llama_dir):
     assert done.stderr.strip().splitlines()[-1] == \
         "splitserve worker: --block-size must be >= 1, got 0", done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command, quiet", [("worker", True), ("prefill", True),
+                                             ("decode", True), ("gateway", False)])
+def test_workers_load_torch_with_its_cpp_warnings_quiet_unless_asked(monkeypatch, command,
+                                                                      quiet):
+    """c10d's "sendBytes failed" and its 20-frame C++ trace went into a worker's JSON log when
+    a decode peer went away (a migration audit). libc10 reads TORCH_CPP_LOG_LEVEL as it loads:
+    the worker commands set a default before they import anything; an operator's value wins."""
+    import splitserve_cli.main as cli
+
+    seen = {}
+
+    def fake_import(name, command_info):
+        seen["level"] = cli.os.environ.get("TORCH_CPP_LOG_LEVEL")
+        raise SystemExit(0)
+
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "")  # recorded, so the test leaves it as it was
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL")
+    monkeypatch.setattr(cli, "_import_command", fake_import)
+    with pytest.raises(SystemExit):
+        cli.main([command])
+    assert seen["level"] == ("ERROR" if quiet else None)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    with pytest.raises(SystemExit):
+        cli.main([command])
+    assert seen["level"] == "INFO"
