@@ -134,5 +134,7 @@ def from_worker_error(exc: grpc.aio.AioRpcError) -> APIError:
         return APIError.overloaded(f"No worker has room for this request now ({details}); retry.")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
-        return APIError.overloaded(f"No worker could serve this request ({details}); retry.")
+        # The code, not gRPC's details: those name the worker's address ("failed to connect
+        # to all addresses; ... ipv4:10.0.3.7:50061"), which is not the caller's business.
+        return APIError.overloaded(f"No worker could serve this request ({code.name}); retry.")
     return APIError.internal(f"worker error: {details}")

@@ -39,6 +39,19 @@ def test_decode_goes_to_the_worker_with_free_blocks_and_little_running():
     assert route.decode is good and route.prefill is None
 
 
+def test_a_worker_that_failed_the_request_is_chosen_only_once_polled_serving_since():
+    """Migration's failed_at: by address, read against the pool's endpoint now, so that a
+    registry worker that left and came back on its address (a new endpoint object) is
+    judged by its own polls (a review: the old object, never polled again, kept it out)."""
+    gone, back = worker("d0", kv_blocks_free=900), worker("d1")
+    gone.serving_polled_at, back.serving_polled_at = 10.0, 30.0
+    r = router(gone, back)
+    assert r.route(prompt(1), 16, failed_at={"d0": 20.0}).decode is back
+    assert r.route(prompt(1), 16, failed_at={"d0": 20.0, "d1": 35.0}) is None
+    gone.serving_polled_at = 25.0  # a poll begun after the failure found it serving
+    assert r.route(prompt(1), 16, failed_at={"d0": 20.0, "d1": 35.0}).decode is gone
+
+
 def test_ties_go_round_robin_and_reservations_spread_the_next_ones():
     decoders = [worker(f"d{i}") for i in range(3)]
     r = router(*decoders)

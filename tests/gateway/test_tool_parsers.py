@@ -176,6 +176,10 @@ def test_a_call_cut_by_the_requests_stop_string_or_token_does_not_ask_for_result
     assert finish_reason("stop", stream.num_calls, plan, stop_reason="Paris") == "stop"
     assert finish_reason("stop", stream.num_calls, plan, stop_reason=42) == "stop"
     assert finish_reason("stop", stream.num_calls, plan, stop_reason=None) == "tool_calls"
+    # Under auto a cut call is text; whole calls before a stop string still ask for results
+    # (a ReAct-style stop after the call; a review caught "stop" there).
+    auto = tool_plan(TOOLS, "auto", HermesFormat())
+    assert finish_reason("stop", 1, auto, stop_reason="\nObservation:") == "tool_calls"
 
 
 def test_a_forced_call_cut_short_keeps_what_there_is_of_its_arguments():

@@ -133,5 +133,7 @@ def test_the_gateway_can_trust_the_proxy_in_front_to_name_clients():
         "externalTrafficPolicy"] == "Local"
     plain = render({})
     assert "externalTrafficPolicy" not in plain.get("Service", f"{FULLNAME}-gateway")["spec"]
+    with pytest.raises(Exception, match="externalTrafficPolicy applies to NodePort and "):
+        render({"gateway": {"service": {"externalTrafficPolicy": "Local"}}})  # ClusterIP
     assert "SPLITSERVE_GATEWAY_FORWARDED_ALLOW_IPS" not in str(plain.get(
         "Deployment", f"{FULLNAME}-gateway"))

@@ -89,14 +89,17 @@ async def sse_events(
     buffer: asyncio.Queue = asyncio.Queue(maxsize=buffer_size)
 
     async def pump(first: TextDelta, stream: ChoiceStream) -> None:
+        last = first
         try:
             await buffer.put(first)
             async for delta in stream:
+                last = delta
                 await buffer.put(delta)
-        except Exception as exc:  # a failed choice still ends, visibly
+        except Exception as exc:  # a failed choice still ends, visibly, its tokens counted
             log.exception("choice stream %d failed", first.index)
-            await buffer.put(TextDelta(index=first.index, text="", token_ids=(), logprobs=(),
-                                       num_output_tokens=0, finish_reason="error", error=str(exc)))
+            await buffer.put(dataclasses.replace(
+                last, text="", token_ids=(), logprobs=(), prompt_logprobs=None,
+                finish_reason="error", error=str(exc), error_code=None, stop_reason=None))
         finally:
             await stream.aclose()
         await buffer.put(_END)  # not when cancelled: nobody would read it
@@ -136,6 +139,10 @@ async def sse_events(
                 # The response ends here: the other choices still open end too, each with
                 # its finish_reason, and the tokens they were sent count in the usage (an
                 # n=2 stream left one choice unfinished and counted 79 of 172 tokens).
+                # (A choice none of whose deltas was read yet ends too, having sent nothing.)
+                for index in (f.index for f in firsts if f.index not in latest):
+                    latest[index] = TextDelta(index=index, text="", token_ids=(),
+                                              logprobs=(), num_output_tokens=0)
                 for other in latest.values():
                     if other.finish_reason is None:
                         completion_tokens += other.num_output_tokens

@@ -18,11 +18,11 @@ def finish_reason(reason: str | None, num_calls: int, plan: ToolPlan,
                   stop_reason: str | int | None = None) -> str | None:
     """A choice that made calls and stopped by itself asks for their results; except a call
     the request named (tool_choice {"function": ...}), which OpenAI and vLLM end with "stop"
-    (it was "tool_calls" here until December 7), and output a stop string or stop token of the
-    request cut (`stop_reason`), which stays "stop": a required call cut inside its arguments
-    said "tool_calls" over arguments that were not JSON (a tools audit)."""
-    if plan.forced is not None or stop_reason is not None:
-        return reason
+    (it was "tool_calls" here until December 7), and a required call that a stop string or
+    stop token of the request cut (`stop_reason`), which stays "stop": it said "tool_calls" over
+    arguments that were not JSON (a tools audit)."""
+    if plan.forced is not None or (stop_reason is not None and plan.constrained):
+        return reason  # (under auto a cut call is text, not a call: whole calls ask for results)
     return "tool_calls" if reason == "stop" and num_calls else reason
 
 

@@ -32,7 +32,6 @@ from services.gateway.routing.decode_stream import (
     synthetic_error,
 )
 from services.gateway.routing.router import Route, Router
-from services.gateway.routing.worker_pool import WorkerEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class Dispatcher:
         up to `migration_limit` moves; past it, one final event with finish_reason "error".
         `cache_salt` (the tenant's) goes to both workers and into the router's block hashes."""
         tried: set[str] = set()
-        failed_at: dict[str, tuple[WorkerEndpoint, float]] = {}  # address -> (it, when)
+        failed_at: dict[str, float] = {}  # decode workers that failed it -> when
         last: AttemptFailed | None = None
         sent: list[int] = []  # every token yielded so far, across attempts
         attempt = moves = 0
@@ -136,7 +135,7 @@ class Dispatcher:
             except AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
-                failed_at[failed.endpoint.address] = (failed.endpoint, time.monotonic())
+                failed_at[failed.endpoint.address] = time.monotonic()
                 first_failure_there = failed.endpoint.address not in tried
                 tried.add(failed.endpoint.address)
                 if sent and awaiting_resume and first_failure_there \
@@ -194,9 +193,7 @@ class Dispatcher:
                 return
 
     async def _migration_route(self, tokens: list[int], max_tokens: int, tried: set[str],
-                               cache_salt: str,
-                               failed_at: dict[str, tuple[WorkerEndpoint, float]]
-                               ) -> Route | None:
+                               cache_salt: str, failed_at: dict[str, float]) -> Route | None:
         """A decode worker for a stream the client already has part of (the router prefers
         one it has not tried, else one that takes work again), waiting up to migration_wait_s
         for one. A stall of seconds beats an error mid-answer: with no wait, when a second
@@ -208,18 +205,15 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
-            avoid = {address for address, (endpoint, when) in failed_at.items()
-                     if endpoint.serving_polled_at <= when}
             route = self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt,
-                                      local="migration", avoid=avoid)
+                                      local="migration", failed_at=failed_at)
             if route is not None or loop.time() >= deadline:
                 return route
             await asyncio.sleep(0.1)
 
     async def _attempt(self, request_id, prompt, resumed: tuple[int, ...], sampling, tried,
                        attempt: int, observer: AttemptObserver, cache_salt: str,
-                       failed_at: dict[str, tuple[WorkerEndpoint, float]]
-                       ) -> AsyncIterator[TokenEvent]:
+                       failed_at: dict[str, float]) -> AsyncIterator[TokenEvent]:
         """One try on one decode worker. `resumed`: tokens already sent (a migration), which
         that worker recomputes after the prompt itself: no prefill worker is involved."""
         tokens = [*prompt, *resumed]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,10 +55,11 @@ _REASON_LABELS = {
 class Router(Protocol):
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
               exclude: Collection[str] = (), cache_salt: str = "",
-              local: str = "", avoid: Collection[str] = ()) -> Route | None:
+              local: str = "", failed_at: Mapping[str, float] | None = None) -> Route | None:
         """Workers for one attempt, avoiding addresses in `exclude` unless none other is
-        left, and decode workers in `avoid` always; None when no worker can take it now.
-        `local`: the decode worker alone, for this reason."""
+        left; None when no worker can take it now. `local`: the decode worker alone, for
+        this reason. `failed_at`: decode workers (address -> monotonic time) that failed this
+        request, never chosen until a Health poll begun since found them serving."""
 
     def ready(self) -> bool:
         """Whether requests can be routed at all."""
@@ -111,14 +112,18 @@ class ScoringRouter:
 
     def route(self, prompt_token_ids: Sequence[int], max_tokens: int,
               exclude: Collection[str] = (), cache_salt: str = "",
-              local: str = "", avoid: Collection[str] = ()) -> Route | None:
+              local: str = "", failed_at: Mapping[str, float] | None = None) -> Route | None:
         """`cache_salt`: the tenant's, so only its own (or its group's) cached blocks count.
         `local`: a reason the decode worker computes the tokens itself (a migration's
         recompute): no prefill worker is chosen, nor booked with work it never gets (one was,
         its breaker's half-open trial included)."""
         request = RoutingRequest.build(prompt_token_ids, max_tokens, self.pool.block_size(),
                                        cache_salt)
-        decoders = [e for e in self.pool.decoders() if e.address not in avoid]
+        # The pool's endpoint now, not the one that failed: a registry worker that left and
+        # came back on its address is a new endpoint object, polled anew.
+        failed_at = failed_at or {}
+        decoders = [e for e in self.pool.decoders()
+                    if e.serving_polled_at > failed_at.get(e.address, -1.0)]
         decode = (self._holder(request, exclude, decoders)
                   or _best(decoders, self.decode_scorers, request, exclude, self._decode_turn))
         if decode is None:
