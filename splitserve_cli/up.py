@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from services.common.addresses import check_ports_free
+from services.common.addresses import check_port, check_ports_free
 from services.common.core_share import host_cores
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -52,10 +52,8 @@ class UpConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"--model {self.model!r} is not a model folder (run `make model`)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("--port must be in [0, 65535] (0: any free port)")
-        if not -1 <= self.grpc_port <= 65535:
-            raise ValueError("--grpc-port must be in [0, 65535], or -1 (off)")
+        check_port("--port", self.port)
+        check_port("--grpc-port", self.grpc_port, off=True)
         if not 0 <= self.admin_port <= 65535 or self.admin_listen_port > 65535:
             raise ValueError("--admin-port must be a port (0: --port + 1)")
 

@@ -46,3 +46,11 @@ def check_ports_free(program: str, ports: list[tuple[str, str, int]]) -> None:
         except OSError as exc:
             raise SystemExit(f"{program}: {flag} {port} on {host} cannot be bound "
                              f"({exc.strerror}): another process holds it?") from None
+
+
+def check_port(flag: str, port: int, off: bool = False) -> None:
+    """A port flag's range, refused naming the flag: 0 is any free port, -1 (where `off`)
+    turns the listener off."""
+    if not (-1 if off else 0) <= port <= 65535:
+        raise ValueError(f"{flag} must be in [0, 65535] (0: any free port)"
+                         f"{', or -1 (off)' if off else ''}, got {port}")

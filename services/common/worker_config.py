@@ -14,6 +14,7 @@ from engine.spec_decode.config import METHODS as SPECULATIVE_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.attention import ATTENTION_BACKENDS
 from kv_transfer.shared_memory import region_bytes_ok
+from services.common.addresses import check_port
 from services.common.core_share import DEFAULT_YIELD_BURST_S, DEFAULT_YIELD_SHARE
 from services.common.engine_loop import DEFAULT_KV_RESERVATION_TTL_S, DEFAULT_MAX_UNREAD_OUTPUTS
 from services.common.security import TLSFiles, read_cluster_secret
@@ -173,12 +174,9 @@ class WorkerConfig:
                 ("--long-prefill-token-threshold", self.long_prefill_token_threshold, 0, "")):
             if value < least:
                 raise ValueError(f"{flag} must be >= {least}{meaning}, got {value}")
-        for flag, port in (("--port", self.port), ("--kv-port", self.kv_port)):
-            if not 0 <= port <= 65535:
-                raise ValueError(f"{flag} must be in [0, 65535] (0: any free port), got {port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be in [0, 65535] (0: any free port), or -1 "
-                             f"(off), got {self.metrics_port}")
+        check_port("--port", self.port)
+        check_port("--kv-port", self.kv_port)
+        check_port("--metrics-port", self.metrics_port, off=True)
         if self.num_threads < 0:
             raise ValueError("--num-threads must be >= 0 (0: torch's own count)")
         if not 0 < self.gpu_memory_utilization <= 1:

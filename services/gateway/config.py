@@ -161,10 +161,10 @@ class GatewayConfig:
             raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
             raise ValueError("--stream-buffer-chunks must be >= 1")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("--port must be in [0, 65535] (0: any free port)")
-        if not -1 <= self.grpc_port <= 65535:
-            raise ValueError("--grpc-port must be in [0, 65535], or -1 (off)")
+        from services.common.addresses import check_port
+
+        check_port("--port", self.port)
+        check_port("--grpc-port", self.grpc_port, off=True)
         if not -1 <= self.admin_port <= 65535 or self.admin_listen_port > 65535:
             raise ValueError("--admin-port must be a port, 0 (--port + 1) or -1 (off)")
         if self.admin_listen_port == self.port != 0 and self.admin_host == self.host:

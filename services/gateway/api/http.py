@@ -49,6 +49,7 @@ from services.gateway.api.streaming import (
 from services.gateway.errors import APIError
 from services.gateway.gateway import Gateway
 from services.gateway.request_record import RequestRecord
+from services.gateway.routing.dispatcher import NO_WORKER
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ async def _serve(gateway: Gateway, request: Request, record: RequestRecord, spec
             raise APIError.invalid(failed.error, code=failed.error_code)
         if failed.error_code == SHUTTING_DOWN:  # another replica may serve it
             raise APIError.shutting_down()
-        if failed.error_code == "no_worker":  # none to move to: as before its first token
+        if failed.error_code == NO_WORKER:  # none to move to: as before its first token
             raise APIError.overloaded(failed.error)
         timed_out = failed.error_code in TIMEOUT_CODES
         raise APIError(504 if timed_out else 500,

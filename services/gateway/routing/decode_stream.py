@@ -26,7 +26,7 @@ class TokenEvent:
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    error_code: str | None = None  # with finish_reason "error": "no_worker", or None
+    error_code: str | None = None  # with finish_reason "error": dispatcher.NO_WORKER, or None
     # Engine time a worker charged to the request since the last event (the prefill
     # response's, or what a decode worker's running total grew by).
     compute: ComputeSeconds | None = None

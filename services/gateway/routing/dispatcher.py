@@ -36,6 +36,8 @@ from services.gateway.routing.router import Route, Router
 log = logging.getLogger(__name__)
 
 _NOT_ON_THE_WORKER = (grpc.StatusCode.INVALID_ARGUMENT,)  # retrying elsewhere cannot help
+# The error code of a stream that broke and found no decode worker to move to.
+NO_WORKER = "no_worker"
 
 
 class AttemptObserver(Protocol):
@@ -106,8 +108,9 @@ class Dispatcher:
         every token sent so far (same seed, same positions) and the tokens go on from there,
         up to `migration_limit` moves; past it, one final event with finish_reason "error".
         `cache_salt` (the tenant's) goes to both workers and into the router's block hashes."""
-        tried: set[str] = set()
-        failed_at: dict[str, float] = {}  # decode workers that failed it -> when
+        # Workers that failed this request -> when (its keys: those tried, which the router
+        # avoids where it can).
+        failed_at: dict[str, float] = {}
         last: AttemptFailed | None = None
         sent: list[int] = []  # every token yielded so far, across attempts
         attempt = moves = 0
@@ -123,8 +126,8 @@ class Dispatcher:
             awaiting_resume = bool(resumed)
             try:
                 async with aclosing(self._attempt(attempt_id, prompt_token_ids, resumed,
-                                                  sampling, tried, attempt, observer,
-                                                  cache_salt, failed_at)) as events:
+                                                  sampling, attempt, observer, cache_salt,
+                                                  failed_at)) as events:
                     async for event in events:
                         if awaiting_resume and event.token_ids:
                             awaiting_resume = False
@@ -135,9 +138,8 @@ class Dispatcher:
             except AttemptFailed as failed:
                 code = failed.error.code()
                 failed.endpoint.record_failure(failed.error)
+                first_failure_there = failed.endpoint.address not in failed_at
                 failed_at[failed.endpoint.address] = time.monotonic()
-                first_failure_there = failed.endpoint.address not in tried
-                tried.add(failed.endpoint.address)
                 if sent and awaiting_resume and first_failure_there \
                         and code not in _NOT_ON_THE_WORKER and unlanded + 1 < self.move_tries:
                     # This move's worker, new to this stream, failed before its first token:
@@ -188,12 +190,12 @@ class Dispatcher:
                     raise
                 # No worker to move to: the stream ends as past the migration limit.
                 observer.migration_failed("no_worker")
-                yield TokenEvent(finish_reason="error", error_code="no_worker",
+                yield TokenEvent(finish_reason="error", error_code=NO_WORKER,
                                  error=f"no worker to migrate to: {exc.message}")
                 return
 
-    async def _migration_route(self, tokens: list[int], max_tokens: int, tried: set[str],
-                               cache_salt: str, failed_at: dict[str, float]) -> Route | None:
+    async def _migration_route(self, tokens: list[int], max_tokens: int, cache_salt: str,
+                               failed_at: dict[str, float]) -> Route | None:
         """A decode worker for a stream the client already has part of (the router prefers
         one it has not tried, else one that takes work again), waiting up to migration_wait_s
         for one. A stall of seconds beats an error mid-answer: with no wait, when a second
@@ -205,22 +207,24 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
-            route = self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt,
-                                      local="migration", failed_at=failed_at)
+            route = self.router.route(tokens, max_tokens, exclude=failed_at,
+                                      cache_salt=cache_salt, local="migration",
+                                      failed_at=failed_at)
             if route is not None or loop.time() >= deadline:
                 return route
             await asyncio.sleep(0.1)
 
-    async def _attempt(self, request_id, prompt, resumed: tuple[int, ...], sampling, tried,
+    async def _attempt(self, request_id, prompt, resumed: tuple[int, ...], sampling,
                        attempt: int, observer: AttemptObserver, cache_salt: str,
                        failed_at: dict[str, float]) -> AsyncIterator[TokenEvent]:
         """One try on one decode worker. `resumed`: tokens already sent (a migration), which
         that worker recomputes after the prompt itself: no prefill worker is involved."""
         tokens = [*prompt, *resumed]
         max_tokens = sampling.max_tokens - len(resumed)
-        route = (await self._migration_route(tokens, max_tokens, tried, cache_salt, failed_at)
+        route = (await self._migration_route(tokens, max_tokens, cache_salt, failed_at)
                  if resumed
-                 else self.router.route(tokens, max_tokens, exclude=tried, cache_salt=cache_salt))
+                 else self.router.route(tokens, max_tokens, exclude=failed_at,
+                                        cache_salt=cache_salt))
         if route is None:
             raise APIError.overloaded("No prefill/decode worker is available right now; retry.")
         observer.routed(route, attempt)
