@@ -12,9 +12,13 @@ output token.
 With --anonymous there is no tenants file and no key (as `make run` ships): `light` and
 `heavy` are two clients, `light` from 127.0.0.2, the rest from 127.0.0.1; it runs twice, with
 the shipped per-client shares of the fair queue and with all clients one share
-(SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS=none, as before December 7), one after the other.
+(SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS=none, as before December 7), one after the other, and
+with --peer vllm then against vLLM's CPU build (`make peers`; bfloat16, its best configuration
+here, bench/compare/vllm_peer.py), which has no admission: every request is served, however
+long it waits. Each system is started fresh (no prefix cached, nothing learned).
 
     python -m bench.flood_fairness [--flood 64] [--phase-s 20] [--port 8800] [--anonymous]
+                                   [--peer vllm]
 """
 
 from __future__ import annotations
@@ -136,8 +140,8 @@ def _client(local_address: str = "") -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=transport, timeout=300)
 
 
-async def run(url: str, args) -> None:
-    target = Target(url, MODEL)
+async def run(url: str, args, model: str = MODEL) -> None:
+    target = Target(url, model)
     async with _client() as client, _client("127.0.0.2" if args.anonymous else "") as other:
         for wave in (4, 12, 24, 12, 4):  # varied batch sizes before anything is measured
             await asyncio.gather(*(send(client, target, request("warm", 32), LIGHT_PROMPT, 0.0)
@@ -153,6 +157,20 @@ async def run(url: str, args) -> None:
         report(f"beside a flood of {args.flood}", light, heavy)
 
 
+def _against_peer(args) -> None:
+    from bench.compare.systems import SYSTEMS, ServeOptions, start_system
+
+    logs = Path(tempfile.mkdtemp(prefix="flood-fairness-"))
+    print(f"{args.peer} --dtype bfloat16 in its best configuration here, light from 127.0.0.2 "
+          f"and heavy from 127.0.0.1 (logs in {logs}); starting...", flush=True)
+    peer = start_system(SYSTEMS[args.peer], str(REPO / "models" / MODEL), logs,
+                        ServeOptions(peer_dtype="bfloat16"))
+    try:
+        asyncio.run(run(peer.url, args, peer.model_name))
+    finally:
+        peer.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", type=int, default=64)
@@ -160,6 +178,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8800)
     parser.add_argument("--anonymous", action="store_true",
                         help="no tenants file: light and heavy are two clients by address")
+    parser.add_argument("--peer", choices=["vllm"], default="",
+                        help="with --anonymous: the same phases against this peer after")
     args = parser.parse_args()
     if args.anonymous:
         for mode in ("client", "none"):
@@ -170,6 +190,8 @@ def main() -> None:
             env = {} if mode == "client" else {"SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS": mode}
             with shipped_up(args.port, env) as url:
                 asyncio.run(run(url, args))
+        if args.peer:
+            _against_peer(args)
         return
     with tempfile.TemporaryDirectory() as folder:
         tenants = _tenants_file(folder)
