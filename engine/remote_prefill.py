@@ -39,6 +39,8 @@ class RemotePrefill:
         self.kv = kv
         self.runner = runner
         self._make_request = make_request  # LLMEngine's: validates, seeds, caps the length
+        self.num_reserved = 0  # reservations made, ever (a prompt on its way to a prefill worker)
+        self.latest_reserved = ""  # the request id of the latest
 
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -56,7 +58,15 @@ class RemotePrefill:
                 f"{cdiv(len(prompt_token_ids), self.block_size)} KV blocks needed, "
                 f"{self.kv.num_free_blocks} free"
             )
+        self.num_reserved += 1
+        self.latest_reserved = request_id
         return RemoteReservation(block_ids, request.kv_reused_tokens)
+
+    def awaits_prompt_since(self, seen: int) -> bool:
+        """Whether the latest reservation came after the `seen`-th and still waits for its
+        KV: its prompt is at a prefill worker, or on its way there."""
+        return (self.num_reserved != seen
+                and self.latest_reserved in self.scheduler.waiting_for_kv)
 
     def receive(self, request_id: str, first_token: int, payload) -> RequestOutput | None:
         """Write a prompt's received KV (`payload`, [layers, 2, blocks, block_size, kv_heads,

@@ -18,6 +18,7 @@ from typing import Any
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from services.common.core_share import CoreShare
+from services.common.kv_handoffs import KVHandoffs
 from services.common.request_stream import RequestStream, hand_over
 from services.common.step_watchdog import StepWatchdog
 from services.common.token_pace import TokenPace
@@ -68,19 +69,20 @@ class EngineLoop:
             self.watchdog = StepWatchdog(step_timeout_s, self._busy_since, self._describe_busy)
         # Called (on the engine thread) if the loop dies, e.g. to stop the process.
         self.on_crash: Callable[[], None] | None = None
-        # Called on the engine thread after each step that ran the model:
-        # on_step(seconds, num_requests, num_tokens).
+        # On the engine thread after each step that ran: on_step(seconds, requests, tokens).
         self.on_step: Callable[[float, int, int], None] | None = None
         # Request metrics (services/common/request_timing.py), on the engine thread:
         # on_open(request_id, monotonic arrival) once a request is added, and
         # on_outputs(outputs, open request ids) with each batch of outputs before delivery.
         self.on_open: Callable[[str, float], None] | None = None
         self.on_outputs: Callable[[list[RequestOutput], dict], None] | None = None
-        # Co-located workers lending idle cores (services/common/core_share.py): set before
-        # start(); each step then runs on the threads it grants, and the loop lends its own
-        # while it waits.
+        # Co-located workers lending idle cores (services/common/core_share.py), set before
+        # start(): each step runs on the threads it grants; a prefill worker keeps them until
+        # its prompts' KV has left (services/common/kv_handoffs.py).
         self.core_share: CoreShare | None = None
         self.step_threads = 0  # threads of the latest step with a core share (0: none yet)
+        self.handoffs = KVHandoffs()
+        self._reserved_seen = 0  # engine.remote.num_reserved at the latest step
 
     @property
     def stalled(self) -> bool:
@@ -222,6 +224,8 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                if out.kv is not None:
+                    self.handoffs.computed(out.kv)
             elif stream.num_unread >= stream.max_unread:
                 self._cut_off(out.request_id, stream)
                 continue
@@ -276,17 +280,19 @@ class EngineLoop:
                 f"({len(sched.new_requests)} new); request ids: {shown}")
 
     def _take_cores(self) -> None:
-        """Before a step: this worker's threads and those its idle peers lend."""
-        self.step_threads = self.core_share.step_threads(meanwhile=self._commands_while_waiting)
+        """Before a step: this worker's threads and those its idle peers lend. A decoder that
+        reserved KV since its last step, still to come, expects the prompt's prefill worker to
+        ask for the cores within milliseconds (core_share.EXPECT_ASK_S)."""
+        expect_ask = self.engine.remote.awaits_prompt_since(self._reserved_seen)
+        self._reserved_seen = self.engine.remote.num_reserved
+        self.step_threads = self.core_share.step_threads(meanwhile=self._commands_while_waiting,
+                                                         expect_ask=expect_ask)
         self.engine.set_num_threads(self.step_threads)  # every step (LLMEngine.set_num_threads)
 
     def _commands_while_waiting(self) -> None:
-        """While the core share holds the next step back (paused for a prefilling peer, or
-        waiting for cores a peer borrowed): the queued commands, on one thread (the peer's
-        team has the cores). A new request is then reserved, and received KV written, now
-        rather than after the wait: a decoder paused through the prefill worker's steps held
-        every new request's reservation (and so its prefill) for up to the whole pause,
-        0.39 s at p99 of the chat mix at 3 req/s."""
+        """While the core share holds the next step back: the queued commands, on one thread
+        (the peer's team has the cores), so a new request is reserved, and received KV
+        written, now rather than after the wait (core_share.CoreShare.step_threads)."""
         if self._commands.empty():
             return
         self.engine.set_num_threads(1)
@@ -356,6 +362,8 @@ class EngineLoop:
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     if self.core_share is not None:
+                        self.handoffs.hold(lambda: not self._commands.empty()  # a prompt
+                                           or self._stop.is_set())
                         self.core_share.idle()
                     if self._idle_work():
                         continue  # a slice at a time: commands and work come first

@@ -79,6 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _sent(self, span, kv, error: BaseException | None) -> None:
         """Sender thread, once the transfer has settled: nothing reads `kv` any more."""
         _finish_send(span, error)
+        self.engine_loop.handoffs.settled(kv)
         self.engine_loop.engine.release_kv(kv)
 
     async def _prefill(self, request, context, span) -> prefill_pb2.PrefillResponse:
@@ -130,6 +131,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         _record_phases(span, out.first_scheduled_ns)
         span.set_attribute("splitserve.cached_prefix_tokens", out.num_cached_tokens)
         kv_bytes = 0
+        if out.kv is not None and not request.decode_kv_endpoint:
+            self.engine_loop.handoffs.settled(out.kv)  # nowhere to send it
         if request.decode_kv_endpoint and out.kv is not None:
             endpoint = request.decode_kv_endpoint
             kv_bytes = out.kv.numel() * out.kv.element_size()
@@ -140,7 +143,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_sent = out.num_prompt_tokens - request.decode_cached_tokens
             span.set_attribute("splitserve.kv_reused_tokens", request.decode_cached_tokens)
             try:
-                await self._send_when_queued(endpoint, rid, first, num_sent, out.kv, send_span)
+                try:
+                    await self._send_when_queued(endpoint, rid, first, num_sent, out.kv,
+                                                 send_span)
+                except BaseException:
+                    self.engine_loop.handoffs.settled(out.kv)  # never queued: none to wait for
+                    raise
             except Exception as exc:
                 # Not even queued (no room in time, unusable endpoint): fail the call, so the
                 # caller retries elsewhere and drops the decode stream rather than wait for
