@@ -17,8 +17,14 @@ with --peer vllm then against vLLM's CPU build (`make peers`; bfloat16, its best
 here, bench/compare/vllm_peer.py), which has no admission: every request is served, however
 long it waits. Each system is started fresh (no prefix cached, nothing learned).
 
+With --phases each splitserve deployment writes its trace (SPLITSERVE_TRACE_FILE, every
+request sampled: printed as a change) and the benchmark prints where light's time to first
+token went beside the flood, from the spans (light_phases). --repo runs `splitserve up` from
+another checkout of this project (a `git worktree` of an older commit, its models/ linked),
+to set a change against the commit before it; --shipped-only leaves out the `none` half.
+
     python -m bench.flood_fairness [--flood 64] [--phase-s 20] [--port 8800] [--anonymous]
-                                   [--peer vllm]
+                                   [--peer vllm] [--phases] [--repo DIR] [--shipped-only]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import statistics
 import subprocess
@@ -60,11 +67,12 @@ def _tenants_file(folder: str) -> str:
 
 
 @contextlib.contextmanager
-def shipped_up(port: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`splitserve up` on `port` as shipped (with `env` over this process's environment): its
-    URL once it serves; stopped on leaving."""
+def shipped_up(port: int, env: dict[str, str] | None = None,
+               repo: Path = REPO) -> Iterator[str]:
+    """`splitserve up` on `port` as shipped (with `env` over this process's environment), from
+    the checkout `repo`: its URL once it serves; stopped on leaving."""
     up = subprocess.Popen([sys.executable, "-m", "splitserve_cli.main", "up", "--port",
-                           str(port)], cwd=REPO, env={**os.environ, **(env or {})},
+                           str(port)], cwd=repo, env={**os.environ, **(env or {})},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in up.stdout:
@@ -134,6 +142,48 @@ def report(name: str, light: list[RequestRecord],
     print(line, flush=True)
 
 
+# Light's time to first token, phase by phase (label: how it is read from one trace's spans,
+# by name: (span, "start"|"end") pairs, the phase running from the first to the second). The
+# first token the client sees with text is the second one: the model's first after the bare
+# prompt is a special token, which streams no text. So the decode worker's first step counts.
+PHASES = (
+    ("gateway queue", ("gateway.queue", "start"), ("gateway.queue", "end")),
+    ("decode reservation", ("gateway.request", "start"), ("decode.kv_wait", "start")),
+    ("prefill queue", ("prefill.queue", "start"), ("prefill.queue", "end")),
+    ("prefill forward", ("prefill.forward", "start"), ("prefill.forward", "end")),
+    ("KV to decode cache", ("prefill.forward", "end"), ("decode.kv_wait", "end")),
+    ("decode first step", ("decode.first_step", "start"), ("decode.first_step", "end")),
+)
+
+
+def light_phases(trace: Path, since_ns: int) -> dict[str, list[float]]:
+    """Milliseconds per phase of each of light's requests that reached the gateway after
+    `since_ns` (wall clock): those whose prompt is the shortest in the trace."""
+    traces: dict[str, dict] = {}
+    for line in trace.read_text().splitlines():
+        span = json.loads(line)
+        traces.setdefault(span["trace_id"], {})[span["name"]] = span
+    requests = [spans for spans in traces.values() if "gateway.request" in spans
+                and spans["gateway.request"]["start_ns"] >= since_ns]
+    length = min((s["gateway.request"]["attributes"].get("splitserve.prompt_tokens", 0)
+                  for s in requests), default=0)
+    out: dict[str, list[float]] = {label: [] for label, *_ in PHASES}
+    for spans in requests:
+        if spans["gateway.request"]["attributes"].get("splitserve.prompt_tokens") != length:
+            continue
+        for label, (first, edge), (second, other) in PHASES:
+            if first in spans and second in spans:
+                out[label].append((spans[second][f"{other}_ns"]
+                                   - spans[first][f"{edge}_ns"]) / 1e6)
+    return out
+
+
+def report_phases(phases: dict[str, list[float]]) -> None:
+    print("  light's TTFT beside the flood, phase by phase (ms, p50 / p99): " + "; ".join(
+        f"{label} {_p([v / 1000 for v in values], 0.5)} / {_p([v / 1000 for v in values], 0.99)}"
+        for label, values in phases.items() if values), flush=True)
+
+
 def _client(local_address: str = "") -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     transport = httpx.AsyncHTTPTransport(limits=limits, local_address=local_address or None)
@@ -149,6 +199,7 @@ async def run(url: str, args, model: str = MODEL) -> None:
         print("warm-up done", flush=True)
         report("alone", await steady(other, target, args.phase_s))
         heavy: list[RequestRecord] = []
+        args.flood_began_ns = time.time_ns()
         until = asyncio.get_running_loop().time() + args.phase_s
         floods = [asyncio.create_task(flooder(client, target, until, heavy))
                   for _ in range(args.flood)]
@@ -180,16 +231,32 @@ def main() -> None:
                         help="no tenants file: light and heavy are two clients by address")
     parser.add_argument("--peer", choices=["vllm"], default="",
                         help="with --anonymous: the same phases against this peer after")
+    parser.add_argument("--phases", action="store_true",
+                        help="trace splitserve and print light's TTFT phase by phase")
+    parser.add_argument("--repo", type=Path, default=REPO,
+                        help="run splitserve up from this checkout (e.g. an older commit's)")
+    parser.add_argument("--shipped-only", action="store_true",
+                        help="with --anonymous: leave out the half with all clients one share")
     args = parser.parse_args()
     if args.anonymous:
-        for mode in ("client", "none"):
+        for mode in ("client",) if args.shipped_only else ("client", "none"):
             changed = ("nothing" if mode == "client" else "SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS"
                        "=none (all clients one share of the fair queue, as before)")
-            print(f"splitserve up as shipped, no tenants file or key, light from 127.0.0.2 and "
-                  f"heavy from 127.0.0.1; changed: {changed}", flush=True)
             env = {} if mode == "client" else {"SPLITSERVE_GATEWAY_ANONYMOUS_FAIRNESS": mode}
-            with shipped_up(args.port, env) as url:
+            trace = Path(tempfile.mkdtemp(prefix="flood-trace-")) / "trace.jsonl"
+            if outside := " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                   if k.startswith("SPLITSERVE_")):
+                changed = (f"{outside} (from this shell)" if changed == "nothing"
+                           else f"{changed}; {outside} (from this shell)")
+            if args.phases:
+                env |= {"SPLITSERVE_TRACE_FILE": str(trace), "OTEL_TRACES_SAMPLER": "always_on"}
+                changed += f"; traced, every request ({trace})"
+            print(f"splitserve up as shipped from {args.repo}, no tenants file or key, light "
+                  f"from 127.0.0.2 and heavy from 127.0.0.1; changed: {changed}", flush=True)
+            with shipped_up(args.port, env, args.repo) as url:
                 asyncio.run(run(url, args))
+            if args.phases:
+                report_phases(light_phases(trace, args.flood_began_ns))
         if args.peer:
             _against_peer(args)
         return

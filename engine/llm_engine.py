@@ -6,6 +6,7 @@ is thread-safe. Services hand work to that thread instead of calling in from els
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -83,6 +84,9 @@ class LLMEngine:
         sc = config.scheduler
         self.step_budget = (MixedStepBudget(sc.itl_target_s, sc.long_prefill_token_threshold)
                             if sc.itl_target_s > 0 and sc.enable_chunked_prefill else None)
+        # Entered around each step's model run (EngineLoop.forward_window: other threads may
+        # then reserve remote KV; nothing else of the engine's is read or written inside it).
+        self.forward_window = contextlib.nullcontext
         self.step_threads: StepThreads | None = None
         if (config.num_threads and config.tensor_parallel_size == 1
                 and config.resolve_device().type == "cpu"):
@@ -277,10 +281,11 @@ class LLMEngine:
         if self.step_threads is not None:
             self.step_threads.before_step(sched.total_num_scheduled_tokens)
         try:
-            if proposals is not None and proposals.draft_probs:
-                result = self.runner.execute_model(sched, proposals.draft_probs)
-            else:
-                result = self.runner.execute_model(sched)
+            with self.forward_window():
+                if proposals is not None and proposals.draft_probs:
+                    result = self.runner.execute_model(sched, proposals.draft_probs)
+                else:
+                    result = self.runner.execute_model(sched)
         finally:
             self.scheduled = None
         outputs = self.scheduler.update(sched, result)

@@ -18,6 +18,7 @@ from typing import Any
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from services.common.core_share import CoreShare
+from services.common.forward_window import ForwardWindow
 from services.common.kv_handoffs import KVHandoffs
 from services.common.request_stream import RequestStream, hand_over
 from services.common.step_watchdog import StepWatchdog
@@ -82,6 +83,8 @@ class EngineLoop:
         self.core_share: CoreShare | None = None
         self.step_threads = 0  # threads of the latest step with a core share (0: none yet)
         self.handoffs = KVHandoffs()
+        self.window = ForwardWindow()  # held by the engine thread but in its model runs
+        engine.forward_window = self.window
         self._reserved_seen = 0  # engine.remote.num_reserved at the latest step
 
     @property
@@ -171,10 +174,13 @@ class EngineLoop:
         self._wake.set()
         return await future
 
-    async def open(self, request_id: str, start: Callable[[LLMEngine], Any]) -> tuple[RequestStream, Any]:
+    async def open(self, request_id: str, start: Callable[[LLMEngine], Any],
+                   during_forward: bool = False) -> tuple[RequestStream, Any]:
         """Register a stream for `request_id`, then run start(engine) (which adds the
         request) on the engine thread, so no output can be produced before the stream
-        exists. Raises whatever start raises, leaving nothing registered.
+        exists. Raises whatever start raises, leaving nothing registered. `during_forward`:
+        a `start` that only reserves remote KV runs at once, on this thread, if the engine
+        thread is in a model run and no command waits (services/common/forward_window.py).
 
         Cancelled while start is queued or running, it queues an abort behind it: the command
         queue is one FIFO, so the abort runs after start whenever start runs, and the request
@@ -205,6 +211,12 @@ class EngineLoop:
                 del self._streams[request_id]
                 engine.abort(request_id)
 
+        if during_forward and self._commands.empty():
+            with self.window.borrowed() as engine_held:
+                if engine_held:
+                    result = begin(self.engine)
+                    self.stats = self._stats()
+                    return stream, result
         try:
             result = await self.call(begin)
         except asyncio.CancelledError:
@@ -330,6 +342,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        self.window.hold()
         try:
             while not self._stop.is_set():
                 self._run_commands()
@@ -381,6 +394,8 @@ class EngineLoop:
                                          error=f"engine failure: {exc}"))
             if self.on_crash is not None:
                 self.on_crash()
+        finally:
+            self.window.release()
 
 
 def _settle(loop: asyncio.AbstractEventLoop, setter, future: asyncio.Future, value) -> None:

@@ -58,7 +58,7 @@ class KVRoom:
             raise KVCacheFull(f"{blocks} KV blocks needed, {total:.0f} in the whole cache")
         if not self._turn.locked():
             try:
-                return await self.engine_loop.open(request_id, start)
+                return await self.engine_loop.open(request_id, start, during_forward=True)
             except KVCacheFull:
                 pass
         loop = asyncio.get_running_loop()
@@ -83,7 +83,7 @@ class KVRoom:
         while True:
             seen = self._free_blocks()
             try:
-                return await self.engine_loop.open(request_id, start)
+                return await self.engine_loop.open(request_id, start, during_forward=True)
             except KVCacheFull as exc:
                 waited = loop.time() - began
                 if waited >= self.wait_s or give_up():
