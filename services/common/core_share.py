@@ -33,7 +33,10 @@ worker then steps on its own threads without waiting. A paused decoder still tak
 requests (its engine loop runs queued commands at each poll of the wait): the gateway sends a
 prompt to the prefill worker only once the decode worker has reserved its KV blocks, so a
 reservation held until the pause ended kept the next prompts from the prefill worker that
-the pause was for.
+the pause was for. A decoder that has just reserved KV for a prompt waits briefly for that
+prompt's ask (EXPECT_ASK_S) instead of starting a step the prompt would wait out, and the
+prefill worker lends its cores back only once its step's KV has left
+(services/common/kv_handoffs.py), so the paused decoder lands it before its next step.
 
 Best effort: the slots are plain shared memory without locks, so two workers that change
 state in the same microsecond may overlap for one step. Only for workers that share cores: in
