@@ -84,6 +84,8 @@ ASK_LIMIT_S = 0.2
 # worker's next step boundary: a few milliseconds). Starting a step instead, it made the
 # prompt wait out that step: 84 ms of a 95 ms step at p50 beside 64 streams in `make run`.
 EXPECT_ASK_S = 0.02
+# Unanswered waits in a row after which a decoder stops waiting for asks until its next pause.
+EXPECT_ASK_MISSES = 3
 # Decode pauses for prompts at most half its time, and at most this long at once: with the
 # step that is running when it gives up (<= 0.4 s), a token may be ~0.9 s late in a burst.
 DEFAULT_YIELD_SHARE = 0.5
@@ -133,6 +135,7 @@ class CoreShare:
         self.yields = 0  # steps that paused for a prefilling peer (priority=False only)
         self.yield_seconds = 0.0
         self._asking = False
+        self._unanswered = 0  # waits for an expected ask that went unanswered, in a row
         self._meanwhile: Callable[[], object] | None = None  # step_threads' hook, while it waits
         self._yield_credit = yield_burst_s
         self._credit_at = time.monotonic()
@@ -275,16 +278,9 @@ class CoreShare:
         if not self._flags() & _WILLING:
             return None
         start = time.monotonic()
-        if not self._asked_to_pause():
-            if not expect_ask:
-                return None
-            limit = start + min(EXPECT_ASK_S, self._yield_credit)
-            while time.monotonic() < limit and not self._asked_to_pause():
-                self._poll(time.monotonic() - start)
-            if not self._asked_to_pause():
-                self._refill()
-                self._yield_credit -= time.monotonic() - start  # a pause, if a fruitless one
-                return None
+        if not self._asked_to_pause() and not (expect_ask and self._await_ask(start)):
+            return None
+        self._unanswered = 0
         self.idle()
         deadline = start + self._yield_credit
         while time.monotonic() < deadline and self._asked_to_pause():
@@ -294,6 +290,27 @@ class CoreShare:
             # hands over before it lends the cores back: kv_handoffs.py) joins this step.
             self._meanwhile()
         return start
+
+    def _await_ask(self, start: float) -> bool:
+        """A decoder that has just reserved KV: waits (up to EXPECT_ASK_S, within its credit)
+        for the prompt's prefill worker to ask for the cores; True if it asked. Only with a
+        live prefill peer on this host, and not after EXPECT_ASK_MISSES unanswered waits in a
+        row (its prompts go to prefill workers elsewhere) until a pause. An unanswered wait is
+        charged to the credit, as a pause is."""
+        if self._unanswered >= EXPECT_ASK_MISSES or not any(
+                flags & _PRIORITY for *_, flags in self._peers()):
+            return False
+        limit = start + min(EXPECT_ASK_S, self._yield_credit)
+        while time.monotonic() < limit and not self._asked_to_pause():
+            self._poll(time.monotonic() - start)
+        if self._asked_to_pause():
+            return True
+        self._unanswered += 1
+        self._refill()
+        self._yield_credit -= time.monotonic() - start
+        if not self._flags() & _WILLING:
+            self._write()  # out of credit: the prefill worker must not wait for this one
+        return False
 
     def _charge_pause(self, seconds: float) -> None:
         self._refill()

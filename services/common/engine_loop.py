@@ -21,7 +21,7 @@ from services.common.core_share import CoreShare
 from services.common.forward_window import ForwardWindow
 from services.common.kv_handoffs import KVHandoffs
 from services.common.request_stream import RequestStream, hand_over
-from services.common.step_watchdog import StepWatchdog
+from services.common.step_watchdog import StepWatchdog, describe_work
 from services.common.token_pace import TokenPace
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,10 @@ class EngineLoop:
         self._next_expiry_check = 0.0
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        # Refreshed by the engine thread after every step; a plain dict swapped atomically.
         self.pace = TokenPace()  # the streams' time per token, for the gateway's admission
-        # Remote-KV reservations waiting for free blocks (services/decode/kv_room.py, which
-        # sets it from the event loop); reported with the stats.
+        # Remote-KV reservations waiting for free blocks (set by services/decode/kv_room.py).
         self.reservations_waiting = 0
+        # Refreshed by the engine thread after every step; a plain dict swapped atomically.
         self.stats: dict[str, float] = self._stats()
         self.step_seconds = 0.0
         self.healthy = True
@@ -67,7 +66,9 @@ class EngineLoop:
         self._busy: tuple[float, str] | None = None
         self.watchdog: StepWatchdog | None = None
         if step_timeout_s > 0:
-            self.watchdog = StepWatchdog(step_timeout_s, self._busy_since, self._describe_busy)
+            self.watchdog = StepWatchdog(  # its thread reads what this one is stuck in
+                step_timeout_s, lambda: None if self._busy is None else self._busy[0],
+                lambda: describe_work(self._busy, self.engine.scheduled))
         # Called (on the engine thread) if the loop dies, e.g. to stop the process.
         self.on_crash: Callable[[], None] | None = None
         # On the engine thread after each step that ran: on_step(seconds, requests, tokens).
@@ -211,7 +212,7 @@ class EngineLoop:
                 del self._streams[request_id]
                 engine.abort(request_id)
 
-        if during_forward and self._commands.empty():
+        if during_forward and self._commands.empty() and not self.stalled:
             with self.window.borrowed() as engine_held:
                 if engine_held:
                     result = begin(self.engine)
@@ -236,7 +237,7 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                if out.kv is not None:
+                if out.kv is not None and self.core_share is not None:
                     self.handoffs.computed(out.kv)
             elif stream.num_unread >= stream.max_unread:
                 self._cut_off(out.request_id, stream)
@@ -273,23 +274,6 @@ class EngineLoop:
     def _stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.pace.snapshot(time.monotonic()),
                 "reservations_waiting": self.reservations_waiting}
-
-    def _busy_since(self) -> float | None:
-        busy = self._busy
-        return None if busy is None else busy[0]
-
-    def _describe_busy(self) -> str:
-        """What the engine thread is stuck in (called on the watchdog thread)."""
-        busy = self._busy
-        if busy is None:
-            return "nothing (it has just ended)"
-        sched = self.engine.scheduled
-        if busy[1] != "step" or sched is None:
-            return "a command between steps (e.g. writing received KV into the cache)"
-        ids = list(sched.num_scheduled_tokens)
-        shown = ", ".join(rid[:40] for rid in ids[:8]) + (", ..." if len(ids) > 8 else "")
-        return (f"{len(ids)} requests, {sched.total_num_scheduled_tokens} tokens "
-                f"({len(sched.new_requests)} new); request ids: {shown}")
 
     def _take_cores(self) -> None:
         """Before a step: this worker's threads and those its idle peers lend. A decoder that
@@ -375,8 +359,9 @@ class EngineLoop:
                 if not scheduled:
                     # Nothing runnable (idle, or every request waits for KV or blocks).
                     if self.core_share is not None:
-                        self.handoffs.hold(lambda: not self._commands.empty()  # a prompt
-                                           or self._stop.is_set())
+                        if self.handoffs.hold(lambda: not self._commands.empty()  # a prompt
+                                              or self._stop.is_set()):
+                            continue  # the cores still held, for the new work
                         self.core_share.idle()
                     if self._idle_work():
                         continue  # a slice at a time: commands and work come first

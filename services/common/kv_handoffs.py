@@ -33,6 +33,7 @@ class KVHandoffs:
 
     def computed(self, kv) -> None:
         """A step produced `kv` for a request whose caller waits for it."""
+        self.pending()  # drops what expired (KV whose caller left before sending it)
         self._until[id(kv)] = time.monotonic() + self.hold_s
 
     def settled(self, kv) -> None:
@@ -49,8 +50,11 @@ class KVHandoffs:
                 self._until.pop(key, None)
         return bool(self._until)
 
-    def hold(self, interrupted: Callable[[], bool]) -> None:
+    def hold(self, interrupted: Callable[[], bool]) -> bool:
         """The engine thread, before it lends its cores: waits while KV is pending, until
-        `interrupted()`."""
-        while self.pending() and not interrupted():
+        `interrupted()`. True if interrupted (new work: keep the cores and take it)."""
+        while self.pending():
+            if interrupted():
+                return True
             time.sleep(POLL_S)
+        return False

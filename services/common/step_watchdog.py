@@ -81,3 +81,16 @@ class StepWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             self.check()
+
+
+def describe_work(busy: tuple[float, str] | None, sched) -> str:
+    """What an engine thread is stuck in: `busy` is its (start, "step" | "command"), `sched`
+    the engine's batch in progress (LLMEngine.scheduled)."""
+    if busy is None:
+        return "nothing (it has just ended)"
+    if busy[1] != "step" or sched is None:
+        return "a command between steps (e.g. writing received KV into the cache)"
+    ids = list(sched.num_scheduled_tokens)
+    shown = ", ".join(rid[:40] for rid in ids[:8]) + (", ..." if len(ids) > 8 else "")
+    return (f"{len(ids)} requests, {sched.total_num_scheduled_tokens} tokens "
+            f"({len(sched.new_requests)} new); request ids: {shown}")

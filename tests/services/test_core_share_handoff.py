@@ -93,6 +93,39 @@ def test_an_ask_that_never_comes_costs_the_wait_and_credit_only(share_path, monk
         decode.close()
 
 
+def test_unanswered_waits_stop_and_an_out_of_credit_decoder_says_so(share_path, monkeypatch):
+    """Without a prefill peer on the host nothing is waited for; after EXPECT_ASK_MISSES
+    unanswered waits in a row the decoder stops waiting until its next pause (its prompts go
+    to prefill workers elsewhere); and a wait that spends its credit rewrites its slot, so a
+    prefill worker does not wait for a pause that will not come."""
+    monkeypatch.setattr(core_share, "EXPECT_ASK_S", 0.1)
+    decode = CoreShare(share_path, 1, borrow=True, cores=2, yield_burst_s=10.0)
+    prefill = None
+    try:
+        start = time.monotonic()
+        decode.step_threads(expect_ask=True)  # alone on the host: no wait
+        assert time.monotonic() - start < 0.05
+        prefill = Peer(share_path, prefill=True)
+        for _ in range(core_share.EXPECT_ASK_MISSES):
+            start = time.monotonic()
+            decode.step_threads(expect_ask=True)
+            assert time.monotonic() - start >= 0.09
+        start = time.monotonic()
+        decode.step_threads(expect_ask=True)
+        assert time.monotonic() - start < 0.05, "waited after three unanswered waits"
+        decode._unanswered = 0
+        decode._yield_credit, decode.yield_share = 0.01, 1e-6  # nothing refills it
+        decode.step_threads(expect_ask=True)
+        flags = struct.Struct("<qiiii")
+        with open(share_path, "rb") as share:
+            share.seek(decode.slot * flags.size)
+            assert not flags.unpack(share.read(flags.size))[4] & core_share._WILLING
+    finally:
+        if prefill is not None:
+            prefill.stop()
+        decode.close()
+
+
 def test_what_came_during_the_pauses_last_poll_runs_before_the_step(share_path):
     """The decoder's `meanwhile` (its engine loop's queued commands: received KV) runs once
     more after the prefill worker stops asking, so KV that arrived while the last poll slept
@@ -158,5 +191,15 @@ def test_a_prefill_loop_keeps_its_cores_until_its_steps_kv_has_left(tiny_llama_d
         asyncio.run(prefill("never-sent"))
         held = idle_within(5.0)
         assert held is not None and 0.2 <= held <= 2.0, held
+        # A new prompt during a hold is taken on the cores still held: no idle in between.
+        idled: list[float] = []
+        share_idle = loop.core_share.idle
+        loop.core_share.idle = lambda: (idled.append(time.monotonic()), share_idle())[1]
+        first = asyncio.run(prefill("held"))
+        second = asyncio.run(prefill("during-the-hold"))
+        assert not idled, "the cores were lent between the two prompts"
+        loop.handoffs.settled(first.kv)
+        loop.handoffs.settled(second.kv)
+        assert idle_within(2.0) is not None
     finally:
         loop.stop()
