@@ -19,14 +19,28 @@ from tests.gateway.gateway_processes import openai_client, start_worker
 MODEL = "smollm2-135m-instruct"
 
 
+def child_pids(pid: int) -> set[int]:
+    """The children of process `pid`, from every thread's list in /proc (a thread that ends
+    while they are read had none left: a CI run met one)."""
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children.update(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue
+    return children
+
+
 def listening_ports(pid: int) -> set[int]:
     """TCP ports that process `pid` and its children hold in LISTEN state (from /proc)."""
-    pids = {pid}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids.update(int(c) for c in (task / "children").read_text().split())
+    pids = {pid} | child_pids(pid)
     inodes = set()
     for p in pids:
-        for fd in Path(f"/proc/{p}/fd").iterdir():
+        try:
+            fds = list(Path(f"/proc/{p}/fd").iterdir())
+        except FileNotFoundError:
+            continue  # a child that has exited since
+        for fd in fds:
             try:
                 target = os.readlink(fd)
             except OSError:
@@ -157,8 +171,7 @@ def test_a_dead_endpoint_fails_the_workers_liveness(smollm2_dir):
         wait_serving(f"http://127.0.0.1:{port}")
         liveness = f"http://{worker.field('metrics')}/health"
         assert httpx.get(liveness, timeout=5).status_code == 200
-        (child,) = (int(c) for task in Path(f"/proc/{worker.process.pid}/task").iterdir()
-                    for c in (task / "children").read_text().split())
+        (child,) = child_pids(worker.process.pid)
         os.kill(child, signal.SIGKILL)  # the worker's own child, by its pid
         deadline = time.monotonic() + 10
         while httpx.get(liveness, timeout=5).status_code != 503:
