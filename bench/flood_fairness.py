@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ import httpx
 from bench.loadgen.client import Target, send
 from bench.loadgen.metrics import RequestRecord
 from bench.loadgen.workload import RequestSpec
+from bench.ttft_phases import spans_by_trace
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -159,11 +159,7 @@ PHASES = (
 def light_phases(trace: Path, since_ns: int) -> dict[str, list[float]]:
     """Milliseconds per phase of each of light's requests that reached the gateway after
     `since_ns` (wall clock): those whose prompt is the shortest in the trace."""
-    traces: dict[str, dict] = {}
-    for line in trace.read_text().splitlines():
-        span = json.loads(line)
-        traces.setdefault(span["trace_id"], {})[span["name"]] = span
-    requests = [spans for spans in traces.values() if "gateway.request" in spans
+    requests = [spans for spans in spans_by_trace(trace).values() if "gateway.request" in spans
                 and spans["gateway.request"]["start_ns"] >= since_ns]
     length = min((s["gateway.request"]["attributes"].get("splitserve.prompt_tokens", 0)
                   for s in requests), default=0)

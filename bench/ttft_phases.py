@@ -37,14 +37,20 @@ PHASES = (("gateway queue", "gateway.queue"), ("decode reservation", None),
           ("decode: first step", "decode.first_step"))
 
 
-def phases(trace_file: Path) -> dict[str, list[float]]:
-    """Milliseconds per phase, one value per request that has the phase's span(s). The
-    reservation: from the end of the gateway's queue (the request's start if it was never
-    queued) to the start of the decode worker's wait for KV, which begins once it reserved."""
+def spans_by_trace(trace_file: Path) -> dict[str, dict[str, dict]]:
+    """A trace file's spans (SPLITSERVE_TRACE_FILE's JSON lines): trace id -> span name -> span."""
     traces: dict[str, dict] = collections.defaultdict(dict)
     for line in trace_file.read_text().splitlines():
         span = json.loads(line)
         traces[span["trace_id"]][span["name"]] = span
+    return traces
+
+
+def phases(trace_file: Path) -> dict[str, list[float]]:
+    """Milliseconds per phase, one value per request that has the phase's span(s). The
+    reservation: from the end of the gateway's queue (the request's start if it was never
+    queued) to the start of the decode worker's wait for KV, which begins once it reserved."""
+    traces = spans_by_trace(trace_file)
     out: dict[str, list[float]] = {label: [] for label, _ in PHASES}
     for spans in traces.values():
         if "gateway.request" not in spans:
@@ -65,10 +71,7 @@ def prefill_waves(trace_file: Path, gap_ms: float = 10.0) -> list[tuple[int, flo
     arrival at the gateway of the first request that was prefilled: requests whose prefill forward began within
     `gap_ms` of the previous one's share a step. Shows a burst's waves: a first step that took
     only the earliest arrivals, or a wave that ran long (on one core, say)."""
-    traces: dict[str, dict] = collections.defaultdict(dict)
-    for line in trace_file.read_text().splitlines():
-        span = json.loads(line)
-        traces[span["trace_id"]][span["name"]] = span
+    traces = spans_by_trace(trace_file)
     rows = sorted((spans["prefill.forward"]["start_ns"], spans["prefill.forward"]["end_ns"],
                    spans["gateway.request"]["start_ns"]) for spans in traces.values()
                   if "prefill.forward" in spans and "gateway.request" in spans)

@@ -8,6 +8,8 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields
 
+from services.common.addresses import check_port
+
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB|KB|MB|GB|K|M|G)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -161,8 +163,6 @@ class GatewayConfig:
             raise ValueError("--log-format must be json or text")
         if self.stream_buffer_chunks < 1:
             raise ValueError("--stream-buffer-chunks must be >= 1")
-        from services.common.addresses import check_port
-
         check_port("--port", self.port)
         check_port("--grpc-port", self.grpc_port, off=True)
         if not -1 <= self.admin_port <= 65535 or self.admin_listen_port > 65535:

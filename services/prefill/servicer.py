@@ -143,13 +143,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_sent = out.num_prompt_tokens - request.decode_cached_tokens
             span.set_attribute("splitserve.kv_reused_tokens", request.decode_cached_tokens)
             try:
-                try:
-                    await self._send_when_queued(endpoint, rid, first, num_sent, out.kv,
-                                                 send_span)
-                except BaseException:
-                    self.engine_loop.handoffs.settled(out.kv)  # never queued: none to wait for
-                    raise
+                await self._send_when_queued(endpoint, rid, first, num_sent, out.kv, send_span)
+            except asyncio.CancelledError:
+                self.engine_loop.handoffs.settled(out.kv)  # never queued: none to wait for
+                raise
             except Exception as exc:
+                self.engine_loop.handoffs.settled(out.kv)
                 # Not even queued (no room in time, unusable endpoint): fail the call, so the
                 # caller retries elsewhere and drops the decode stream rather than wait for
                 # this KV. Limits reached are load, not ill health (the gateway's breaker).
